@@ -1,0 +1,201 @@
+//! vram-device: physical memory, shareable between processes, and the virtual ranges it is mapped into.
+//!
+//! A [`Device`] creates physical memory as [`Handle`]s (the smallest unit that can be granted, mapped
+//! or returned), exports a handle as a file descriptor that another process can import, reserves
+//! virtual address ranges ([`Reservation`]) and maps handles into them read-write or read-only.
+//! Backends: `host` (one memfd per handle; the default where no GPU is found, and real cross-process
+//! shared memory) and `cuda` (the driver's virtual-memory API, loaded at run time).
+//!
+//! All unsafe code of vramd's device layer lives in this crate, each block with a `// SAFETY:` comment.
+
+use std::os::fd::OwnedFd;
+
+use vram_core::Bytes;
+
+/// Which backend a device is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BackendKind {
+    Host,
+    Cuda,
+}
+
+/// What a device is and what it can hold.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    pub kind: BackendKind,
+    /// Stable name: a GPU's UUID (`GPU-xxxxxxxx-...`), or `host-<n>` for the host backend.
+    pub uuid: String,
+    /// Human-readable name, e.g. `NVIDIA H200` or `host memfd device`.
+    pub name: String,
+    /// Physical memory the device may create in all (configured for host, total memory for cuda).
+    pub capacity: Bytes,
+    /// Every handle size and every mapping offset is a multiple of this.
+    pub granularity: Bytes,
+}
+
+/// How a mapping may be accessed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    ReadWrite,
+    ReadOnly,
+}
+
+/// Errors of the device layer; each carries the numbers a user needs.
+#[derive(Debug, thiserror::Error)]
+pub enum DeviceError {
+    #[error("device is out of memory: asked for {asked}, {used} of {capacity} in use")]
+    OutOfMemory {
+        asked: Bytes,
+        used: Bytes,
+        capacity: Bytes,
+    },
+    #[error("{what} {value} is not a multiple of the device granularity {granularity}")]
+    Unaligned {
+        what: &'static str,
+        value: Bytes,
+        granularity: Bytes,
+    },
+    #[error("range {offset}+{len} lies outside the reservation of {size}")]
+    OutOfRange {
+        offset: Bytes,
+        len: Bytes,
+        size: Bytes,
+    },
+    #[error("handle of {handle} does not fit at {offset} in a reservation of {size}")]
+    HandleDoesNotFit {
+        handle: Bytes,
+        offset: Bytes,
+        size: Bytes,
+    },
+    #[error("imported fd is not a handle of {expected}: {reason}")]
+    BadImport { expected: Bytes, reason: String },
+    #[error("driver unavailable: {0}")]
+    DriverUnavailable(String),
+    #[error("{call} failed: {detail}")]
+    Driver { call: &'static str, detail: String },
+    #[error("{op}: {source}")]
+    Os {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
+
+/// The device layer's one interface. Object-safe, so the daemon and the client hold a `dyn Device`
+/// chosen at run time; adaptors (accounting, fault injection) wrap any implementation.
+pub trait Device: Send + Sync + std::fmt::Debug {
+    fn info(&self) -> &DeviceInfo;
+
+    /// Physical memory created through this device object and not yet released (imports excluded).
+    fn used(&self) -> Bytes;
+
+    /// Creates physical memory of `size` (a multiple of the granularity), exportable to other processes.
+    fn create(&self, size: Bytes) -> Result<Handle>;
+
+    /// A file descriptor that another process passes to [`Device::import`] to reach the same memory.
+    fn export(&self, handle: &Handle) -> Result<OwnedFd>;
+
+    /// Takes a file descriptor made by [`Device::export`] in any process. `size` is what the
+    /// exporter said; it is checked where the backend can.
+    fn import(&self, fd: OwnedFd, size: Bytes) -> Result<Handle>;
+
+    /// Reserves `size` bytes of virtual address space, inaccessible until something is mapped.
+    fn reserve(&self, size: Bytes) -> Result<Reservation>;
+
+    /// Maps all of `handle` at `offset` into `res` with the given access.
+    fn map(&self, res: &Reservation, offset: Bytes, handle: &Handle, access: Access) -> Result<()>;
+
+    /// Changes the access of `[offset, offset+len)`, which must be mapped.
+    fn set_access(
+        &self,
+        res: &Reservation,
+        offset: Bytes,
+        len: Bytes,
+        access: Access,
+    ) -> Result<()>;
+
+    /// Unmaps `[offset, offset+len)`; the range becomes inaccessible again but stays reserved.
+    fn unmap(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<()>;
+
+    /// Copies `data` into mapped memory at `res + offset`.
+    fn write(&self, res: &Reservation, offset: Bytes, data: &[u8]) -> Result<()>;
+
+    /// Copies mapped memory at `res + offset` into `out`.
+    fn read(&self, res: &Reservation, offset: Bytes, out: &mut [u8]) -> Result<()>;
+
+    /// Sets `len` bytes of mapped memory at `res + offset` to `byte`.
+    fn fill(&self, res: &Reservation, offset: Bytes, len: Bytes, byte: u8) -> Result<()>;
+}
+
+/// Physical device memory. Released when dropped (the memory itself lives on while any other
+/// process still holds an import or a mapping of it, as the OS and the driver guarantee).
+#[derive(Debug)]
+pub struct Handle {
+    size: Bytes,
+    raw: RawHandle,
+    /// Present for handles created (not imported) by a device object: gives their size back to its
+    /// usage count on drop.
+    usage: Option<std::sync::Arc<Usage>>,
+}
+
+/// The backend's own representation of a handle.
+#[derive(Debug)]
+pub enum RawHandle {
+    /// A memfd of exactly the handle's size.
+    Memfd(OwnedFd),
+}
+
+impl Handle {
+    pub fn size(&self) -> Bytes {
+        self.size
+    }
+    pub fn raw(&self) -> &RawHandle {
+        &self.raw
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        if let Some(u) = &self.usage {
+            u.sub(self.size);
+        }
+    }
+}
+
+/// Bytes created and not yet released through one device object.
+#[derive(Debug, Default)]
+pub struct Usage(std::sync::atomic::AtomicU64);
+
+impl Usage {
+    pub fn get(&self) -> Bytes {
+        Bytes(self.0.load(std::sync::atomic::Ordering::Acquire))
+    }
+    fn sub(&self, b: Bytes) {
+        self.0
+            .fetch_sub(b.get(), std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// A reserved range of virtual addresses. Everything still mapped in it is unmapped, and the range
+/// freed, when it is dropped.
+#[derive(Debug)]
+pub struct Reservation {
+    base: usize,
+    size: Bytes,
+    kind: BackendKind,
+}
+
+impl Reservation {
+    /// The first address of the range (a device pointer on cuda, a host pointer on host).
+    pub fn base(&self) -> usize {
+        self.base
+    }
+    pub fn size(&self) -> Bytes {
+        self.size
+    }
+    pub fn kind(&self) -> BackendKind {
+        self.kind
+    }
+}
