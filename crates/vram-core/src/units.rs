@@ -31,6 +31,9 @@ impl Bytes {
     pub fn saturating_sub(self, other: Bytes) -> Bytes {
         Bytes(self.0.saturating_sub(other.0))
     }
+    pub fn saturating_add(self, other: Bytes) -> Bytes {
+        Bytes(self.0.saturating_add(other.0))
+    }
     pub fn checked_add(self, other: Bytes) -> Option<Bytes> {
         self.0.checked_add(other.0).map(Bytes)
     }

@@ -1,0 +1,94 @@
+//! Typed refusals of the broker. Every message carries the numbers a user needs to act on it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::Bytes;
+
+/// Why a tenant could not connect.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum AdmissionError {
+    #[error("tenant name `{name}` is already connected (pid {pid})")]
+    NameInUse { name: String, pid: u32 },
+    #[error("unknown class `{class}`; configured classes: {known}")]
+    UnknownClass { class: String, known: String },
+    #[error("tenant `{name}` asks for a guarantee of {guarantee} above its limit of {limit}")]
+    GuaranteeAboveLimit {
+        name: String,
+        guarantee: Bytes,
+        limit: Bytes,
+    },
+    #[error(
+        "tenant `{name}` asks for a guarantee of {guarantee}, but only {free} of the device's {capacity} \
+         is free to guarantee ({guaranteed} is guaranteed to others, {borrowed} lent above guarantees)"
+    )]
+    GuaranteeUnavailable {
+        name: String,
+        guarantee: Bytes,
+        free: Bytes,
+        capacity: Bytes,
+        guaranteed: Bytes,
+        borrowed: Bytes,
+    },
+    #[error("invalid tenant name `{name}`: {reason}")]
+    BadName { name: String, reason: &'static str },
+}
+
+/// Why a request for memory was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error, Serialize, Deserialize)]
+pub enum GrantError {
+    #[error("unknown tenant id {0}")]
+    UnknownTenant(u64),
+    #[error("tenant `{tenant}` asked for {asked}; its limit is {limit} and it holds {held}")]
+    OverLimit {
+        tenant: String,
+        asked: Bytes,
+        limit: Bytes,
+        held: Bytes,
+    },
+    #[error(
+        "tenant `{tenant}` asked for {asked} above its guarantee of {guarantee} (it holds {held}); \
+         only {free} of the device's {capacity} is free to borrow"
+    )]
+    DeviceFull {
+        tenant: String,
+        asked: Bytes,
+        held: Bytes,
+        guarantee: Bytes,
+        free: Bytes,
+        capacity: Bytes,
+    },
+    #[error(
+        "tenant `{tenant}` (class `{class}`, priority {priority}) asked to borrow {asked} (it holds {held}, \
+         guarantee {guarantee}); the last {reserve} of free memory is kept for higher-priority tenants \
+         and only {free} is free"
+    )]
+    PriorityReserve {
+        tenant: String,
+        class: String,
+        priority: u32,
+        asked: Bytes,
+        held: Bytes,
+        guarantee: Bytes,
+        reserve: Bytes,
+        free: Bytes,
+    },
+    #[error("tenant `{tenant}` asked for {asked}, which is not a valid size: {reason}")]
+    BadSize {
+        tenant: String,
+        asked: Bytes,
+        reason: &'static str,
+    },
+}
+
+impl GrantError {
+    /// A short, stable name for metrics and reports (`over_limit`, `device_full`, ...).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            GrantError::UnknownTenant(_) => "unknown_tenant",
+            GrantError::OverLimit { .. } => "over_limit",
+            GrantError::DeviceFull { .. } => "device_full",
+            GrantError::PriorityReserve { .. } => "priority_reserve",
+            GrantError::BadSize { .. } => "bad_size",
+        }
+    }
+}

@@ -1,0 +1,460 @@
+//! The broker's state machine: who may connect, who may take how much, and whom to ask when memory
+//! is short. Pure accounting; the daemon does the I/O and calls in with what happened.
+//!
+//! Invariant kept by every method: `Σ over tenants of max(guarantee, held) ≤ capacity` (declared
+//! tenants that are not connected count with their guarantee). So a tenant below its guarantee
+//! always fits, nobody's borrowing ever eats into another's guarantee, and the total held never
+//! exceeds capacity.
+
+mod error;
+mod policy;
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+pub use error::{AdmissionError, GrantError};
+pub use policy::{Class, DeclaredTenant, Policy};
+
+use crate::Bytes;
+
+/// A connected tenant's id, unique for the daemon's lifetime.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct TenantId(pub u64);
+
+/// What a connecting process asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantRequest {
+    pub name: String,
+    /// `None`: the default class.
+    pub class: Option<String>,
+    /// `None`: the class's default.
+    pub guarantee: Option<Bytes>,
+    /// `None`: the class's default, else the whole device.
+    pub limit: Option<Bytes>,
+    pub pid: u32,
+    pub uid: u32,
+}
+
+/// One tenant's state, as the broker accounts it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Tenant {
+    pub name: String,
+    pub class: String,
+    pub priority: u32,
+    pub guarantee: Bytes,
+    pub limit: Bytes,
+    /// Memory granted and not yet returned.
+    pub held: Bytes,
+    /// What the tenant's allocator last reported as handed to the application.
+    pub in_use: Bytes,
+    /// What the tenant's allocator last reported as held but idle (could be returned at once).
+    pub cached: Bytes,
+    pub pid: u32,
+    pub uid: u32,
+    pub grants: u64,
+    pub returns: u64,
+    pub refusals: BTreeMap<String, u64>,
+}
+
+impl Tenant {
+    /// This tenant's share of the invariant: what it holds or is guaranteed, whichever is larger.
+    fn footprint(&self) -> Bytes {
+        self.guarantee.max(self.held)
+    }
+}
+
+/// A request to give back idle memory, chosen by [`Broker::reclaim_plan`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReclaimAsk {
+    pub tenant: TenantId,
+    pub bytes: Bytes,
+}
+
+/// A consistent picture of the broker, for status and metrics.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BrokerSnapshot {
+    pub capacity: Bytes,
+    pub held: Bytes,
+    /// Guarantees of connected tenants not yet taken up, and of declared tenants not connected.
+    pub reserved: Bytes,
+    /// What a tenant without a guarantee could borrow now.
+    pub free: Bytes,
+    pub tenants: Vec<(TenantId, Tenant)>,
+    pub offline_declared: Vec<String>,
+}
+
+/// The broker. See the module docs for its invariant.
+#[derive(Debug)]
+pub struct Broker {
+    policy: Policy,
+    tenants: BTreeMap<TenantId, Tenant>,
+    by_name: HashMap<String, TenantId>,
+    next_id: u64,
+}
+
+impl Broker {
+    /// A broker for `policy`. Fails if the declared tenants' guarantees do not fit the capacity or
+    /// name an unknown class.
+    pub fn new(policy: Policy) -> Result<Broker, AdmissionError> {
+        let mut total = Bytes::ZERO;
+        for (name, t) in &policy.tenants {
+            if !policy.classes.contains_key(&t.class) {
+                return Err(AdmissionError::UnknownClass {
+                    class: t.class.clone(),
+                    known: known_classes(&policy),
+                });
+            }
+            let limit = t.limit.unwrap_or(policy.capacity);
+            if t.guarantee > limit {
+                return Err(AdmissionError::GuaranteeAboveLimit {
+                    name: name.clone(),
+                    guarantee: t.guarantee,
+                    limit,
+                });
+            }
+            total += t.guarantee;
+            if total > policy.capacity {
+                return Err(AdmissionError::GuaranteeUnavailable {
+                    name: name.clone(),
+                    guarantee: t.guarantee,
+                    free: policy.capacity.saturating_sub(total - t.guarantee),
+                    capacity: policy.capacity,
+                    guaranteed: total - t.guarantee,
+                    borrowed: Bytes::ZERO,
+                });
+            }
+        }
+        Ok(Broker {
+            policy,
+            tenants: BTreeMap::new(),
+            by_name: HashMap::new(),
+            next_id: 1,
+        })
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub fn capacity(&self) -> Bytes {
+        self.policy.capacity
+    }
+
+    pub fn tenant(&self, id: TenantId) -> Option<&Tenant> {
+        self.tenants.get(&id)
+    }
+
+    pub fn tenants(&self) -> impl Iterator<Item = (TenantId, &Tenant)> {
+        self.tenants.iter().map(|(id, t)| (*id, t))
+    }
+
+    /// Total memory granted to tenants.
+    pub fn held(&self) -> Bytes {
+        self.tenants.values().map(|t| t.held).sum()
+    }
+
+    /// Guarantees of declared tenants that are not connected: reserved, held by nobody.
+    fn offline_guarantees(&self) -> Bytes {
+        self.policy
+            .tenants
+            .iter()
+            .filter(|(name, _)| !self.by_name.contains_key(*name))
+            .map(|(_, t)| t.guarantee)
+            .sum()
+    }
+
+    /// `Σ max(guarantee, held)` over everyone, connected or declared.
+    fn committed(&self) -> Bytes {
+        self.tenants.values().map(Tenant::footprint).sum::<Bytes>() + self.offline_guarantees()
+    }
+
+    /// Memory nobody holds or is guaranteed: what can be borrowed.
+    pub fn free(&self) -> Bytes {
+        self.policy.capacity.saturating_sub(self.committed())
+    }
+
+    /// Admits a tenant, or says why not.
+    pub fn connect(&mut self, req: TenantRequest) -> Result<TenantId, AdmissionError> {
+        validate_name(&req.name)?;
+        if let Some(id) = self.by_name.get(&req.name) {
+            return Err(AdmissionError::NameInUse {
+                name: req.name,
+                pid: self.tenants[id].pid,
+            });
+        }
+        let declared = self.policy.tenants.get(&req.name);
+        let class_name = match declared {
+            Some(d) => d.class.clone(),
+            None => req
+                .class
+                .clone()
+                .unwrap_or_else(|| Policy::DEFAULT_CLASS.to_string()),
+        };
+        let Some(class) = self.policy.classes.get(&class_name) else {
+            return Err(AdmissionError::UnknownClass {
+                class: class_name,
+                known: known_classes(&self.policy),
+            });
+        };
+        let capacity = self.policy.capacity;
+        let (guarantee, limit) = match declared {
+            // The operator's declaration wins; a process may only ask for a lower limit.
+            Some(d) => {
+                let limit = d.limit.unwrap_or(capacity);
+                let limit = req.limit.map_or(limit, |l| l.min(limit)).max(d.guarantee);
+                (d.guarantee, limit)
+            }
+            None => (
+                req.guarantee.unwrap_or(class.default_guarantee),
+                req.limit
+                    .or(class.default_limit)
+                    .unwrap_or(capacity)
+                    .min(capacity),
+            ),
+        };
+        if guarantee > limit {
+            return Err(AdmissionError::GuaranteeAboveLimit {
+                name: req.name,
+                guarantee,
+                limit,
+            });
+        }
+        // A declared tenant's guarantee is already counted in `committed`.
+        if declared.is_none() && guarantee > self.free() {
+            let guaranteed = self.tenants.values().map(|t| t.guarantee).sum::<Bytes>()
+                + self.offline_guarantees();
+            let borrowed = self
+                .tenants
+                .values()
+                .map(|t| t.held.saturating_sub(t.guarantee))
+                .sum();
+            return Err(AdmissionError::GuaranteeUnavailable {
+                name: req.name,
+                guarantee,
+                free: self.free(),
+                capacity,
+                guaranteed,
+                borrowed,
+            });
+        }
+        let id = TenantId(self.next_id);
+        self.next_id += 1;
+        let tenant = Tenant {
+            name: req.name.clone(),
+            class: class_name,
+            priority: class.priority,
+            guarantee,
+            limit,
+            held: Bytes::ZERO,
+            in_use: Bytes::ZERO,
+            cached: Bytes::ZERO,
+            pid: req.pid,
+            uid: req.uid,
+            grants: 0,
+            returns: 0,
+            refusals: BTreeMap::new(),
+        };
+        self.tenants.insert(id, tenant);
+        self.by_name.insert(req.name, id);
+        Ok(id)
+    }
+
+    /// Accounts `bytes` more to `id`, or says why not (and counts the refusal).
+    pub fn grant(&mut self, id: TenantId, bytes: Bytes) -> Result<(), GrantError> {
+        let result = self.check_grant(id, bytes);
+        let Some(t) = self.tenants.get_mut(&id) else {
+            return result;
+        };
+        match &result {
+            Ok(()) => {
+                t.held += bytes;
+                t.grants += 1;
+            }
+            Err(e) => *t.refusals.entry(e.reason().to_string()).or_default() += 1,
+        }
+        result
+    }
+
+    /// Whether [`Broker::grant`] would succeed now, without changing anything.
+    pub fn check_grant(&self, id: TenantId, bytes: Bytes) -> Result<(), GrantError> {
+        let t = self
+            .tenants
+            .get(&id)
+            .ok_or(GrantError::UnknownTenant(id.0))?;
+        if bytes == Bytes::ZERO {
+            return Err(GrantError::BadSize {
+                tenant: t.name.clone(),
+                asked: bytes,
+                reason: "zero bytes",
+            });
+        }
+        let new_held = t.held.checked_add(bytes).filter(|h| *h <= t.limit);
+        let Some(new_held) = new_held else {
+            return Err(GrantError::OverLimit {
+                tenant: t.name.clone(),
+                asked: bytes,
+                limit: t.limit,
+                held: t.held,
+            });
+        };
+        let extra = t.guarantee.max(new_held) - t.footprint();
+        if extra == Bytes::ZERO {
+            return Ok(());
+        }
+        let free = self.free();
+        if extra > free {
+            return Err(GrantError::DeviceFull {
+                tenant: t.name.clone(),
+                asked: bytes,
+                held: t.held,
+                guarantee: t.guarantee,
+                free,
+                capacity: self.policy.capacity,
+            });
+        }
+        let top = self.tenants.values().map(|u| u.priority).max().unwrap_or(0);
+        let reserve = self.policy.priority_reserve;
+        if t.priority < top && free - extra < reserve {
+            return Err(GrantError::PriorityReserve {
+                tenant: t.name.clone(),
+                class: t.class.clone(),
+                priority: t.priority,
+                asked: bytes,
+                held: t.held,
+                guarantee: t.guarantee,
+                reserve,
+                free,
+            });
+        }
+        Ok(())
+    }
+
+    /// Takes back `bytes` that `id` returned (or that could not be delivered to it).
+    /// Returns what was actually taken back: never more than the tenant holds.
+    pub fn release(&mut self, id: TenantId, bytes: Bytes) -> Bytes {
+        let Some(t) = self.tenants.get_mut(&id) else {
+            return Bytes::ZERO;
+        };
+        let taken = bytes.min(t.held);
+        t.held -= taken;
+        t.returns += 1;
+        taken
+    }
+
+    /// Records what a tenant's allocator says it uses and caches.
+    pub fn report_usage(&mut self, id: TenantId, in_use: Bytes, cached: Bytes) {
+        if let Some(t) = self.tenants.get_mut(&id) {
+            t.in_use = in_use.min(t.held);
+            t.cached = cached.min(t.held - t.in_use);
+        }
+    }
+
+    /// Removes a tenant (its process is gone); returns its state, with what it held.
+    pub fn disconnect(&mut self, id: TenantId) -> Option<Tenant> {
+        let t = self.tenants.remove(&id)?;
+        self.by_name.remove(&t.name);
+        Some(t)
+    }
+
+    /// Whom to ask for idle memory so that `id` could take `bytes`: tenants whose returned cache
+    /// would lower the committed total (held above guarantee), lowest priority first, then the
+    /// largest cache. Empty when nobody's cache would help or the request is over its limit anyway.
+    pub fn reclaim_plan(&self, id: TenantId, bytes: Bytes) -> Vec<ReclaimAsk> {
+        let Some(t) = self.tenants.get(&id) else {
+            return Vec::new();
+        };
+        if matches!(
+            self.check_grant(id, bytes),
+            Ok(()) | Err(GrantError::OverLimit { .. } | GrantError::BadSize { .. })
+        ) {
+            return Vec::new();
+        }
+        let new_held = t.held.saturating_add(bytes);
+        let extra = t.guarantee.max(new_held) - t.footprint();
+        let top = self.tenants.values().map(|u| u.priority).max().unwrap_or(0);
+        let need_free = if t.priority < top {
+            extra + self.policy.priority_reserve
+        } else {
+            extra
+        };
+        let mut short = need_free.saturating_sub(self.free());
+        let mut candidates: Vec<(TenantId, &Tenant, Bytes)> = self
+            .tenants
+            .iter()
+            .filter(|(other, _)| **other != id)
+            .map(|(other, u)| (*other, u, u.cached.min(u.held.saturating_sub(u.guarantee))))
+            .filter(|(_, _, useful)| *useful > Bytes::ZERO)
+            .collect();
+        candidates.sort_by_key(|(_, u, useful)| (u.priority, std::cmp::Reverse(*useful)));
+        let mut plan = Vec::new();
+        for (other, _, useful) in candidates {
+            if short == Bytes::ZERO {
+                break;
+            }
+            let ask = useful.min(short);
+            short -= ask;
+            plan.push(ReclaimAsk {
+                tenant: other,
+                bytes: ask,
+            });
+        }
+        plan
+    }
+
+    pub fn snapshot(&self) -> BrokerSnapshot {
+        let held = self.held();
+        BrokerSnapshot {
+            capacity: self.policy.capacity,
+            held,
+            reserved: self.committed().saturating_sub(held),
+            free: self.free(),
+            tenants: self
+                .tenants
+                .iter()
+                .map(|(id, t)| (*id, t.clone()))
+                .collect(),
+            offline_declared: self
+                .policy
+                .tenants
+                .keys()
+                .filter(|n| !self.by_name.contains_key(*n))
+                .cloned()
+                .collect(),
+        }
+    }
+}
+
+fn known_classes(policy: &Policy) -> String {
+    policy
+        .classes
+        .keys()
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn validate_name(name: &str) -> Result<(), AdmissionError> {
+    let bad = |reason| {
+        Err(AdmissionError::BadName {
+            name: name.to_string(),
+            reason,
+        })
+    };
+    if name.is_empty() {
+        return bad("empty");
+    }
+    if name.len() > 64 {
+        return bad("longer than 64 bytes");
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-_.@:".contains(&b))
+    {
+        return bad("only letters, digits and - _ . @ : are allowed");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

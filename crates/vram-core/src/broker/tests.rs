@@ -1,0 +1,247 @@
+use proptest::prelude::*;
+
+use super::*;
+
+fn req(name: &str, class: &str, guarantee: u64, limit: u64) -> TenantRequest {
+    TenantRequest {
+        name: name.to_string(),
+        class: Some(class.to_string()),
+        guarantee: Some(Bytes::gib(guarantee)),
+        limit: Some(Bytes::gib(limit)),
+        pid: 1,
+        uid: 0,
+    }
+}
+
+fn broker(capacity_gib: u64) -> Broker {
+    let mut p = Policy::with_capacity(Bytes::gib(capacity_gib));
+    p.priority_reserve = Bytes::ZERO;
+    Broker::new(p).unwrap()
+}
+
+#[test]
+fn guarantees_never_exceed_capacity() {
+    let mut b = broker(16);
+    b.connect(req("a", "high", 10, 16)).unwrap();
+    let err = b.connect(req("b", "normal", 8, 16)).unwrap_err();
+    assert!(
+        matches!(err, AdmissionError::GuaranteeUnavailable { free, .. } if free == Bytes::gib(6))
+    );
+    assert!(
+        err.to_string()
+            .contains("only 6 GiB of the device's 16 GiB"),
+        "{err}"
+    );
+    b.connect(req("b", "normal", 6, 16)).unwrap();
+}
+
+#[test]
+fn borrower_cannot_take_a_guarantee() {
+    let mut b = broker(16);
+    let t = b.connect(req("trainer", "high", 8, 16)).unwrap();
+    let x = b.connect(req("x", "low", 0, 16)).unwrap();
+    b.grant(x, Bytes::gib(8)).unwrap();
+    let err = b.grant(x, Bytes::gib(1)).unwrap_err();
+    assert_eq!(err.reason(), "device_full");
+    // The trainer is below its guarantee: never refused.
+    b.grant(t, Bytes::gib(8)).unwrap();
+    assert_eq!(b.free(), Bytes::ZERO);
+    assert_eq!(b.tenant(x).unwrap().refusals["device_full"], 1);
+}
+
+#[test]
+fn limit_is_enforced_with_numbers() {
+    let mut b = broker(64);
+    let t = b.connect(req("trainer", "normal", 0, 20)).unwrap();
+    b.grant(t, Bytes::gib(18)).unwrap();
+    let err = b.grant(t, Bytes::gib(4)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "tenant `trainer` asked for 4 GiB; its limit is 20 GiB and it holds 18 GiB"
+    );
+}
+
+#[test]
+fn name_in_use_and_unknown_class_are_refused() {
+    let mut b = broker(16);
+    b.connect(req("a", "normal", 0, 1)).unwrap();
+    assert!(matches!(
+        b.connect(req("a", "normal", 0, 1)),
+        Err(AdmissionError::NameInUse { .. })
+    ));
+    assert!(matches!(
+        b.connect(req("c", "platinum", 0, 1)),
+        Err(AdmissionError::UnknownClass { .. })
+    ));
+    assert!(matches!(
+        b.connect(req("bad name", "normal", 0, 1)),
+        Err(AdmissionError::BadName { .. })
+    ));
+}
+
+#[test]
+fn priority_reserve_refuses_low_priority_borrowers_first() {
+    let mut p = Policy::with_capacity(Bytes::gib(16));
+    p.priority_reserve = Bytes::gib(2);
+    let mut b = Broker::new(p).unwrap();
+    let hi = b.connect(req("hi", "high", 0, 16)).unwrap();
+    let lo = b.connect(req("lo", "low", 0, 16)).unwrap();
+    b.grant(lo, Bytes::gib(13)).unwrap();
+    assert_eq!(
+        b.grant(lo, Bytes::gib(2)).unwrap_err().reason(),
+        "priority_reserve"
+    );
+    b.grant(hi, Bytes::gib(3)).unwrap();
+}
+
+#[test]
+fn declared_tenants_reserve_their_guarantee_while_offline() {
+    let mut p = Policy::with_capacity(Bytes::gib(16));
+    p.tenants.insert(
+        "trainer".into(),
+        DeclaredTenant {
+            class: "high".into(),
+            guarantee: Bytes::gib(10),
+            limit: None,
+        },
+    );
+    let mut b = Broker::new(p).unwrap();
+    let x = b.connect(req("x", "low", 0, 16)).unwrap();
+    assert_eq!(b.free(), Bytes::gib(6));
+    assert!(b.grant(x, Bytes::gib(7)).is_err());
+    // The declaration wins over what the process asks for.
+    let t = b.connect(req("trainer", "low", 1, 16)).unwrap();
+    let tt = b.tenant(t).unwrap();
+    assert_eq!((tt.class.as_str(), tt.guarantee), ("high", Bytes::gib(10)));
+}
+
+#[test]
+fn reclaim_plan_asks_lowest_priority_cache_first() {
+    let mut b = broker(16);
+    let hi = b.connect(req("hi", "high", 0, 16)).unwrap();
+    let lo = b.connect(req("lo", "low", 0, 16)).unwrap();
+    let mid = b.connect(req("mid", "normal", 0, 16)).unwrap();
+    b.grant(lo, Bytes::gib(6)).unwrap();
+    b.grant(mid, Bytes::gib(6)).unwrap();
+    b.report_usage(lo, Bytes::gib(2), Bytes::gib(4));
+    b.report_usage(mid, Bytes::gib(1), Bytes::gib(5));
+    // 4 GiB is free; 4 GiB more must come back, from the lowest priority first.
+    let plan = b.reclaim_plan(hi, Bytes::gib(8));
+    assert_eq!(
+        plan,
+        vec![ReclaimAsk {
+            tenant: lo,
+            bytes: Bytes::gib(4)
+        }]
+    );
+    let plan = b.reclaim_plan(hi, Bytes::gib(11));
+    assert_eq!(
+        plan,
+        vec![
+            ReclaimAsk {
+                tenant: lo,
+                bytes: Bytes::gib(4)
+            },
+            ReclaimAsk {
+                tenant: mid,
+                bytes: Bytes::gib(3)
+            },
+        ]
+    );
+    // Nothing to ask when the request would be over the limit anyway.
+    assert!(b.reclaim_plan(hi, Bytes::gib(17)).is_empty());
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Connect {
+        class: u8,
+        guarantee: u64,
+        limit: u64,
+    },
+    Grant {
+        who: usize,
+        mib: u64,
+    },
+    Release {
+        who: usize,
+        mib: u64,
+    },
+    Report {
+        who: usize,
+        cached: u64,
+    },
+    Disconnect {
+        who: usize,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        (0u8..3, 0u64..6, 0u64..20).prop_map(|(class, guarantee, limit)| Op::Connect {
+            class,
+            guarantee,
+            limit
+        }),
+        (0usize..8, 1u64..8192).prop_map(|(who, mib)| Op::Grant { who, mib }),
+        (0usize..8, 1u64..8192).prop_map(|(who, mib)| Op::Release { who, mib }),
+        (0usize..8, 0u64..8192).prop_map(|(who, cached)| Op::Report { who, cached }),
+        (0usize..8).prop_map(|who| Op::Disconnect { who }),
+    ]
+}
+
+proptest! {
+    #[test]
+    fn invariants_hold_for_any_sequence(ops in prop::collection::vec(op(), 1..200)) {
+        let mut p = Policy::with_capacity(Bytes::gib(16));
+        p.priority_reserve = Bytes::mib(512);
+        let mut b = Broker::new(p).unwrap();
+        let mut live: Vec<TenantId> = Vec::new();
+        let mut n = 0;
+        for op in ops {
+            match op {
+                Op::Connect { class, guarantee, limit } => {
+                    n += 1;
+                    let class = ["high", "normal", "low"][class as usize];
+                    if let Ok(id) = b.connect(req(&format!("t{n}"), class, guarantee, limit)) {
+                        live.push(id);
+                    }
+                }
+                Op::Grant { who, mib } if !live.is_empty() => {
+                    let id = live[who % live.len()];
+                    let t = b.tenant(id).unwrap().clone();
+                    let asked = Bytes::mib(mib);
+                    let r = b.grant(id, asked);
+                    // A tenant staying within its guarantee is never refused.
+                    if t.held + asked <= t.guarantee {
+                        prop_assert!(r.is_ok(), "below guarantee refused: {:?}", r);
+                    }
+                }
+                Op::Release { who, mib } if !live.is_empty() => {
+                    let id = live[who % live.len()];
+                    b.release(id, Bytes::mib(mib));
+                }
+                Op::Report { who, cached } if !live.is_empty() => {
+                    let id = live[who % live.len()];
+                    b.report_usage(id, Bytes::ZERO, Bytes::mib(cached));
+                }
+                Op::Disconnect { who } if !live.is_empty() => {
+                    let id = live.remove(who % live.len());
+                    prop_assert!(b.disconnect(id).is_some());
+                }
+                _ => {}
+            }
+            for (_, t) in b.tenants() {
+                prop_assert!(t.held <= t.limit, "{} holds {} over limit {}", t.name, t.held, t.limit);
+                prop_assert!(t.guarantee <= t.limit);
+            }
+            prop_assert!(b.held() <= b.capacity());
+            prop_assert!(b.committed() <= b.capacity());
+        }
+        for id in live {
+            b.disconnect(id);
+        }
+        prop_assert_eq!(b.held(), Bytes::ZERO);
+        prop_assert_eq!(b.free(), b.capacity());
+    }
+}
