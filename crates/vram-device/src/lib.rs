@@ -3,14 +3,28 @@
 //! A [`Device`] creates physical memory as [`Handle`]s (the smallest unit that can be granted, mapped
 //! or returned), exports a handle as a file descriptor that another process can import, reserves
 //! virtual address ranges ([`Reservation`]) and maps handles into them read-write or read-only.
-//! Backends: `host` (one memfd per handle; the default where no GPU is found, and real cross-process
-//! shared memory) and `cuda` (the driver's virtual-memory API, loaded at run time).
+//! Backends: [`host`] (one memfd per handle; the default where no GPU is found, and real
+//! cross-process shared memory) and `cuda` (the driver's virtual-memory API, loaded at run time).
+//!
+//! Both backends follow the same rules, checked before anything reaches the OS or the driver, so a
+//! bad call is an error, never a fault: sizes and mapping offsets are multiples of the granularity;
+//! a range lies inside its reservation; a handle is mapped whole, never over another mapping;
+//! `set_access` and `unmap` act on whole mappings; copies reach only mapped memory, and writes only
+//! memory mapped read-write.
 //!
 //! All unsafe code of vramd's device layer lives in this crate, each block with a `// SAFETY:` comment.
 
 use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use vram_core::Bytes;
+
+pub mod host;
+mod mappings;
+
+pub use host::HostDevice;
+use mappings::Mappings;
 
 /// Which backend a device is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +56,7 @@ pub enum Access {
 
 /// Errors of the device layer; each carries the numbers a user needs.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum DeviceError {
     #[error("device is out of memory: asked for {asked}, {used} of {capacity} in use")]
     OutOfMemory {
@@ -55,6 +70,8 @@ pub enum DeviceError {
         value: Bytes,
         granularity: Bytes,
     },
+    #[error("{what} must not be zero")]
+    Empty { what: &'static str },
     #[error("range {offset}+{len} lies outside the reservation of {size}")]
     OutOfRange {
         offset: Bytes,
@@ -66,6 +83,38 @@ pub enum DeviceError {
         handle: Bytes,
         offset: Bytes,
         size: Bytes,
+    },
+    #[error("range {offset}+{len} overlaps the mapping at {mapped_offset}+{mapped_len}")]
+    AlreadyMapped {
+        offset: Bytes,
+        len: Bytes,
+        mapped_offset: Bytes,
+        mapped_len: Bytes,
+    },
+    #[error("range {offset}+{len} is not mapped at {gap}")]
+    NotMapped {
+        offset: Bytes,
+        len: Bytes,
+        gap: Bytes,
+    },
+    #[error("range {offset}+{len} cuts the mapping at {mapped_offset}+{mapped_len}; act on whole mappings")]
+    SplitsMapping {
+        offset: Bytes,
+        len: Bytes,
+        mapped_offset: Bytes,
+        mapped_len: Bytes,
+    },
+    #[error("range {offset}+{len} is mapped read-only at {mapped_offset}")]
+    ReadOnly {
+        offset: Bytes,
+        len: Bytes,
+        mapped_offset: Bytes,
+    },
+    #[error("a {found:?} {what} was given to a {expected:?} device")]
+    WrongBackend {
+        what: &'static str,
+        expected: BackendKind,
+        found: BackendKind,
     },
     #[error("imported fd is not a handle of {expected}: {reason}")]
     BadImport { expected: Bytes, reason: String },
@@ -79,6 +128,15 @@ pub enum DeviceError {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl DeviceError {
+    fn os(op: &'static str, e: rustix::io::Errno) -> Self {
+        DeviceError::Os {
+            op,
+            source: e.into(),
+        }
+    }
 }
 
 pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
@@ -137,22 +195,39 @@ pub struct Handle {
     raw: RawHandle,
     /// Present for handles created (not imported) by a device object: gives their size back to its
     /// usage count on drop.
-    usage: Option<std::sync::Arc<Usage>>,
+    usage: Option<Arc<Usage>>,
 }
 
-/// The backend's own representation of a handle.
+/// The backend's own representation of a handle; each variant releases itself on drop.
 #[derive(Debug)]
-pub enum RawHandle {
-    /// A memfd of exactly the handle's size.
+enum RawHandle {
+    /// A memfd of exactly the handle's size, sealed against shrinking and growing.
     Memfd(OwnedFd),
+}
+
+impl RawHandle {
+    fn kind(&self) -> BackendKind {
+        match self {
+            RawHandle::Memfd(_) => BackendKind::Host,
+        }
+    }
 }
 
 impl Handle {
     pub fn size(&self) -> Bytes {
         self.size
     }
-    pub fn raw(&self) -> &RawHandle {
-        &self.raw
+
+    pub fn kind(&self) -> BackendKind {
+        self.raw.kind()
+    }
+
+    fn imported(size: Bytes, raw: RawHandle) -> Handle {
+        Handle {
+            size,
+            raw,
+            usage: None,
+        }
     }
 }
 
@@ -166,15 +241,46 @@ impl Drop for Handle {
 
 /// Bytes created and not yet released through one device object.
 #[derive(Debug, Default)]
-pub struct Usage(std::sync::atomic::AtomicU64);
+pub struct Usage(AtomicU64);
 
 impl Usage {
     pub fn get(&self) -> Bytes {
-        Bytes(self.0.load(std::sync::atomic::Ordering::Acquire))
+        Bytes(self.0.load(Ordering::Acquire))
     }
-    fn sub(&self, b: Bytes) {
+
+    /// Charges `size` against `capacity`, then runs `make`; the handle it makes gives the charge
+    /// back on drop, and a failed `make` gives it back at once.
+    fn charge(
+        self: &Arc<Self>,
+        size: Bytes,
+        capacity: Bytes,
+        make: impl FnOnce() -> Result<RawHandle>,
+    ) -> Result<Handle> {
         self.0
-            .fetch_sub(b.get(), std::sync::atomic::Ordering::AcqRel);
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(size.get())
+                    .filter(|&total| total <= capacity.get())
+            })
+            .map_err(|used| DeviceError::OutOfMemory {
+                asked: size,
+                used: Bytes(used),
+                capacity,
+            })?;
+        match make() {
+            Ok(raw) => Ok(Handle {
+                size,
+                raw,
+                usage: Some(Arc::clone(self)),
+            }),
+            Err(e) => {
+                self.sub(size);
+                Err(e)
+            }
+        }
+    }
+
+    fn sub(&self, b: Bytes) {
+        self.0.fetch_sub(b.get(), Ordering::AcqRel);
     }
 }
 
@@ -184,7 +290,15 @@ impl Usage {
 pub struct Reservation {
     base: usize,
     size: Bytes,
-    kind: BackendKind,
+    /// What is mapped where. Copies hold the read lock so that nothing is unmapped under them.
+    mappings: RwLock<Mappings>,
+    backing: Backing,
+}
+
+/// How a reservation gives its range back.
+#[derive(Debug)]
+enum Backing {
+    Host,
 }
 
 impl Reservation {
@@ -192,10 +306,79 @@ impl Reservation {
     pub fn base(&self) -> usize {
         self.base
     }
+
     pub fn size(&self) -> Bytes {
         self.size
     }
+
     pub fn kind(&self) -> BackendKind {
-        self.kind
+        match self.backing {
+            Backing::Host => BackendKind::Host,
+        }
     }
+
+    fn mappings(&self) -> RwLockReadGuard<'_, Mappings> {
+        // A panic while the lock was held cannot leave the table half-changed: every change is one
+        // insert or remove after the OS call succeeded.
+        self.mappings.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn mappings_mut(&self) -> RwLockWriteGuard<'_, Mappings> {
+        self.mappings.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Checks that `[offset, offset+len)` lies inside the reservation.
+    fn check_range(&self, offset: Bytes, len: Bytes) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.size => Ok(()),
+            _ => Err(DeviceError::OutOfRange {
+                offset,
+                len,
+                size: self.size,
+            }),
+        }
+    }
+
+    /// The address of `offset`, which [`Reservation::check_range`] has accepted.
+    fn addr(&self, offset: Bytes) -> usize {
+        self.base + offset.get() as usize
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        match &self.backing {
+            Backing::Host => host::release_reservation(self.base, self.size),
+        }
+    }
+}
+
+/// Checks that `value` is a non-zero multiple of `granularity`.
+fn check_size(what: &'static str, value: Bytes, granularity: Bytes) -> Result<()> {
+    if value == Bytes::ZERO {
+        return Err(DeviceError::Empty { what });
+    }
+    check_aligned(what, value, granularity)
+}
+
+fn check_aligned(what: &'static str, value: Bytes, granularity: Bytes) -> Result<()> {
+    if value.get().checked_rem(granularity.get()) != Some(0) {
+        return Err(DeviceError::Unaligned {
+            what,
+            value,
+            granularity,
+        });
+    }
+    Ok(())
+}
+
+fn check_kind(what: &'static str, expected: BackendKind, found: BackendKind) -> Result<()> {
+    if expected != found {
+        return Err(DeviceError::WrongBackend {
+            what,
+            expected,
+            found,
+        });
+    }
+    Ok(())
 }

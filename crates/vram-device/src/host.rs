@@ -1,0 +1,479 @@
+//! The host backend: one memfd per handle, mapped with `mmap` into `PROT_NONE` reservations.
+//!
+//! Real shared memory between processes, and sparse: a memfd costs only the pages that were
+//! touched, so a "device" of 141 GB runs on a laptop. Each memfd is sealed against shrinking and
+//! growing at creation, and an import checks both the seal and the size, so a process that maps an
+//! imported handle cannot be made to fault (SIGBUS) by a file shorter than it was told.
+//!
+//! Read-only here is `PROT_READ`: it protects against mistakes, not against a process that calls
+//! `mprotect` on its own mapping (on a GPU, a process may likewise change its own access).
+
+use std::ffi::c_void;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::{Arc, RwLock};
+
+use rustix::fs::{FileType, MemfdFlags, SealFlags};
+use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
+use vram_core::Bytes;
+
+use crate::{
+    check_aligned, check_kind, check_size, Access, BackendKind, Backing, Device, DeviceError,
+    DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
+};
+
+/// Handle size and mapping unit when none is configured: the same as a GPU's.
+pub const DEFAULT_GRANULARITY: Bytes = Bytes::mib(2);
+
+/// Seals every handle's memfd carries: its size is fixed for good.
+const SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
+
+/// A device whose memory is memfds. See the module documentation.
+#[derive(Debug)]
+pub struct HostDevice {
+    info: DeviceInfo,
+    usage: Arc<Usage>,
+}
+
+impl HostDevice {
+    /// A device that may create up to `capacity` in handles that are multiples of `granularity`
+    /// (a multiple of the page size; [`DEFAULT_GRANULARITY`] unless there is a reason).
+    pub fn new(capacity: Bytes, granularity: Bytes) -> Result<Self> {
+        check_size(
+            "granularity",
+            granularity,
+            Bytes(rustix::param::page_size() as u64),
+        )?;
+        Ok(HostDevice {
+            info: DeviceInfo {
+                kind: BackendKind::Host,
+                uuid: "host-0".to_owned(),
+                name: "host memfd device".to_owned(),
+                capacity,
+                granularity,
+            },
+            usage: Arc::default(),
+        })
+    }
+
+    /// A device for a process that only imports what another process created: no capacity of
+    /// its own. `granularity` must be the creating device's.
+    pub fn for_client(granularity: Bytes) -> Result<Self> {
+        HostDevice::new(Bytes::ZERO, granularity)
+    }
+
+    fn granularity(&self) -> Bytes {
+        self.info.granularity
+    }
+
+    fn memfd<'h>(&self, handle: &'h Handle) -> Result<&'h OwnedFd> {
+        match &handle.raw {
+            RawHandle::Memfd(fd) => Ok(fd),
+            #[allow(unreachable_patterns)]
+            other => Err(DeviceError::WrongBackend {
+                what: "handle",
+                expected: BackendKind::Host,
+                found: other.kind(),
+            }),
+        }
+    }
+
+    /// Checks that `res` is a host reservation and `[offset, offset+len)` a granularity-aligned
+    /// range inside it.
+    fn check_aligned_range(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<()> {
+        check_kind("reservation", BackendKind::Host, res.kind())?;
+        check_aligned("offset", offset, self.granularity())?;
+        check_size("length", len, self.granularity())?;
+        res.check_range(offset, len)
+    }
+
+    /// Checks a copy of `len` bytes at `offset` and returns its address.
+    fn check_copy(&self, res: &Reservation, offset: Bytes, len: usize) -> Result<usize> {
+        check_kind("reservation", BackendKind::Host, res.kind())?;
+        res.check_range(offset, Bytes(len as u64))?;
+        Ok(res.addr(offset))
+    }
+}
+
+fn prot(access: Access) -> ProtFlags {
+    match access {
+        Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
+        Access::ReadOnly => ProtFlags::READ,
+    }
+}
+
+impl Device for HostDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn used(&self) -> Bytes {
+        self.usage.get()
+    }
+
+    fn create(&self, size: Bytes) -> Result<Handle> {
+        check_size("handle size", size, self.granularity())?;
+        self.usage.charge(size, self.info.capacity, || {
+            let fd = rustix::fs::memfd_create(
+                "vramd-handle",
+                MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+            )
+            .map_err(|e| DeviceError::os("memfd_create", e))?;
+            rustix::fs::ftruncate(&fd, size.get()).map_err(|e| DeviceError::os("ftruncate", e))?;
+            rustix::fs::fcntl_add_seals(&fd, SEALS)
+                .map_err(|e| DeviceError::os("fcntl(F_ADD_SEALS)", e))?;
+            Ok(RawHandle::Memfd(fd))
+        })
+    }
+
+    fn export(&self, handle: &Handle) -> Result<OwnedFd> {
+        rustix::io::fcntl_dupfd_cloexec(self.memfd(handle)?, 0)
+            .map_err(|e| DeviceError::os("fcntl(F_DUPFD_CLOEXEC)", e))
+    }
+
+    fn import(&self, fd: OwnedFd, size: Bytes) -> Result<Handle> {
+        check_size("handle size", size, self.granularity())?;
+        let bad = |reason: String| DeviceError::BadImport {
+            expected: size,
+            reason,
+        };
+        let stat = rustix::fs::fstat(&fd).map_err(|e| bad(format!("fstat: {e}")))?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+            return Err(bad("not a regular file".to_owned()));
+        }
+        let seals =
+            rustix::fs::fcntl_get_seals(&fd).map_err(|e| bad(format!("not a memfd: {e}")))?;
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err(bad("memfd is not sealed against shrinking".to_owned()));
+        }
+        let actual = Bytes(stat.st_size as u64);
+        if actual != size {
+            return Err(bad(format!("its size is {actual}")));
+        }
+        Ok(Handle::imported(size, RawHandle::Memfd(fd)))
+    }
+
+    fn reserve(&self, size: Bytes) -> Result<Reservation> {
+        check_size("reservation size", size, self.granularity())?;
+        // SAFETY: a null hint without MAP_FIXED lets the kernel pick unused addresses; nothing
+        // existing is touched.
+        let base = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                size.get() as usize,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| DeviceError::os("mmap(PROT_NONE)", e))?;
+        Ok(Reservation {
+            base: base as usize,
+            size,
+            mappings: RwLock::default(),
+            backing: Backing::Host,
+        })
+    }
+
+    fn map(&self, res: &Reservation, offset: Bytes, handle: &Handle, access: Access) -> Result<()> {
+        let fd = self.memfd(handle)?;
+        check_kind("reservation", BackendKind::Host, res.kind())?;
+        check_aligned("offset", offset, self.granularity())?;
+        if res.check_range(offset, handle.size).is_err() {
+            return Err(DeviceError::HandleDoesNotFit {
+                handle: handle.size,
+                offset,
+                size: res.size,
+            });
+        }
+        let mut mappings = res.mappings_mut();
+        mappings.check_free(offset.get(), handle.size.get())?;
+        // SAFETY: the range lies inside `res`, which this process reserved and still owns, and no
+        // mapping is there (checked above under the write lock, which also keeps copies out), so
+        // MAP_FIXED replaces only our own PROT_NONE placeholder. The memfd is sealed at exactly
+        // `handle.size` bytes, so every mapped page is backed.
+        unsafe {
+            rustix::mm::mmap(
+                res.addr(offset) as *mut c_void,
+                handle.size.get() as usize,
+                prot(access),
+                MapFlags::SHARED | MapFlags::FIXED,
+                fd.as_fd(),
+                0,
+            )
+        }
+        .map_err(|e| DeviceError::os("mmap(MAP_FIXED | MAP_SHARED)", e))?;
+        mappings.insert(offset.get(), handle.size.get(), access)
+    }
+
+    fn set_access(
+        &self,
+        res: &Reservation,
+        offset: Bytes,
+        len: Bytes,
+        access: Access,
+    ) -> Result<()> {
+        self.check_aligned_range(res, offset, len)?;
+        let mut mappings = res.mappings_mut();
+        let changed = mappings.whole(offset.get(), len.get(), true)?;
+        let flags = match access {
+            Access::ReadWrite => MprotectFlags::READ | MprotectFlags::WRITE,
+            Access::ReadOnly => MprotectFlags::READ,
+        };
+        // SAFETY: the range lies inside `res` and is entirely mapped by this device (checked
+        // above); the write lock keeps copies out while the protection changes.
+        unsafe { rustix::mm::mprotect(res.addr(offset) as *mut c_void, len.get() as usize, flags) }
+            .map_err(|e| DeviceError::os("mprotect", e))?;
+        mappings.set_access(&changed, access);
+        Ok(())
+    }
+
+    fn unmap(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<()> {
+        self.check_aligned_range(res, offset, len)?;
+        let mut mappings = res.mappings_mut();
+        let removed = mappings.whole(offset.get(), len.get(), false)?;
+        // SAFETY: the range lies inside `res`, which this process owns; MAP_FIXED puts a fresh
+        // PROT_NONE placeholder over it, so it stays reserved. The write lock keeps copies out.
+        unsafe {
+            rustix::mm::mmap_anonymous(
+                res.addr(offset) as *mut c_void,
+                len.get() as usize,
+                ProtFlags::empty(),
+                MapFlags::PRIVATE | MapFlags::FIXED | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|e| DeviceError::os("mmap(MAP_FIXED, PROT_NONE)", e))?;
+        mappings.remove(&removed);
+        Ok(())
+    }
+
+    fn write(&self, res: &Reservation, offset: Bytes, data: &[u8]) -> Result<()> {
+        let addr = self.check_copy(res, offset, data.len())?;
+        let mappings = res.mappings();
+        mappings.check_covered(offset.get(), data.len() as u64, true)?;
+        // SAFETY: the destination lies inside `res` and is mapped read-write (checked above), and
+        // the read lock keeps it mapped during the copy. It is shared memory that other processes
+        // may change at the same time; that is the caller's protocol, and bytes cannot be invalid.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+        Ok(())
+    }
+
+    fn read(&self, res: &Reservation, offset: Bytes, out: &mut [u8]) -> Result<()> {
+        let addr = self.check_copy(res, offset, out.len())?;
+        let mappings = res.mappings();
+        mappings.check_covered(offset.get(), out.len() as u64, false)?;
+        // SAFETY: the source lies inside `res` and is mapped (checked above); the read lock keeps
+        // it mapped during the copy, and `out` is a distinct Rust buffer of the same length.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    fn fill(&self, res: &Reservation, offset: Bytes, len: Bytes, byte: u8) -> Result<()> {
+        let addr = self.check_copy(res, offset, len.get() as usize)?;
+        let mappings = res.mappings();
+        mappings.check_covered(offset.get(), len.get(), true)?;
+        // SAFETY: as in `write`: inside `res`, mapped read-write, kept mapped by the read lock.
+        unsafe { std::ptr::write_bytes(addr as *mut u8, byte, len.get() as usize) };
+        Ok(())
+    }
+}
+
+/// Gives a host reservation's whole range back to the OS, with everything mapped in it.
+pub(crate) fn release_reservation(base: usize, size: Bytes) {
+    // SAFETY: `base..base+size` is a range this process reserved with mmap and that the dropped
+    // `Reservation` owned alone; nothing of this crate refers to it any more.
+    if let Err(e) = unsafe { rustix::mm::munmap(base as *mut c_void, size.get() as usize) } {
+        tracing::error!(base, %size, error = %e, "munmap of a reservation failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: Bytes = DEFAULT_GRANULARITY;
+
+    fn device(capacity: Bytes) -> HostDevice {
+        HostDevice::new(capacity, G).unwrap()
+    }
+
+    fn mapped(dev: &HostDevice, size: Bytes, access: Access) -> (Handle, Reservation) {
+        let h = dev.create(size).unwrap();
+        let r = dev.reserve(size).unwrap();
+        dev.map(&r, Bytes::ZERO, &h, access).unwrap();
+        (h, r)
+    }
+
+    #[test]
+    fn create_map_write_read() {
+        let dev = device(Bytes::gib(1));
+        let (_h, r) = mapped(&dev, Bytes::mib(4), Access::ReadWrite);
+        let data: Vec<u8> = (0..=255).cycle().take(5000).collect();
+        dev.write(&r, Bytes(G.get() - 100), &data).unwrap();
+        let mut out = vec![0; data.len()];
+        dev.read(&r, Bytes(G.get() - 100), &mut out).unwrap();
+        assert_eq!(out, data);
+        dev.fill(&r, Bytes(10), Bytes(3), 0xAB).unwrap();
+        let mut out = [0; 5];
+        dev.read(&r, Bytes(9), &mut out).unwrap();
+        assert_eq!(out, [0, 0xAB, 0xAB, 0xAB, 0]);
+    }
+
+    #[test]
+    fn two_mappings_of_one_handle_share_bytes() {
+        let dev = device(Bytes::gib(1));
+        let (h, a) = mapped(&dev, G, Access::ReadWrite);
+        let imported = dev.import(dev.export(&h).unwrap(), G).unwrap();
+        drop(h);
+        let b = dev.reserve(Bytes(2 * G.get())).unwrap();
+        dev.map(&b, G, &imported, Access::ReadOnly).unwrap();
+        drop(imported);
+        dev.write(&a, Bytes(7), b"shared").unwrap();
+        let mut out = [0; 6];
+        dev.read(&b, Bytes(G.get() + 7), &mut out).unwrap();
+        assert_eq!(&out, b"shared");
+    }
+
+    #[test]
+    fn read_only_mapping_refuses_writes() {
+        let dev = device(Bytes::gib(1));
+        let (_h, r) = mapped(&dev, G, Access::ReadOnly);
+        assert!(matches!(
+            dev.write(&r, Bytes::ZERO, b"x"),
+            Err(DeviceError::ReadOnly { .. })
+        ));
+        assert!(matches!(
+            dev.fill(&r, Bytes::ZERO, Bytes(1), 1),
+            Err(DeviceError::ReadOnly { .. })
+        ));
+        let mut out = [1; 4];
+        dev.read(&r, Bytes::ZERO, &mut out).unwrap();
+        assert_eq!(out, [0; 4]);
+        dev.set_access(&r, Bytes::ZERO, G, Access::ReadWrite)
+            .unwrap();
+        dev.write(&r, Bytes::ZERO, b"x").unwrap();
+    }
+
+    #[test]
+    fn capacity_is_enforced_and_released_on_drop() {
+        let dev = device(Bytes::mib(6));
+        let a = dev.create(Bytes::mib(4)).unwrap();
+        let err = dev.create(Bytes::mib(4)).unwrap_err();
+        assert!(matches!(
+            err,
+            DeviceError::OutOfMemory { asked, used, capacity }
+                if asked == Bytes::mib(4) && used == Bytes::mib(4) && capacity == Bytes::mib(6)
+        ));
+        assert_eq!(
+            err.to_string(),
+            "device is out of memory: asked for 4 MiB, 4 MiB of 6 MiB in use"
+        );
+        let imported = dev.import(dev.export(&a).unwrap(), Bytes::mib(4)).unwrap();
+        assert_eq!(dev.used(), Bytes::mib(4));
+        drop(a);
+        assert_eq!(dev.used(), Bytes::ZERO, "imports are not counted");
+        let _b = dev.create(Bytes::mib(6)).unwrap();
+        drop(imported);
+        assert_eq!(dev.used(), Bytes::mib(6));
+    }
+
+    #[test]
+    fn a_64_gib_handle_is_sparse() {
+        let dev = device(Bytes(Bytes::TIB));
+        let (_h, r) = mapped(&dev, Bytes::gib(64), Access::ReadWrite);
+        let last = Bytes(Bytes::gib(64).get() - 8);
+        dev.write(&r, last, b"the end!").unwrap();
+        let mut out = [0; 8];
+        dev.read(&r, last, &mut out).unwrap();
+        assert_eq!(&out, b"the end!");
+        assert_eq!(dev.used(), Bytes::gib(64));
+    }
+
+    #[test]
+    fn import_checks_size_and_seals() {
+        let dev = device(Bytes::gib(1));
+        let h = dev.create(Bytes::mib(4)).unwrap();
+        let err = dev
+            .import(dev.export(&h).unwrap(), Bytes::mib(8))
+            .unwrap_err();
+        assert!(err.to_string().contains("its size is 4 MiB"), "{err}");
+
+        let file = tempfile::tempfile().unwrap();
+        file.set_len(G.get()).unwrap();
+        let err = dev.import(file.into(), G).unwrap_err();
+        assert!(matches!(err, DeviceError::BadImport { .. }), "{err}");
+
+        let (socket, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+        let err = dev.import(socket.into(), G).unwrap_err();
+        assert!(err.to_string().contains("not a regular file"), "{err}");
+    }
+
+    #[test]
+    fn bad_ranges_are_errors() {
+        let dev = device(Bytes::gib(1));
+        let h = dev.create(Bytes(2 * G.get())).unwrap();
+        let r = dev.reserve(Bytes(4 * G.get())).unwrap();
+        assert!(matches!(
+            dev.create(Bytes(G.get() + 4096)),
+            Err(DeviceError::Unaligned { .. })
+        ));
+        assert!(matches!(
+            dev.create(Bytes::ZERO),
+            Err(DeviceError::Empty { .. })
+        ));
+        assert!(matches!(
+            dev.map(&r, Bytes(4096), &h, Access::ReadWrite),
+            Err(DeviceError::Unaligned { .. })
+        ));
+        assert!(matches!(
+            dev.map(&r, Bytes(3 * G.get()), &h, Access::ReadWrite),
+            Err(DeviceError::HandleDoesNotFit { .. })
+        ));
+        assert!(matches!(
+            dev.map(&r, Bytes(u64::MAX - G.get() + 1), &h, Access::ReadWrite),
+            Err(DeviceError::HandleDoesNotFit { .. })
+        ));
+        dev.map(&r, G, &h, Access::ReadWrite).unwrap();
+        assert!(matches!(
+            dev.map(&r, Bytes::ZERO, &h, Access::ReadWrite),
+            Err(DeviceError::AlreadyMapped { .. })
+        ));
+        assert!(matches!(
+            dev.unmap(&r, G, G),
+            Err(DeviceError::SplitsMapping { .. })
+        ));
+        assert!(matches!(
+            dev.set_access(&r, Bytes::ZERO, Bytes(3 * G.get()), Access::ReadOnly),
+            Err(DeviceError::NotMapped { .. })
+        ));
+        assert!(matches!(
+            dev.write(&r, Bytes(G.get() - 1), b"ab"),
+            Err(DeviceError::NotMapped { .. })
+        ));
+        assert!(matches!(
+            dev.read(&r, Bytes(4 * G.get() - 1), &mut [0; 2]),
+            Err(DeviceError::OutOfRange { .. })
+        ));
+
+        dev.unmap(&r, Bytes::ZERO, Bytes(4 * G.get())).unwrap();
+        assert!(matches!(
+            dev.read(&r, G, &mut [0; 1]),
+            Err(DeviceError::NotMapped { .. })
+        ));
+        dev.map(&r, Bytes(2 * G.get()), &h, Access::ReadWrite)
+            .unwrap();
+        dev.fill(&r, Bytes(2 * G.get()), Bytes(2 * G.get()), 9)
+            .unwrap();
+    }
+
+    #[test]
+    fn granularity_must_be_whole_pages() {
+        assert!(HostDevice::new(Bytes::gib(1), Bytes(1000)).is_err());
+        assert!(HostDevice::new(Bytes::gib(1), Bytes::ZERO).is_err());
+        let client = HostDevice::for_client(G).unwrap();
+        assert!(matches!(
+            client.create(G),
+            Err(DeviceError::OutOfMemory { .. })
+        ));
+    }
+}
