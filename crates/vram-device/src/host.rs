@@ -70,7 +70,6 @@ impl HostDevice {
     fn memfd<'h>(&self, handle: &'h Handle) -> Result<&'h OwnedFd> {
         match &handle.raw {
             RawHandle::Memfd(fd) => Ok(fd),
-            #[allow(unreachable_patterns)]
             other => Err(DeviceError::WrongBackend {
                 what: "handle",
                 expected: BackendKind::Host,

@@ -4,7 +4,7 @@
 //! or returned), exports a handle as a file descriptor that another process can import, reserves
 //! virtual address ranges ([`Reservation`]) and maps handles into them read-write or read-only.
 //! Backends: [`host`] (one memfd per handle; the default where no GPU is found, and real
-//! cross-process shared memory) and `cuda` (the driver's virtual-memory API, loaded at run time).
+//! cross-process shared memory) and [`cuda`] (the driver's virtual-memory API, loaded at run time).
 //!
 //! Both backends follow the same rules, checked before anything reaches the OS or the driver, so a
 //! bad call is an error, never a fault: sizes and mapping offsets are multiples of the granularity;
@@ -20,9 +20,11 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use vram_core::Bytes;
 
+pub mod cuda;
 pub mod host;
 mod mappings;
 
+pub use cuda::CudaDevice;
 pub use host::HostDevice;
 use mappings::Mappings;
 
@@ -118,6 +120,8 @@ pub enum DeviceError {
     },
     #[error("imported fd is not a handle of {expected}: {reason}")]
     BadImport { expected: Bytes, reason: String },
+    #[error("no CUDA device `{which}`; found: {found:?}")]
+    NoSuchDevice { which: String, found: Vec<String> },
     #[error("driver unavailable: {0}")]
     DriverUnavailable(String),
     #[error("{call} failed: {detail}")]
@@ -203,12 +207,14 @@ pub struct Handle {
 enum RawHandle {
     /// A memfd of exactly the handle's size, sealed against shrinking and growing.
     Memfd(OwnedFd),
+    Cuda(cuda::Allocation),
 }
 
 impl RawHandle {
     fn kind(&self) -> BackendKind {
         match self {
             RawHandle::Memfd(_) => BackendKind::Host,
+            RawHandle::Cuda(_) => BackendKind::Cuda,
         }
     }
 }
@@ -299,6 +305,7 @@ pub struct Reservation {
 #[derive(Debug)]
 enum Backing {
     Host,
+    Cuda(cuda::VaRange),
 }
 
 impl Reservation {
@@ -314,6 +321,7 @@ impl Reservation {
     pub fn kind(&self) -> BackendKind {
         match self.backing {
             Backing::Host => BackendKind::Host,
+            Backing::Cuda(_) => BackendKind::Cuda,
         }
     }
 
@@ -347,8 +355,10 @@ impl Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        let mappings = self.mappings.get_mut().unwrap_or_else(|p| p.into_inner());
         match &self.backing {
             Backing::Host => host::release_reservation(self.base, self.size),
+            Backing::Cuda(va) => va.release(self.base, self.size, mappings),
         }
     }
 }

@@ -113,6 +113,11 @@ impl Mappings {
             self.0.remove(o);
         }
     }
+
+    /// Every mapping, in order: what a reservation must unmap when it is dropped.
+    pub fn iter(&self) -> impl Iterator<Item = (u64, Mapping)> + '_ {
+        self.0.iter().map(|(&o, &m)| (o, m))
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,475 @@
+//! The CUDA backend: the driver's virtual-memory API (`cuMemCreate` with POSIX file-descriptor
+//! handles, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`), loaded at run time so that vramd
+//! builds and runs where there is no GPU: a missing driver is [`DeviceError::DriverUnavailable`].
+//!
+//! Every call runs with the device's primary context pushed on the calling thread and popped
+//! after, so a caller's own current context is left as it was. A device object retains the primary
+//! context for as long as it, or any handle or reservation made through it, lives.
+//!
+//! Copies and fills are synchronous: when `write` or `fill` returns, the bytes are in device
+//! memory and visible to every process that maps it.
+
+mod driver;
+
+use std::ffi::{c_char, c_void, CStr};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, OnceLock, RwLock};
+
+use cudarc::driver::sys::{self, CUresult};
+use vram_core::Bytes;
+
+use crate::{
+    check_aligned, check_kind, check_size, Access, BackendKind, Backing, Device, DeviceError,
+    DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
+};
+use driver::{check, Context};
+pub(crate) use driver::{Allocation, VaRange};
+
+/// Lists the GPUs the driver sees, by UUID. [`DeviceError::DriverUnavailable`] where there is no
+/// driver or no GPU.
+pub fn probe() -> Result<Vec<DeviceInfo>> {
+    driver::load()?;
+    let mut count = 0;
+    // SAFETY: the driver is loaded; `count` is a valid out pointer.
+    check("cuDeviceGetCount", unsafe {
+        sys::cuDeviceGetCount(&mut count)
+    })?;
+    (0..count)
+        .map(|ordinal| describe(device(ordinal)?))
+        .collect()
+}
+
+fn device(ordinal: i32) -> Result<sys::CUdevice> {
+    let mut dev = 0;
+    // SAFETY: the driver is loaded (callers come after `driver::load`); `dev` is an out pointer.
+    check("cuDeviceGet", unsafe {
+        sys::cuDeviceGet(&mut dev, ordinal)
+    })?;
+    Ok(dev)
+}
+
+/// Name, UUID, memory and granularity of a device, queried without a context.
+fn describe(dev: sys::CUdevice) -> Result<DeviceInfo> {
+    let mut name = [0 as c_char; 256];
+    // SAFETY: the buffer holds `len` chars; the driver NUL-terminates what it writes.
+    check("cuDeviceGetName", unsafe {
+        sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev)
+    })?;
+    // SAFETY: NUL-terminated by the driver within the buffer (zeroed beforehand as well).
+    let name = unsafe { CStr::from_ptr(name.as_ptr()) }
+        .to_string_lossy()
+        .into_owned();
+    let mut uuid = sys::CUuuid { bytes: [0; 16] };
+    // SAFETY: `uuid` is a valid out pointer of the driver's type.
+    check("cuDeviceGetUuid", unsafe {
+        sys::cuDeviceGetUuid_v2(&mut uuid, dev)
+    })?;
+    let mut total = 0usize;
+    // SAFETY: `total` is a valid out pointer.
+    check("cuDeviceTotalMem", unsafe {
+        sys::cuDeviceTotalMem_v2(&mut total, dev)
+    })?;
+    let mut granularity = 0usize;
+    let prop = allocation_prop(dev);
+    // SAFETY: `prop` describes pinned device memory on `dev`; `granularity` is an out pointer.
+    check("cuMemGetAllocationGranularity", unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    })?;
+    Ok(DeviceInfo {
+        kind: BackendKind::Cuda,
+        uuid: format_uuid(&uuid.bytes.map(|b| b as u8)),
+        name,
+        capacity: Bytes(total as u64),
+        granularity: Bytes(granularity as u64),
+    })
+}
+
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` prints it.
+fn format_uuid(b: &[u8; 16]) -> String {
+    let hex =
+        |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
+    format!(
+        "GPU-{}-{}-{}-{}-{}",
+        hex(0..4),
+        hex(4..6),
+        hex(6..8),
+        hex(8..10),
+        hex(10..16)
+    )
+}
+
+/// Pinned memory on `dev`, shareable as a POSIX file descriptor.
+fn allocation_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes:
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        location: sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: dev,
+        },
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+/// One GPU, driven through the virtual-memory API. See the module documentation.
+#[derive(Debug)]
+pub struct CudaDevice {
+    info: DeviceInfo,
+    ctx: Arc<Context>,
+    usage: Arc<Usage>,
+}
+
+impl CudaDevice {
+    /// Opens the GPU named by `which`: its ordinal (`"0"`) or its UUID (`"GPU-5f0c..."`, the
+    /// `GPU-` prefix optional, any case).
+    pub fn open(which: &str) -> Result<Self> {
+        let devices = probe()?;
+        let wanted = which.trim().to_ascii_lowercase();
+        let wanted = wanted.strip_prefix("gpu-").unwrap_or(&wanted);
+        let ordinal = match which.trim().parse::<usize>() {
+            Ok(n) if n < devices.len() => Some(n),
+            Ok(_) => None,
+            Err(_) => devices
+                .iter()
+                .position(|d| d.uuid.to_ascii_lowercase().strip_prefix("gpu-") == Some(wanted)),
+        };
+        let Some(ordinal) = ordinal else {
+            return Err(DeviceError::NoSuchDevice {
+                which: which.to_owned(),
+                found: devices.iter().map(|d| d.uuid.clone()).collect(),
+            });
+        };
+        let ctx = Context::retain(device(ordinal as i32)?)?;
+        Ok(CudaDevice {
+            info: devices[ordinal].clone(),
+            ctx,
+            usage: Arc::default(),
+        })
+    }
+
+    /// Free and total memory of the GPU, as the driver counts them (all processes together).
+    pub fn memory(&self) -> Result<(Bytes, Bytes)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        let _entered = self.ctx.enter()?;
+        // SAFETY: a context is current; both are valid out pointers.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok((Bytes(free as u64), Bytes(total as u64)))
+    }
+
+    fn granularity(&self) -> Bytes {
+        self.info.granularity
+    }
+
+    fn allocation<'h>(&self, handle: &'h Handle) -> Result<&'h Allocation> {
+        match &handle.raw {
+            RawHandle::Cuda(a) if a.ctx.device == self.ctx.device => Ok(a),
+            RawHandle::Cuda(_) => Err(DeviceError::WrongBackend {
+                what: "handle of another GPU",
+                expected: BackendKind::Cuda,
+                found: BackendKind::Cuda,
+            }),
+            other => Err(DeviceError::WrongBackend {
+                what: "handle",
+                expected: BackendKind::Cuda,
+                found: other.kind(),
+            }),
+        }
+    }
+
+    fn check_aligned_range(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<()> {
+        check_kind("reservation", BackendKind::Cuda, res.kind())?;
+        check_aligned("offset", offset, self.granularity())?;
+        check_size("length", len, self.granularity())?;
+        res.check_range(offset, len)
+    }
+
+    fn check_copy(&self, res: &Reservation, offset: Bytes, len: usize) -> Result<u64> {
+        check_kind("reservation", BackendKind::Cuda, res.kind())?;
+        res.check_range(offset, Bytes(len as u64))?;
+        Ok(res.addr(offset) as u64)
+    }
+
+    fn set_access_raw(&self, ptr: u64, len: u64, access: Access) -> Result<()> {
+        let desc = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: self.ctx.device,
+            },
+            flags: match access {
+                Access::ReadWrite => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+                Access::ReadOnly => sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ,
+            },
+        };
+        // SAFETY: `ptr..ptr+len` is mapped (callers check it under the reservation's write lock);
+        // `desc` is one valid descriptor.
+        check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(ptr, len as usize, &desc, 1)
+        })
+    }
+
+    /// Waits until the copies and fills queued on the context are done.
+    fn synchronize(&self) -> Result<()> {
+        // SAFETY: a context is current (the caller entered it).
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn out_of_memory(&self, asked: Bytes) -> DeviceError {
+        match self.memory() {
+            Ok((free, total)) => DeviceError::OutOfMemory {
+                asked,
+                used: total.saturating_sub(free),
+                capacity: total,
+            },
+            Err(e) => e,
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn used(&self) -> Bytes {
+        self.usage.get()
+    }
+
+    fn create(&self, size: Bytes) -> Result<Handle> {
+        check_size("handle size", size, self.granularity())?;
+        self.usage.charge(size, self.info.capacity, || {
+            let prop = allocation_prop(self.ctx.device);
+            let mut handle = 0;
+            let r = {
+                let _entered = self.ctx.enter()?;
+                // SAFETY: a context is current; `prop` describes shareable pinned memory on this
+                // device and `size` is a non-zero multiple of its granularity.
+                unsafe { sys::cuMemCreate(&mut handle, size.get() as usize, &prop, 0) }
+            };
+            if r == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+                return Err(self.out_of_memory(size));
+            }
+            check("cuMemCreate", r)?;
+            Ok(RawHandle::Cuda(Allocation {
+                handle,
+                ctx: Arc::clone(&self.ctx),
+                fd: OnceLock::new(),
+            }))
+        })
+    }
+
+    fn export(&self, handle: &Handle) -> Result<OwnedFd> {
+        let a = self.allocation(handle)?;
+        let fd = match a.fd.get() {
+            Some(fd) => fd,
+            None => {
+                let fd = a.export_fd()?;
+                // Two threads may both export the first time; one fd is kept, the other closed.
+                a.fd.get_or_init(|| fd)
+            }
+        };
+        rustix::io::fcntl_dupfd_cloexec(fd, 0)
+            .map_err(|e| DeviceError::os("fcntl(F_DUPFD_CLOEXEC)", e))
+    }
+
+    fn import(&self, fd: OwnedFd, size: Bytes) -> Result<Handle> {
+        check_size("handle size", size, self.granularity())?;
+        let mut handle = 0;
+        let r = {
+            let _entered = self.ctx.enter()?;
+            // SAFETY: for the POSIX-fd handle type the driver takes the fd's value in the pointer
+            // argument and only reads it; `fd` stays open (and owned here) during the call.
+            unsafe {
+                sys::cuMemImportFromShareableHandle(
+                    &mut handle,
+                    fd.as_raw_fd() as usize as *mut c_void,
+                    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                )
+            }
+        };
+        check("cuMemImportFromShareableHandle", r).map_err(|e| DeviceError::BadImport {
+            expected: size,
+            reason: e.to_string(),
+        })?;
+        Ok(Handle::imported(
+            size,
+            RawHandle::Cuda(Allocation {
+                handle,
+                ctx: Arc::clone(&self.ctx),
+                fd: OnceLock::from(fd),
+            }),
+        ))
+    }
+
+    fn reserve(&self, size: Bytes) -> Result<Reservation> {
+        check_size("reservation size", size, self.granularity())?;
+        let mut base = 0;
+        let _entered = self.ctx.enter()?;
+        // SAFETY: a context is current; the driver picks a free range aligned to the granularity.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(
+                &mut base,
+                size.get() as usize,
+                self.granularity().get() as usize,
+                0,
+                0,
+            )
+        })?;
+        Ok(Reservation {
+            base: base as usize,
+            size,
+            mappings: RwLock::default(),
+            backing: Backing::Cuda(VaRange {
+                ctx: Arc::clone(&self.ctx),
+            }),
+        })
+    }
+
+    fn map(&self, res: &Reservation, offset: Bytes, handle: &Handle, access: Access) -> Result<()> {
+        let a = self.allocation(handle)?;
+        check_kind("reservation", BackendKind::Cuda, res.kind())?;
+        check_aligned("offset", offset, self.granularity())?;
+        if res.check_range(offset, handle.size).is_err() {
+            return Err(DeviceError::HandleDoesNotFit {
+                handle: handle.size,
+                offset,
+                size: res.size,
+            });
+        }
+        let mut mappings = res.mappings_mut();
+        mappings.check_free(offset.get(), handle.size.get())?;
+        let ptr = res.addr(offset) as u64;
+        let len = handle.size.get();
+        let _entered = self.ctx.enter()?;
+        // SAFETY: `ptr..ptr+len` lies inside a range this device reserved and nothing is mapped
+        // there (checked above under the write lock); `a.handle` is a live allocation.
+        check("cuMemMap", unsafe {
+            sys::cuMemMap(ptr, len as usize, 0, a.handle, 0)
+        })?;
+        if let Err(e) = self.set_access_raw(ptr, len, access) {
+            // SAFETY: undoes the mapping made just above.
+            unsafe { sys::cuMemUnmap(ptr, len as usize) };
+            return Err(e);
+        }
+        mappings.insert(offset.get(), len, access)
+    }
+
+    fn set_access(
+        &self,
+        res: &Reservation,
+        offset: Bytes,
+        len: Bytes,
+        access: Access,
+    ) -> Result<()> {
+        self.check_aligned_range(res, offset, len)?;
+        let mut mappings = res.mappings_mut();
+        let changed = mappings.whole(offset.get(), len.get(), true)?;
+        let _entered = self.ctx.enter()?;
+        for &(o, m) in &changed {
+            self.set_access_raw(res.base as u64 + o, m.len, access)?;
+            mappings.set_access(&[(o, m)], access);
+        }
+        Ok(())
+    }
+
+    fn unmap(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<()> {
+        self.check_aligned_range(res, offset, len)?;
+        let mut mappings = res.mappings_mut();
+        let removed = mappings.whole(offset.get(), len.get(), false)?;
+        let _entered = self.ctx.enter()?;
+        for &(o, m) in &removed {
+            // SAFETY: exactly one whole mapping made by `map`; the write lock keeps copies out.
+            check("cuMemUnmap", unsafe {
+                sys::cuMemUnmap(res.base as u64 + o, m.len as usize)
+            })?;
+            mappings.remove(&[(o, m)]);
+        }
+        Ok(())
+    }
+
+    fn write(&self, res: &Reservation, offset: Bytes, data: &[u8]) -> Result<()> {
+        let ptr = self.check_copy(res, offset, data.len())?;
+        let mappings = res.mappings();
+        mappings.check_covered(offset.get(), data.len() as u64, true)?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let _entered = self.ctx.enter()?;
+        // SAFETY: the destination is mapped read-write on this device (checked above; the read
+        // lock keeps it mapped) and `data` is a live host buffer of that length.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(ptr, data.as_ptr().cast(), data.len())
+        })?;
+        self.synchronize()
+    }
+
+    fn read(&self, res: &Reservation, offset: Bytes, out: &mut [u8]) -> Result<()> {
+        let ptr = self.check_copy(res, offset, out.len())?;
+        let mappings = res.mappings();
+        mappings.check_covered(offset.get(), out.len() as u64, false)?;
+        if out.is_empty() {
+            return Ok(());
+        }
+        let _entered = self.ctx.enter()?;
+        // SAFETY: the source is mapped on this device (checked above; the read lock keeps it
+        // mapped) and `out` is a live, exclusively borrowed host buffer of that length. The copy
+        // is synchronous for pageable host memory.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), ptr, out.len())
+        })
+    }
+
+    fn fill(&self, res: &Reservation, offset: Bytes, len: Bytes, byte: u8) -> Result<()> {
+        let ptr = self.check_copy(res, offset, len.get() as usize)?;
+        let mappings = res.mappings();
+        mappings.check_covered(offset.get(), len.get(), true)?;
+        if len == Bytes::ZERO {
+            return Ok(());
+        }
+        let _entered = self.ctx.enter()?;
+        // SAFETY: the range is mapped read-write on this device (checked above; the read lock
+        // keeps it mapped).
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(ptr, byte, len.get() as usize)
+        })?;
+        self.synchronize()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uuid_is_printed_like_nvidia_smi() {
+        let b = [
+            0x5f, 0x0c, 0x1a, 0x2b, 0x3c, 0x4d, 0x5e, 0x6f, 0x70, 0x81, 0x92, 0xa3, 0xb4, 0xc5,
+            0xd6, 0xe7,
+        ];
+        assert_eq!(format_uuid(&b), "GPU-5f0c1a2b-3c4d-5e6f-7081-92a3b4c5d6e7");
+    }
+
+    #[test]
+    fn no_driver_is_an_error_not_a_panic() {
+        // On a machine without libcuda this is DriverUnavailable; with one, a list (maybe empty).
+        match probe() {
+            Ok(devices) => eprintln!("probe found {} GPU(s)", devices.len()),
+            Err(e) => assert!(matches!(e, DeviceError::DriverUnavailable(_)), "{e}"),
+        }
+        if let Err(e) = CudaDevice::open("0") {
+            eprintln!("open: {e}");
+        }
+    }
+}
