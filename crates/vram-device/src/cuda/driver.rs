@@ -154,7 +154,7 @@ impl Drop for Entered {
     }
 }
 
-fn log_failure(call: &'static str, r: CUresult) {
+pub(crate) fn log_failure(call: &'static str, r: CUresult) {
     if let Err(e) = check(call, r) {
         tracing::error!(error = %e, "CUDA clean-up failed");
     }

@@ -22,7 +22,7 @@ use crate::{
     check_aligned, check_kind, check_size, Access, BackendKind, Backing, Device, DeviceError,
     DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
 };
-use driver::{check, Context};
+use driver::{check, log_failure, Context};
 pub(crate) use driver::{Allocation, VaRange};
 
 /// Lists the GPUs the driver sees, by UUID. [`DeviceError::DriverUnavailable`] where there is no
@@ -360,7 +360,7 @@ impl Device for CudaDevice {
         })?;
         if let Err(e) = self.set_access_raw(ptr, len, access) {
             // SAFETY: undoes the mapping made just above.
-            unsafe { sys::cuMemUnmap(ptr, len as usize) };
+            log_failure("cuMemUnmap", unsafe { sys::cuMemUnmap(ptr, len as usize) });
             return Err(e);
         }
         mappings.insert(offset.get(), len, access)
