@@ -1,6 +1,7 @@
 //! vram-core: the pure logic of vramd. No I/O, no unsafe, no clocks read here: callers pass time in.
 #![forbid(unsafe_code)]
 
+pub mod alloc;
 pub mod broker;
 pub mod units;
 

@@ -1,0 +1,160 @@
+//! Where physical memory comes from: the [`Backing`] trait, and [`ModelBacking`], a checking and
+//! counting implementation for tests and trace replay.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::Bytes;
+
+/// One physical handle granted by the daemon (its size a multiple of the granularity).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct GrantId(pub u64);
+
+/// The backing could not provide memory (the daemon refused, or mapping failed).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{bytes} could not be granted or mapped: {reason}")]
+pub struct Refused {
+    pub bytes: Bytes,
+    pub reason: String,
+}
+
+/// Physical memory for the allocator. Offsets are relative to the one virtual reservation of
+/// `AllocConfig::va_bytes` that the implementation made. A handle is mapped whole, at one offset, at
+/// most once at a time; the allocator never asks otherwise.
+pub trait Backing {
+    /// A new handle of exactly `bytes` (a multiple of the granularity).
+    fn grant(&mut self, bytes: Bytes) -> Result<GrantId, Refused>;
+    /// Maps the whole handle at `va` (granularity-aligned) with read-write access.
+    fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused>;
+    /// Unmaps the handle, which is mapped at `va`.
+    fn unmap(&mut self, grant: GrantId, va: u64);
+    /// Gives the (unmapped) handle back to the daemon.
+    fn release(&mut self, grant: GrantId);
+}
+
+/// Counts of the calls a backing received.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct BackingCounts {
+    pub grants: u64,
+    pub maps: u64,
+    pub unmaps: u64,
+    pub releases: u64,
+    pub granted_bytes: u64,
+    pub mapped_bytes: u64,
+}
+
+/// A backing with no memory behind it that checks the allocator's use of it (panics on a misuse),
+/// counts calls, and can refuse grants beyond a capacity.
+#[derive(Debug, Default)]
+pub struct ModelBacking {
+    capacity: Option<u64>,
+    next: u64,
+    grants: HashMap<GrantId, (u64, Option<u64>)>,
+    mappings: BTreeMap<u64, (u64, GrantId)>,
+    held: u64,
+    peak_held: u64,
+    counts: BackingCounts,
+}
+
+impl ModelBacking {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A backing that refuses grants that would take it past `capacity`.
+    pub fn with_capacity(capacity: Bytes) -> Self {
+        Self {
+            capacity: Some(capacity.get()),
+            ..Self::default()
+        }
+    }
+
+    pub fn counts(&self) -> BackingCounts {
+        self.counts
+    }
+
+    /// Bytes granted and not yet released.
+    pub fn held(&self) -> Bytes {
+        Bytes(self.held)
+    }
+
+    pub fn peak_held(&self) -> Bytes {
+        Bytes(self.peak_held)
+    }
+
+    /// Handles granted and not yet released.
+    pub fn outstanding(&self) -> usize {
+        self.grants.len()
+    }
+
+    /// Whether every byte of `[va, va + len)` is mapped.
+    pub fn is_mapped(&self, va: u64, len: u64) -> bool {
+        let mut at = va;
+        let end = va + len;
+        while at < end {
+            match self.mappings.range(..=at).next_back() {
+                Some((&s, &(l, _))) if at < s + l => at = s + l,
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+impl Backing for ModelBacking {
+    fn grant(&mut self, bytes: Bytes) -> Result<GrantId, Refused> {
+        if let Some(cap) = self.capacity {
+            if self.held + bytes.get() > cap {
+                return Err(Refused {
+                    bytes,
+                    reason: format!("{} of {} held", Bytes(self.held), Bytes(cap)),
+                });
+            }
+        }
+        self.next += 1;
+        let id = GrantId(self.next);
+        self.grants.insert(id, (bytes.get(), None));
+        self.held += bytes.get();
+        self.peak_held = self.peak_held.max(self.held);
+        self.counts.grants += 1;
+        self.counts.granted_bytes += bytes.get();
+        Ok(id)
+    }
+
+    fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused> {
+        let (len, at) = self
+            .grants
+            .get_mut(&grant)
+            .expect("mapping an unknown grant");
+        assert!(at.is_none(), "grant {grant:?} mapped twice");
+        let len = *len;
+        if let Some((&s, &(l, _))) = self.mappings.range(..va + len).next_back() {
+            assert!(s + l <= va, "mapping at {va:#x} overlaps another");
+        }
+        *at = Some(va);
+        self.mappings.insert(va, (len, grant));
+        self.counts.maps += 1;
+        self.counts.mapped_bytes += len;
+        Ok(())
+    }
+
+    fn unmap(&mut self, grant: GrantId, va: u64) {
+        let (_, at) = self
+            .grants
+            .get_mut(&grant)
+            .expect("unmapping an unknown grant");
+        assert_eq!(*at, Some(va), "unmapping {grant:?} where it is not mapped");
+        *at = None;
+        self.mappings.remove(&va);
+        self.counts.unmaps += 1;
+    }
+
+    fn release(&mut self, grant: GrantId) {
+        let (len, at) = self
+            .grants
+            .remove(&grant)
+            .expect("releasing an unknown grant");
+        assert!(at.is_none(), "releasing {grant:?} while mapped");
+        self.held -= len;
+        self.counts.releases += 1;
+    }
+}

@@ -1,0 +1,163 @@
+//! Free regions of mapped memory, coalesced, indexed by address and by (owner, size) for best fit.
+//!
+//! Invariants: regions never overlap; two adjacent regions never share an owner (they would have
+//! been merged); a region owned by a stream carries the sequence number of its latest free on that
+//! stream, so it becomes usable by every stream once that stream's fence for the sequence completes.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::stream::{Seq, StreamId};
+
+/// Who may allocate from a free region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Owner {
+    /// Every stream: the work that used it has completed.
+    Any,
+    /// Only this stream, until its fence for the region's sequence completes.
+    Stream(StreamId),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Region {
+    pub len: u64,
+    pub owner: Owner,
+    pub seq: Seq,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct FreeList {
+    by_addr: BTreeMap<u64, Region>,
+    by_size: BTreeSet<(Owner, u64, u64)>,
+    /// Regions that become `Any` when a stream's fence completes: stream -> seq -> starts. Entries
+    /// may be stale (the region moved or merged); they are checked when used.
+    waiting: BTreeMap<StreamId, BTreeMap<Seq, Vec<u64>>>,
+}
+
+impl FreeList {
+    pub(crate) fn get(&self, start: u64) -> Option<Region> {
+        self.by_addr.get(&start).copied()
+    }
+
+    /// The region containing `addr`, as `(start, region)`.
+    pub(crate) fn containing(&self, addr: u64) -> Option<(u64, Region)> {
+        let (&s, &r) = self.by_addr.range(..=addr).next_back()?;
+        (addr < s + r.len).then_some((s, r))
+    }
+
+    /// The region that ends exactly at `addr`.
+    pub(crate) fn ending_at(&self, addr: u64) -> Option<(u64, Region)> {
+        let (&s, &r) = self.by_addr.range(..addr).next_back()?;
+        (s + r.len == addr).then_some((s, r))
+    }
+
+    /// Regions owned by every stream with at least `min_len` bytes, as `(start, len)`.
+    pub(crate) fn any_at_least(&self, min_len: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.by_size
+            .range((Owner::Any, min_len, 0)..(Owner::Any, u64::MAX, u64::MAX))
+            .map(|&(_, len, start)| (start, len))
+    }
+
+    /// Start of the smallest region of at least `len` bytes that `stream` may use.
+    pub(crate) fn best_fit(&self, len: u64, stream: StreamId) -> Option<u64> {
+        let first = |owner| {
+            self.by_size
+                .range((owner, len, 0)..=(owner, u64::MAX, u64::MAX))
+                .next()
+                .map(|&(_, l, s)| (l, s))
+        };
+        match (first(Owner::Any), first(Owner::Stream(stream))) {
+            (Some(a), Some(b)) => Some(a.min(b).1),
+            (a, b) => a.or(b).map(|(_, s)| s),
+        }
+    }
+
+    /// Adds `[start, start + len)` and merges it with neighbours of the same owner.
+    pub(crate) fn insert(&mut self, mut start: u64, mut len: u64, owner: Owner, mut seq: Seq) {
+        debug_assert!(len > 0);
+        if let Some((ls, l)) = self.ending_at(start) {
+            if l.owner == owner {
+                self.unlink(ls);
+                start = ls;
+                len += l.len;
+                seq = seq.max(l.seq);
+            }
+        }
+        if let Some(r) = self.get(start + len) {
+            if r.owner == owner {
+                self.unlink(start + len);
+                len += r.len;
+                seq = seq.max(r.seq);
+            }
+        }
+        self.link(start, Region { len, owner, seq });
+    }
+
+    /// Removes `[start, start + len)`, which must lie inside one region; the rest stays free.
+    pub(crate) fn take(&mut self, start: u64, len: u64) {
+        let (rs, r) = self
+            .containing(start)
+            .expect("taking a range that is not free");
+        assert!(
+            start + len <= rs + r.len,
+            "taking past the end of a free region"
+        );
+        self.unlink(rs);
+        if start > rs {
+            self.link(
+                rs,
+                Region {
+                    len: start - rs,
+                    ..r
+                },
+            );
+        }
+        if start + len < rs + r.len {
+            let len_after = rs + r.len - (start + len);
+            self.link(
+                start + len,
+                Region {
+                    len: len_after,
+                    ..r
+                },
+            );
+        }
+    }
+
+    /// Makes every region that `stream` freed up to `seq` usable by all streams.
+    pub(crate) fn complete(&mut self, stream: StreamId, seq: Seq) {
+        let Some(by_seq) = self.waiting.get_mut(&stream) else {
+            return;
+        };
+        let later = by_seq.split_off(&(seq + 1));
+        let done = std::mem::replace(by_seq, later);
+        if by_seq.is_empty() {
+            self.waiting.remove(&stream);
+        }
+        for start in done.into_values().flatten() {
+            match self.get(start) {
+                Some(r) if r.owner == Owner::Stream(stream) && r.seq <= seq => {
+                    self.unlink(start);
+                    self.insert(start, r.len, Owner::Any, 0);
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn link(&mut self, start: u64, r: Region) {
+        self.by_addr.insert(start, r);
+        self.by_size.insert((r.owner, r.len, start));
+        if let Owner::Stream(s) = r.owner {
+            let starts = self.waiting.entry(s).or_default().entry(r.seq).or_default();
+            starts.push(start);
+        }
+    }
+
+    fn unlink(&mut self, start: u64) {
+        let r = self
+            .by_addr
+            .remove(&start)
+            .expect("unlinking a missing region");
+        self.by_size.remove(&(r.owner, r.len, start));
+    }
+}

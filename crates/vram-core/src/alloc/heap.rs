@@ -1,0 +1,150 @@
+//! One heap: a range of the reservation into which handles are mapped side by side ("stitching"),
+//! the handles mapped there, the unmapped gaps, and the free regions of mapped memory.
+//!
+//! Invariants: handles never overlap and lie inside the heap; every byte of the heap is in exactly
+//! one of a handle or a gap; free regions lie in mapped memory, so a free region's neighbours by
+//! address are mapped too, and merging them (across handles that were never adjacent before) is sound.
+
+use std::collections::BTreeMap;
+
+use super::backing::GrantId;
+use super::freelist::{FreeList, Owner};
+use super::stream::{Seq, StreamId};
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Mapped {
+    pub grant: GrantId,
+    pub len: u64,
+}
+
+/// Where new memory goes so that a block of the wanted size fits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Site {
+    /// The free region the new memory extends (its start), if any.
+    pub extends: Option<u64>,
+    /// Bytes of new mapped memory needed, a multiple of the granularity.
+    pub need: u64,
+    /// The gap the new memory goes in, and whether it is placed at the gap's start (growing a region
+    /// that ends there) or its end (growing a region that starts there).
+    pub gap: (u64, u64),
+    pub at_gap_end: bool,
+    pub owner: Owner,
+    pub seq: Seq,
+}
+
+#[derive(Debug)]
+pub(crate) struct Heap {
+    pub handles: BTreeMap<u64, Mapped>,
+    gaps: BTreeMap<u64, u64>,
+    pub free: FreeList,
+    pub mapped: u64,
+}
+
+impl Heap {
+    pub(crate) fn new(start: u64, end: u64) -> Self {
+        Self {
+            handles: BTreeMap::new(),
+            gaps: BTreeMap::from([(start, end - start)]),
+            free: FreeList::default(),
+            mapped: 0,
+        }
+    }
+
+    /// Chooses where to map memory so that a block of `len` bytes fits for `stream`: next to the
+    /// usable free region that needs the least new memory, else in the lowest gap large enough.
+    pub(crate) fn growth_site(&self, len: u64, gran: u64, stream: StreamId) -> Option<Site> {
+        let usable = |o: Owner| o == Owner::Any || o == Owner::Stream(stream);
+        let round = |n: u64| n.div_ceil(gran) * gran;
+        let mut best: Option<Site> = None;
+        for (&g, &glen) in &self.gaps {
+            let left = self.free.ending_at(g).map(|r| (r, false));
+            let right = self.free.get(g + glen).map(|r| ((g + glen, r), true));
+            for ((start, r), at_gap_end) in left.into_iter().chain(right) {
+                let need = round(len.saturating_sub(r.len));
+                if !usable(r.owner) || need > glen || best.is_some_and(|b| b.need <= need) {
+                    continue;
+                }
+                best = Some(Site {
+                    extends: Some(start),
+                    need,
+                    gap: (g, glen),
+                    at_gap_end,
+                    owner: r.owner,
+                    seq: r.seq,
+                });
+            }
+        }
+        best.or_else(|| {
+            let need = round(len);
+            let (&g, &glen) = self.gaps.iter().find(|(_, &l)| l >= need)?;
+            Some(Site {
+                extends: None,
+                need,
+                gap: (g, glen),
+                at_gap_end: false,
+                owner: Owner::Any,
+                seq: 0,
+            })
+        })
+    }
+
+    /// Maps `m` at `va` (inside a gap) and adds its bytes to the free regions.
+    pub(crate) fn place(&mut self, va: u64, m: Mapped, owner: Owner, seq: Seq) {
+        let (&g, &glen) = self
+            .gaps
+            .range(..=va)
+            .next_back()
+            .expect("placing outside a gap");
+        assert!(va + m.len <= g + glen, "placing across a mapped handle");
+        self.gaps.remove(&g);
+        if va > g {
+            self.gaps.insert(g, va - g);
+        }
+        if va + m.len < g + glen {
+            self.gaps.insert(va + m.len, g + glen - (va + m.len));
+        }
+        self.handles.insert(va, m);
+        self.mapped += m.len;
+        self.free.insert(va, m.len, owner, seq);
+    }
+
+    /// Takes the handle at `va`, which must be wholly free, out of the heap; its range becomes a gap.
+    pub(crate) fn remove(&mut self, va: u64) -> Mapped {
+        let m = self
+            .handles
+            .remove(&va)
+            .expect("removing an unknown handle");
+        self.free.take(va, m.len);
+        self.mapped -= m.len;
+        let (mut start, mut len) = (va, m.len);
+        if let Some((&g, &glen)) = self.gaps.range(..va).next_back() {
+            if g + glen == va {
+                self.gaps.remove(&g);
+                start = g;
+                len += glen;
+            }
+        }
+        if let Some(glen) = self.gaps.remove(&(va + m.len)) {
+            len += glen;
+        }
+        self.gaps.insert(start, len);
+        m
+    }
+
+    /// Handles lying wholly inside a free region that every stream may use, except the region that
+    /// starts at `skip`, as `(va, len)`.
+    pub(crate) fn free_handles(&self, gran: u64, skip: Option<u64>) -> Vec<(u64, u64)> {
+        let mut out = Vec::new();
+        for (start, len) in self.free.any_at_least(gran) {
+            if Some(start) == skip {
+                continue;
+            }
+            for (&va, m) in self.handles.range(start..start + len) {
+                if va + m.len <= start + len {
+                    out.push((va, m.len));
+                }
+            }
+        }
+        out
+    }
+}

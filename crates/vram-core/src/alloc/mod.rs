@@ -1,0 +1,470 @@
+//! The client's caching allocator, as pure single-threaded algorithms. The client crate wraps it
+//! (locks, thread-local caches) and implements [`Backing`] with real handles and mappings.
+//!
+//! Model: one virtual reservation of `va_bytes` (virtual address space is free), seen here as
+//! offsets. Physical memory comes from a [`Backing`] as handles, each a multiple of the 2 MiB
+//! granularity and mapped whole. Handles are mapped side by side into one of two heaps of the
+//! reservation ("stitching"): handles that were never adjacent form one contiguous range, so a large
+//! block may span several, and free ranges merge across them. Small requests (below `small_limit`)
+//! live in their own heap of 2 MiB pages so that they do not pin holes among large blocks.
+//!
+//! - Allocation: the request is rounded up to `align` (512 B size classes) and served best fit from
+//!   the free regions the stream may use. When none fits, the heap grows next to the usable free
+//!   region that needs the least new memory: first by moving wholly free handles from elsewhere
+//!   (unmap and map again, no new memory held), then by a grant sized to what is still missing.
+//! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once the
+//!   fence recorded at the free completes (see `stream.rs`).
+//! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
+//!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
+//!   pattern keeps its memory; [`Allocator::trim`] returns every wholly free handle at once.
+//!
+//! Invariants (checked by the property tests): live blocks never overlap; every byte of a live block
+//! is mapped; a block is never handed to another stream before the fence of its free completed;
+//! memory that work may still use (a free whose fence is pending) is never unmapped or returned;
+//! after every block is freed, its fences completed and `trim` ran, every handle is returned.
+
+mod backing;
+mod freelist;
+mod heap;
+mod stats;
+mod stream;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+
+pub use backing::{Backing, BackingCounts, GrantId, ModelBacking, Refused};
+pub use stats::AllocStats;
+pub use stream::{AlwaysComplete, Fence, Fences, StreamId};
+
+use freelist::Owner;
+use heap::{Heap, Mapped, Site};
+use stream::{PendingFences, Seq};
+
+use crate::Bytes;
+
+/// Tuning of the allocator. The defaults suit an H200 (see DESIGN.md's device table).
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct AllocConfig {
+    /// The smallest unit that can be granted, mapped or returned.
+    pub granularity: Bytes,
+    /// Size of the virtual reservation that offsets are relative to.
+    pub va_bytes: Bytes,
+    /// Requests below this size are served from the small heap.
+    pub small_limit: Bytes,
+    /// Block sizes are multiples of this, and blocks start at multiples of it.
+    pub align: Bytes,
+    /// The least a large-heap grant adds, so that many small growths do not each cost a grant.
+    pub min_grow: Bytes,
+    /// Grants larger than this are split into several handles, which can be moved or returned alone.
+    pub max_handle: Bytes,
+    /// Memory above the recent peak is returned only after this long (allocator time, µs).
+    pub release_delay_us: u64,
+    /// Headroom kept above the recent peak of allocated bytes, as a fraction of it.
+    pub keep_fraction: f64,
+}
+
+impl Default for AllocConfig {
+    fn default() -> Self {
+        Self {
+            granularity: Bytes::mib(2),
+            va_bytes: Bytes(Bytes::TIB),
+            small_limit: Bytes::mib(1),
+            align: Bytes(512),
+            min_grow: Bytes::mib(2),
+            max_handle: Bytes::gib(1),
+            release_delay_us: 10_000_000,
+            keep_fraction: 0.0625,
+        }
+    }
+}
+
+/// A block handed out: `size` bytes (the request rounded up) at `offset` into the reservation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Block {
+    pub offset: u64,
+    pub size: Bytes,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AllocError {
+    #[error("out of memory: asked for {requested} while holding {held} ({allocated} of it allocated): {source}")]
+    OutOfMemory {
+        requested: Bytes,
+        held: Bytes,
+        allocated: Bytes,
+        source: Refused,
+    },
+    #[error("{requested} does not fit in the {va} virtual reservation")]
+    TooLarge { requested: Bytes, va: Bytes },
+    #[error("{offset:#x} is not the start of a live block")]
+    UnknownBlock { offset: u64 },
+}
+
+const LARGE: usize = 0;
+const SMALL: usize = 1;
+
+#[derive(Clone, Copy, Debug)]
+struct Live {
+    len: u64,
+    requested: u64,
+    heap: usize,
+}
+
+/// The peak of a value over the last one to two windows of `width`.
+#[derive(Debug, Default)]
+struct PeakWindow {
+    start: u64,
+    current: u64,
+    previous: u64,
+}
+
+impl PeakWindow {
+    fn observe(&mut self, now: u64, value: u64, width: u64) -> u64 {
+        if now >= self.start.saturating_add(width) {
+            let adjacent = now < self.start.saturating_add(width.saturating_mul(2));
+            self.previous = if adjacent { self.current } else { 0 };
+            self.start = now;
+            self.current = 0;
+        }
+        self.current = self.current.max(value);
+        self.previous.max(self.current)
+    }
+}
+
+/// The caching allocator. See the module documentation for the model and its invariants.
+#[derive(Debug)]
+pub struct Allocator<B> {
+    config: AllocConfig,
+    backing: B,
+    heaps: [Heap; 2],
+    live: HashMap<u64, Live>,
+    pending: PendingFences,
+    seq: Seq,
+    stats: AllocStats,
+    window: PeakWindow,
+    allocated_since_tick: u64,
+    next_scan: u64,
+}
+
+impl<B: Backing> Allocator<B> {
+    /// # Panics
+    /// If the granularity or alignment is zero or not a power of two, or the reservation is smaller
+    /// than 16 granules.
+    pub fn new(config: AllocConfig, backing: B) -> Self {
+        let gran = config.granularity.get();
+        assert!(gran.is_power_of_two() && config.align.get().is_power_of_two());
+        assert!(config.va_bytes.get() >= 16 * gran);
+        let split = config.va_bytes.get() / 16 * 15 / gran * gran;
+        let end = config.va_bytes.get() / gran * gran;
+        Self {
+            heaps: [Heap::new(0, split), Heap::new(split, end)],
+            config,
+            backing,
+            live: HashMap::new(),
+            pending: PendingFences::default(),
+            seq: 0,
+            stats: AllocStats::default(),
+            window: PeakWindow::default(),
+            allocated_since_tick: 0,
+            next_scan: 0,
+        }
+    }
+
+    pub fn config(&self) -> &AllocConfig {
+        &self.config
+    }
+
+    pub fn stats(&self) -> AllocStats {
+        self.stats
+    }
+
+    pub fn backing(&self) -> &B {
+        &self.backing
+    }
+
+    pub fn backing_mut(&mut self) -> &mut B {
+        &mut self.backing
+    }
+
+    /// The size of the live block at `offset`.
+    pub fn block_size(&self, offset: u64) -> Option<Bytes> {
+        self.live.get(&offset).map(|b| Bytes(b.len))
+    }
+
+    /// A block of at least `size` bytes (a zero-byte request gets a distinct block too) for use on
+    /// `stream`.
+    pub fn alloc<F: Fences + ?Sized>(
+        &mut self,
+        size: Bytes,
+        stream: StreamId,
+        fences: &F,
+    ) -> Result<Block, AllocError> {
+        self.poll(fences);
+        let align = self.config.align.get();
+        let too_large = AllocError::TooLarge {
+            requested: size,
+            va: self.config.va_bytes,
+        };
+        let len = size
+            .get()
+            .max(1)
+            .checked_next_multiple_of(align)
+            .ok_or(too_large.clone())?;
+        let h = if size < self.config.small_limit {
+            SMALL
+        } else {
+            LARGE
+        };
+        if self.heaps[h].free.best_fit(len, stream).is_none() {
+            if let Err(e) = self.grow(h, len, stream) {
+                let AllocError::OutOfMemory { .. } = e else {
+                    return Err(e);
+                };
+                self.release_free(u64::MAX);
+                if let Err(e) = self.grow(h, len, stream) {
+                    self.stats.refused += 1;
+                    return Err(e);
+                }
+            }
+        }
+        let start = self.heaps[h]
+            .free
+            .best_fit(len, stream)
+            .expect("growth made room for the block");
+        self.heaps[h].free.take(start, len);
+        self.live.insert(
+            start,
+            Live {
+                len,
+                requested: size.get(),
+                heap: h,
+            },
+        );
+        self.stats.on_alloc(len, size.get());
+        self.allocated_since_tick = self.allocated_since_tick.max(self.stats.allocated.get());
+        Ok(Block {
+            offset: start,
+            size: Bytes(len),
+        })
+    }
+
+    /// Frees the block at `offset` on `stream`. `fence` was recorded on `stream` at the free and
+    /// must complete only after all work that used the block: normally `stream` is the block's
+    /// allocation stream and other users were made to wait on it (as PyTorch's `record_stream`).
+    pub fn free<F: Fences + ?Sized>(
+        &mut self,
+        offset: u64,
+        stream: StreamId,
+        fence: Fence,
+        fences: &F,
+    ) -> Result<Bytes, AllocError> {
+        let b = self
+            .live
+            .remove(&offset)
+            .ok_or(AllocError::UnknownBlock { offset })?;
+        self.seq += 1;
+        let (owner, seq) = if fences.is_complete(fence) {
+            (Owner::Any, 0)
+        } else {
+            self.pending.push(stream, self.seq, fence);
+            (Owner::Stream(stream), self.seq)
+        };
+        self.heaps[b.heap].free.insert(offset, b.len, owner, seq);
+        self.stats.on_free(b.len, b.requested);
+        Ok(Bytes(b.len))
+    }
+
+    /// Lets time pass (`now_us`, allocator time): returns wholly free memory above the recent peak
+    /// of allocated bytes plus headroom, once it has stayed above it for `release_delay_us`.
+    /// Returns the bytes given back.
+    pub fn tick<F: Fences + ?Sized>(&mut self, now_us: u64, fences: &F) -> Bytes {
+        self.poll(fences);
+        let delay = self.config.release_delay_us;
+        let recent = self
+            .window
+            .observe(now_us, self.allocated_since_tick, delay);
+        self.allocated_since_tick = self.stats.allocated.get();
+        let keep = recent + (recent as f64 * self.config.keep_fraction) as u64;
+        let held = self.stats.held.get();
+        if held <= keep || now_us < self.next_scan {
+            return Bytes::ZERO;
+        }
+        self.next_scan = now_us.saturating_add(delay / 4);
+        Bytes(self.release_free(held - keep))
+    }
+
+    /// Returns every wholly free handle now (the daemon's reclaim request). Memory whose fence is
+    /// still pending stays. Returns the bytes given back.
+    pub fn trim<F: Fences + ?Sized>(&mut self, fences: &F) -> Bytes {
+        self.poll(fences);
+        Bytes(self.release_free(u64::MAX))
+    }
+
+    fn poll<F: Fences + ?Sized>(&mut self, fences: &F) {
+        if self.pending.is_empty() {
+            return;
+        }
+        for (stream, seq) in self.pending.poll(fences) {
+            for heap in &mut self.heaps {
+                heap.free.complete(stream, seq);
+            }
+        }
+    }
+
+    /// Maps more memory into heap `h` so that a block of `len` bytes fits for `stream`.
+    fn grow(&mut self, h: usize, len: u64, stream: StreamId) -> Result<(), AllocError> {
+        let gran = self.config.granularity.get();
+        let site = self.heaps[h]
+            .growth_site(len, gran, stream)
+            .ok_or(AllocError::TooLarge {
+                requested: Bytes(len),
+                va: self.config.va_bytes,
+            })?;
+        let moves = self.pick_moves(h, &site);
+        let moved: u64 = moves.iter().map(|m| m.2).sum();
+        let missing = site.need.saturating_sub(moved);
+        let grants = if missing == 0 {
+            Vec::new()
+        } else {
+            let floor = if h == LARGE {
+                self.config.min_grow.get().next_multiple_of(gran)
+            } else {
+                gran
+            };
+            let room = site.gap.1 - moved;
+            self.grant(missing.max(floor).min(room), len)?
+        };
+        let mut pieces: Vec<Mapped> = moves
+            .iter()
+            .map(|&(from, va, _)| {
+                let m = self.heaps[from].remove(va);
+                self.backing.unmap(m.grant, va);
+                self.stats.unmaps += 1;
+                m
+            })
+            .collect();
+        pieces.extend(grants);
+        let total: u64 = pieces.iter().map(|m| m.len).sum();
+        let (gap, gap_len) = site.gap;
+        let mut va = if site.at_gap_end {
+            gap + gap_len - total
+        } else {
+            gap
+        };
+        let mut pieces = pieces.into_iter();
+        while let Some(m) = pieces.next() {
+            if let Err(source) = self.backing.map(m.grant, va) {
+                for m in std::iter::once(m).chain(pieces) {
+                    self.backing.release(m.grant);
+                    self.stats.on_return(m.len);
+                }
+                return Err(self.out_of_memory(len, source));
+            }
+            self.stats.on_map(m.len);
+            self.heaps[h].place(va, m, site.owner, site.seq);
+            va += m.len;
+        }
+        Ok(())
+    }
+
+    /// Wholly free handles to move next to the growth site instead of granting new memory, as
+    /// `(heap, va, len)`: the smallest one that covers the need, else the largest ones first.
+    fn pick_moves(&self, h: usize, site: &Site) -> Vec<(usize, u64, u64)> {
+        let gran = self.config.granularity.get();
+        let room = site.gap.1;
+        let mut candidates: Vec<(usize, u64, u64)> = Vec::new();
+        for (from, heap) in self.heaps.iter().enumerate() {
+            let skip = if from == h { site.extends } else { None };
+            for (va, l) in heap.free_handles(gran, skip) {
+                // The small heap takes only what it needs: what it holds serves small blocks only.
+                if l <= room && (h == LARGE || l <= site.need) {
+                    candidates.push((from, va, l));
+                }
+            }
+        }
+        if let Some(&one) = candidates
+            .iter()
+            .filter(|c| c.2 >= site.need)
+            .min_by_key(|c| c.2)
+        {
+            return vec![one];
+        }
+        candidates.sort_by_key(|c| std::cmp::Reverse(c.2));
+        let mut total = 0;
+        let mut out = Vec::new();
+        for c in candidates {
+            if total >= site.need {
+                break;
+            }
+            if total + c.2 <= room {
+                total += c.2;
+                out.push(c);
+            }
+        }
+        out
+    }
+
+    /// Grants `bytes` as handles of at most `max_handle`; gives back what it got if one is refused.
+    fn grant(&mut self, bytes: u64, wanted: u64) -> Result<Vec<Mapped>, AllocError> {
+        let gran = self.config.granularity.get();
+        let max = self.config.max_handle.get().max(gran) / gran * gran;
+        let mut out = Vec::new();
+        let mut left = bytes;
+        while left > 0 {
+            let len = left.min(max);
+            match self.backing.grant(Bytes(len)) {
+                Ok(grant) => {
+                    self.stats.on_grant(len);
+                    out.push(Mapped { grant, len });
+                    left -= len;
+                }
+                Err(source) => {
+                    for m in out {
+                        self.backing.release(m.grant);
+                        self.stats.on_return(m.len);
+                    }
+                    return Err(self.out_of_memory(wanted, source));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn out_of_memory(&self, wanted: u64, source: Refused) -> AllocError {
+        AllocError::OutOfMemory {
+            requested: Bytes(wanted),
+            held: self.stats.held,
+            allocated: self.stats.allocated,
+            source,
+        }
+    }
+
+    /// Unmaps and returns wholly free handles, the largest first, up to about `budget` bytes.
+    fn release_free(&mut self, budget: u64) -> u64 {
+        let gran = self.config.granularity.get();
+        let mut handles: Vec<(usize, u64, u64)> = Vec::new();
+        for (h, heap) in self.heaps.iter().enumerate() {
+            handles.extend(
+                heap.free_handles(gran, None)
+                    .into_iter()
+                    .map(|(va, l)| (h, va, l)),
+            );
+        }
+        handles.sort_by_key(|c| std::cmp::Reverse(c.2));
+        let mut released = 0;
+        for (h, va, l) in handles {
+            if released + l > budget {
+                continue;
+            }
+            let m = self.heaps[h].remove(va);
+            self.backing.unmap(m.grant, va);
+            self.stats.unmaps += 1;
+            self.backing.release(m.grant);
+            self.stats.on_return(m.len);
+            released += l;
+        }
+        released
+    }
+}

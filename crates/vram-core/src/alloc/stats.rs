@@ -1,0 +1,63 @@
+//! Counters the allocator keeps; PyTorch-style `memory_stats` are built from them.
+
+use crate::Bytes;
+
+/// A snapshot of the allocator's counters. `allocated` counts rounded block sizes, `requested`
+/// the sizes asked for; `held` is memory granted and not yet returned (mapped, used or cached);
+/// `cached` is `held - allocated`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct AllocStats {
+    pub allocated: Bytes,
+    pub allocated_peak: Bytes,
+    pub requested: Bytes,
+    pub requested_peak: Bytes,
+    pub held: Bytes,
+    pub held_peak: Bytes,
+    pub cached: Bytes,
+    pub allocs: u64,
+    pub frees: u64,
+    pub grants: u64,
+    pub maps: u64,
+    pub unmaps: u64,
+    pub returns: u64,
+    pub granted_bytes: Bytes,
+    pub mapped_bytes: Bytes,
+    pub refused: u64,
+}
+
+impl AllocStats {
+    pub(crate) fn on_alloc(&mut self, rounded: u64, requested: u64) {
+        self.allocs += 1;
+        self.allocated += Bytes(rounded);
+        self.requested += Bytes(requested);
+        self.allocated_peak = self.allocated_peak.max(self.allocated);
+        self.requested_peak = self.requested_peak.max(self.requested);
+        self.cached = self.held.saturating_sub(self.allocated);
+    }
+
+    pub(crate) fn on_free(&mut self, rounded: u64, requested: u64) {
+        self.frees += 1;
+        self.allocated -= Bytes(rounded);
+        self.requested -= Bytes(requested);
+        self.cached = self.held.saturating_sub(self.allocated);
+    }
+
+    pub(crate) fn on_grant(&mut self, bytes: u64) {
+        self.grants += 1;
+        self.granted_bytes += Bytes(bytes);
+        self.held += Bytes(bytes);
+        self.held_peak = self.held_peak.max(self.held);
+        self.cached = self.held.saturating_sub(self.allocated);
+    }
+
+    pub(crate) fn on_map(&mut self, bytes: u64) {
+        self.maps += 1;
+        self.mapped_bytes += Bytes(bytes);
+    }
+
+    pub(crate) fn on_return(&mut self, bytes: u64) {
+        self.returns += 1;
+        self.held -= Bytes(bytes);
+        self.cached = self.held.saturating_sub(self.allocated);
+    }
+}

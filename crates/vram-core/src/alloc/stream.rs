@@ -1,0 +1,76 @@
+//! Streams and fences: when a freed block may be handed to another stream.
+//!
+//! A block freed on stream `S` may be reused at once by `S` (its later work is ordered after the
+//! free), but by another stream only once the work queued on `S` at the free has finished. The
+//! caller records an event on `S` at the free and passes it in as a [`Fence`]; the allocator asks a
+//! [`Fences`] implementation whether it has completed. Fences of one stream must complete in the
+//! order they were recorded (true of CUDA events recorded on one stream), so a completed fence
+//! implies every earlier fence of that stream completed too.
+
+use std::collections::{BTreeMap, VecDeque};
+
+/// An opaque stream id (a `cudaStream_t` on CUDA, any number on the host backend).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+pub struct StreamId(pub u64);
+
+/// An opaque event recorded by the caller on the freeing stream at the moment of a free.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Fence(pub u64);
+
+/// Answers whether a fence has completed. Implemented by the caller (CUDA event query, or a test).
+pub trait Fences {
+    fn is_complete(&self, fence: Fence) -> bool;
+}
+
+/// A `Fences` for callers whose frees are always already complete (trace replay, synchronous use).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AlwaysComplete;
+
+impl Fences for AlwaysComplete {
+    fn is_complete(&self, _: Fence) -> bool {
+        true
+    }
+}
+
+/// Sequence number of a free whose fence has not been seen complete; larger is later.
+pub(crate) type Seq = u64;
+
+/// Frees waiting on fences, per stream, oldest first.
+#[derive(Debug, Default)]
+pub(crate) struct PendingFences {
+    queues: BTreeMap<StreamId, VecDeque<(Seq, Fence)>>,
+}
+
+impl PendingFences {
+    pub(crate) fn push(&mut self, stream: StreamId, seq: Seq, fence: Fence) {
+        self.queues
+            .entry(stream)
+            .or_default()
+            .push_back((seq, fence));
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.queues.is_empty()
+    }
+
+    /// For each stream, the latest sequence number whose fence has completed. Stops at a stream's
+    /// first incomplete fence: later ones cannot be complete before it.
+    pub(crate) fn poll<F: Fences + ?Sized>(&mut self, fences: &F) -> Vec<(StreamId, Seq)> {
+        let mut done = Vec::new();
+        self.queues.retain(|&stream, queue| {
+            let mut last = None;
+            while let Some(&(seq, fence)) = queue.front() {
+                if !fences.is_complete(fence) {
+                    break;
+                }
+                last = Some(seq);
+                queue.pop_front();
+            }
+            if let Some(seq) = last {
+                done.push((stream, seq));
+            }
+            !queue.is_empty()
+        });
+        done
+    }
+}
