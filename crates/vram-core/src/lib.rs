@@ -3,6 +3,7 @@
 
 pub mod alloc;
 pub mod broker;
+pub mod replay;
 pub mod trace;
 pub mod units;
 

@@ -10,8 +10,10 @@
 //!
 //! - Allocation: the request is rounded up to `align` (512 B size classes) and served best fit from
 //!   the free regions the stream may use. When none fits, the heap grows next to the usable free
-//!   region that needs the least new memory: first by moving wholly free handles from elsewhere
-//!   (unmap and map again, no new memory held), then by a grant sized to what is still missing.
+//!   region that needs the least new memory. While held memory stays within `grow_slack` of the
+//!   peak allocated, by a grant sized to the need (at least `min_grow`, split into handles of at
+//!   most `max_handle`); above it, first by moving wholly free handles from elsewhere (unmap and
+//!   map again, no new memory held), then by a grant of what is still missing.
 //! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once the
 //!   fence recorded at the free completes (see `stream.rs`).
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
@@ -59,6 +61,9 @@ pub struct AllocConfig {
     pub min_grow: Bytes,
     /// Grants larger than this are split into several handles, which can be moved or returned alone.
     pub max_handle: Bytes,
+    /// Held memory may exceed the peak of allocated bytes by this fraction before growth moves
+    /// free handles instead of granting new ones.
+    pub grow_slack: f64,
     /// Memory above the recent peak is returned only after this long (allocator time, µs).
     pub release_delay_us: u64,
     /// Headroom kept above the recent peak of allocated bytes, as a fraction of it.
@@ -73,7 +78,8 @@ impl Default for AllocConfig {
             small_limit: Bytes::mib(1),
             align: Bytes(512),
             min_grow: Bytes::mib(2),
-            max_handle: Bytes::gib(1),
+            max_handle: Bytes::mib(64),
+            grow_slack: 0.02,
             release_delay_us: 10_000_000,
             keep_fraction: 0.0625,
         }
@@ -322,7 +328,19 @@ impl<B: Backing> Allocator<B> {
                 requested: Bytes(len),
                 va: self.config.va_bytes,
             })?;
-        let moves = self.pick_moves(h, &site);
+        // Below the cap, grant: the slack lets later blocks wrap around into old holes instead of
+        // every growth moving handles. At the cap, move wholly free handles first.
+        let peak = self
+            .stats
+            .allocated_peak
+            .get()
+            .max(self.stats.allocated.get() + len);
+        let cap = peak + (peak as f64 * self.config.grow_slack) as u64;
+        let moves = if self.stats.held.get() + site.need <= cap {
+            Vec::new()
+        } else {
+            self.pick_moves(h, &site)
+        };
         let moved: u64 = moves.iter().map(|m| m.2).sum();
         let missing = site.need.saturating_sub(moved);
         let grants = if missing == 0 {

@@ -1,0 +1,135 @@
+//! Trace replay: runs a trace's allocations and frees through the allocator against a counting
+//! backing, and reports fragmentation and the driver time the backing calls would cost.
+//!
+//! Fragmentation is `1 - peak live requested bytes / peak bytes held` (held: granted and not yet
+//! returned, whether used, cached or mapped), so the allocator's rounding counts against it.
+//! Frees in a snapshot are `free_completed`: the work on them has finished, so every fence is
+//! complete at once. Each distinct stream value of the trace is a stream.
+
+mod cost;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+
+pub use cost::CostModel;
+
+use crate::alloc::{
+    AllocConfig, AllocError, Allocator, AlwaysComplete, Fence, ModelBacking, StreamId,
+};
+use crate::trace::{Action, Trace};
+use crate::Bytes;
+
+/// What one replay measured. Sizes are in bytes, times in microseconds.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct ReplayResult {
+    pub trace: String,
+    pub events: usize,
+    pub skipped_frees: usize,
+    pub peak_requested: u64,
+    pub peak_held: u64,
+    pub fragmentation: f64,
+    pub grants: u64,
+    pub maps: u64,
+    pub unmaps: u64,
+    pub returns: u64,
+    pub mapped_bytes: u64,
+    pub wall_us: u64,
+    /// Driver time under `cost_model`, and its share of the trace's wall time.
+    pub cost_model: &'static str,
+    pub modelled_driver_us: f64,
+    pub modelled_driver_time_share: f64,
+    /// The same share under DESIGN.md's table as written (set-access per MiB).
+    pub design_table_driver_time_share: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("trace `{trace}`, event {index}: {source}")]
+    Alloc {
+        trace: String,
+        index: usize,
+        source: AllocError,
+    },
+}
+
+/// How often the progress callback is called, in events.
+const PROGRESS_EVERY: usize = 4096;
+
+/// Replays `trace` (named `name` in the result) through an allocator built from `config`, on a
+/// backing without a capacity, priced with `costs`. `progress(done, total)` is called every few
+/// thousand events and once at the end.
+pub fn replay(
+    name: &str,
+    trace: &Trace,
+    config: &AllocConfig,
+    costs: &CostModel,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<ReplayResult, ReplayError> {
+    let mut a = Allocator::new(config.clone(), ModelBacking::new());
+    let mut blocks: HashMap<u64, u64> = HashMap::new();
+    let total = trace.events.len();
+    for (index, e) in trace.events.iter().enumerate() {
+        let err = |source| ReplayError::Alloc {
+            trace: name.to_string(),
+            index,
+            source,
+        };
+        let stream = StreamId(e.stream);
+        match e.action {
+            Action::Alloc => {
+                let b = a
+                    .alloc(Bytes(e.size), stream, &AlwaysComplete)
+                    .map_err(err)?;
+                blocks.insert(e.addr, b.offset);
+            }
+            Action::Free => {
+                let offset = blocks
+                    .remove(&e.addr)
+                    .expect("trace frees only what it allocated");
+                a.free(offset, stream, Fence(0), &AlwaysComplete)
+                    .map_err(err)?;
+            }
+        }
+        a.tick(e.time_us, &AlwaysComplete);
+        if index % PROGRESS_EVERY == 0 {
+            progress(index, total);
+        }
+    }
+    progress(total, total);
+    let stats = a.stats();
+    let counts = a.backing().counts();
+    let peak_held = a.backing().peak_held().get();
+    let peak_requested = stats.requested_peak.get();
+    let wall_us = trace.wall_us();
+    let share = |us: f64| {
+        if wall_us == 0 {
+            0.0
+        } else {
+            us / wall_us as f64
+        }
+    };
+    let modelled = costs.driver_us(&counts);
+    Ok(ReplayResult {
+        trace: name.to_string(),
+        events: total,
+        skipped_frees: trace.skipped_frees,
+        peak_requested,
+        peak_held,
+        fragmentation: if peak_held == 0 {
+            0.0
+        } else {
+            1.0 - peak_requested as f64 / peak_held as f64
+        },
+        grants: counts.grants,
+        maps: counts.maps,
+        unmaps: counts.unmaps,
+        returns: counts.releases,
+        mapped_bytes: counts.mapped_bytes,
+        wall_us,
+        cost_model: costs.name,
+        modelled_driver_us: modelled,
+        modelled_driver_time_share: share(modelled),
+        design_table_driver_time_share: share(CostModel::DESIGN_TABLE.driver_us(&counts)),
+    })
+}
