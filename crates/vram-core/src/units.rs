@@ -83,7 +83,7 @@ impl fmt::Display for Bytes {
         for (size, name) in UNITS {
             if self.0 >= size {
                 let v = self.0 as f64 / size as f64;
-                return if self.0 % size == 0 {
+                return if self.0.is_multiple_of(size) {
                     write!(f, "{} {name}", self.0 / size)
                 } else {
                     write!(f, "{v:.1} {name}")

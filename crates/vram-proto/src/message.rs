@@ -1,0 +1,157 @@
+//! The messages. Requests go from a client (tenant or tool) to the daemon; replies come back with
+//! the request's id. The daemon's own requests to a tenant (`Reply::Reclaim`) carry id 0.
+
+use serde::{Deserialize, Serialize};
+use vram_core::Bytes;
+
+/// One frame's payload: a correlation id and a message.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    pub id: u64,
+    pub msg: T,
+}
+
+/// A grant's id, unique within the daemon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct GrantId(pub u64);
+
+/// What a connecting process is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    /// A process that takes memory. Unset fields take the class's or the configuration's defaults.
+    Tenant {
+        name: String,
+        class: Option<String>,
+        guarantee: Option<Bytes>,
+        limit: Option<Bytes>,
+    },
+    /// A tool that only reads (`vramd status`, `vramd top`).
+    Observer,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    pub role: Role,
+    /// Which of the daemon's devices, by index; `None`: the first.
+    pub gpu: Option<u32>,
+    /// The client's name and version, for logs.
+    pub client: String,
+}
+
+/// Requests, client to daemon.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// Must come first on a connection (except `Status` and `Ping`, which need none).
+    Hello(Hello),
+    /// Asks for one handle of `bytes` (rounded up to the device granularity).
+    Grant {
+        bytes: Bytes,
+    },
+    /// Gives handles back.
+    Return {
+        grants: Vec<GrantId>,
+    },
+    /// The allocator's own figures, sent when they change noticeably. Answered with `Ack`.
+    Usage {
+        in_use: Bytes,
+        cached: Bytes,
+    },
+    /// Answer to a `Reclaim`: how much was returned (with `Return`) because of it.
+    ReclaimDone {
+        ask: u64,
+        returned: Bytes,
+    },
+    Status,
+    Ping,
+}
+
+/// What a device is, as a tenant needs to know it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceDesc {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    /// `host` or `cuda`.
+    pub backend: String,
+    pub capacity: Bytes,
+    pub granularity: Bytes,
+}
+
+/// The daemon's answer to a tenant's `Hello`: what it was admitted as.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Welcome {
+    pub tenant: u64,
+    pub name: String,
+    pub class: String,
+    pub priority: u32,
+    pub guarantee: Bytes,
+    pub limit: Bytes,
+    pub device: DeviceDesc,
+}
+
+/// Machine-readable kind of an error reply.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// A grant refused by policy; `reason` in [`ErrorReply`] says which rule.
+    Refused,
+    /// A `Hello` refused: bad name, unknown class, guarantee unavailable, name in use.
+    Admission,
+    /// The peer's uid is not allowed to use the daemon.
+    PermissionDenied,
+    /// A request that needs `Hello` came first, or `Hello` came twice.
+    NotRegistered,
+    /// A grant id the tenant does not hold.
+    UnknownGrant,
+    /// The frame could not be decoded; the connection stays open.
+    Malformed,
+    /// The frame could not be trusted (bad magic, oversized, version); the connection is closed.
+    Protocol,
+    /// The device failed (out of physical memory, driver error).
+    Device,
+    /// The daemon is shutting down.
+    ShuttingDown,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorReply {
+    pub code: ErrorCode,
+    /// For `Refused`: the broker's rule (`over_limit`, `device_full`, `priority_reserve`, ...).
+    pub reason: Option<String>,
+    /// Human-readable, with the numbers in it.
+    pub message: String,
+}
+
+impl std::fmt::Display for ErrorReply {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ErrorReply {}
+
+/// Replies, daemon to client.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum Reply {
+    Welcome(Welcome),
+    /// One handle; its exported file descriptor travels with this frame.
+    Granted {
+        grant: GrantId,
+        size: Bytes,
+    },
+    /// Grants taken back; what the tenant holds now.
+    Returned {
+        bytes: Bytes,
+        held: Bytes,
+    },
+    Ack,
+    Status(Box<crate::StatusReport>),
+    Pong,
+    Error(ErrorReply),
+    /// The daemon asks the tenant to return up to `bytes` of idle memory within `deadline_ms`, then
+    /// answer with `ReclaimDone`. Sent unsolicited, with envelope id 0.
+    Reclaim {
+        ask: u64,
+        bytes: Bytes,
+        deadline_ms: u32,
+    },
+}

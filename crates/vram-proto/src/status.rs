@@ -1,0 +1,60 @@
+//! The daemon's state as `vramd status --json`, `/status` and `vramd top` see it.
+
+use serde::{Deserialize, Serialize};
+use vram_core::Bytes;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub daemon: DaemonInfo,
+    pub devices: Vec<DeviceStatus>,
+    pub tenants: Vec<TenantStatus>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DaemonInfo {
+    pub pid: u32,
+    pub version: String,
+    pub uptime_seconds: f64,
+    pub socket: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceStatus {
+    pub index: u32,
+    pub uuid: String,
+    pub name: String,
+    pub backend: String,
+    pub capacity: Bytes,
+    pub granularity: Bytes,
+    /// Granted to tenants.
+    pub held: Bytes,
+    /// Created ahead of demand and not yet granted (the daemon's own, given up under pressure).
+    pub pooled: Bytes,
+    /// Guarantees not taken up yet.
+    pub reserved: Bytes,
+    /// What a tenant without a guarantee could still borrow.
+    pub free: Bytes,
+    /// Physical memory the daemon has created and not released (held + pooled + in flight).
+    pub device_used: Bytes,
+    pub protocol_errors: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantStatus {
+    pub id: u64,
+    pub name: String,
+    pub gpu: u32,
+    pub class: String,
+    pub priority: u32,
+    pub guarantee: Bytes,
+    pub limit: Bytes,
+    pub held: Bytes,
+    pub in_use: Bytes,
+    pub cached: Bytes,
+    pub handles: u64,
+    pub pid: u32,
+    pub uid: u32,
+    pub grants: u64,
+    pub returns: u64,
+    pub refusals: std::collections::BTreeMap<String, u64>,
+}
