@@ -1,1 +1,21 @@
+//! vram-client: what a tenant process links to talk to vramd.
+//!
+//! [`Client::connect`] registers the process as a tenant; [`Client::grant`] takes a handle of
+//! device memory, imported into this process and ready to map; [`Client::give_back`] returns
+//! handles. The daemon may ask for idle memory back at any time: [`Client::on_reclaim`] installs
+//! what answers it (the caching allocator's trim).
 
+mod connection;
+mod error;
+
+pub use connection::{Client, Grant, Observer, ReclaimHandler, TenantOptions};
+pub use error::ClientError;
+
+use std::path::PathBuf;
+
+/// The daemon's socket: `VRAMD_SOCKET` if set, else the default path.
+pub fn default_socket() -> PathBuf {
+    std::env::var_os(vram_proto::SOCKET_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(vram_proto::DEFAULT_SOCKET))
+}

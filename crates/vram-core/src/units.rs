@@ -178,7 +178,12 @@ impl<'de> Deserialize<'de> for Bytes {
                 v.parse().map_err(E::custom)
             }
         }
-        d.deserialize_any(V)
+        // Binary formats (the wire protocol) carry a plain u64 and cannot describe themselves.
+        if d.is_human_readable() {
+            d.deserialize_any(V)
+        } else {
+            u64::deserialize(d).map(Bytes)
+        }
     }
 }
 

@@ -16,6 +16,9 @@ pub struct DaemonInfo {
     pub version: String,
     pub uptime_seconds: f64,
     pub socket: String,
+    /// Frames refused since start (malformed, oversized, wrong version, bad magic).
+    pub protocol_errors: u64,
+    pub connections: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -36,7 +39,6 @@ pub struct DeviceStatus {
     pub free: Bytes,
     /// Physical memory the daemon has created and not released (held + pooled + in flight).
     pub device_used: Bytes,
-    pub protocol_errors: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,1 +1,51 @@
-fn main() {}
+//! The `vramd` command line.
+
+use clap::{Parser, Subcommand};
+use vramd::cmd;
+
+/// vramd: a GPU memory broker. One daemon per node owns the GPUs' memory and hands it to tenant
+/// processes under guarantees, limits and priorities; a crashed tenant's memory comes back at once.
+///
+/// Without a GPU, the host backend serves memfd-backed shared memory, so everything runs anywhere.
+/// Try `vramd demo`.
+#[derive(Parser)]
+#[command(version, propagate_version = true)]
+struct Cli {
+    /// Log format of the daemon and tools.
+    #[arg(long, global = true, value_enum, default_value = "text")]
+    log_format: cmd::LogFormat,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon.
+    Serve(cmd::serve::Args),
+    /// Show devices and tenants of a running daemon.
+    Status(cmd::status::Args),
+    /// Start a daemon on a 16 GiB host-backend device and three tenant processes, one of which is
+    /// killed midway; report grants, refusals, reclaimed memory and whether every pattern verified.
+    Demo(cmd::demo::Args),
+    /// A scripted tenant process (used by `demo` and the tests).
+    #[command(hide = true)]
+    Tenant(cmd::tenant::Args),
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    cmd::init_logging(cli.log_format, matches!(cli.command, Command::Serve(_)));
+    let result = match cli.command {
+        Command::Serve(a) => cmd::serve::run(a),
+        Command::Status(a) => cmd::status::run(a),
+        Command::Demo(a) => cmd::demo::run(a),
+        Command::Tenant(a) => cmd::tenant::run(a),
+    };
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("vramd: {e:#}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}

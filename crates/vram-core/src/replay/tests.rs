@@ -115,3 +115,76 @@ fn counts_and_fragmentation_of_a_small_trace() {
         assert!(json.get(key).is_some(), "{key} missing");
     }
 }
+
+#[test]
+#[ignore]
+fn explore() {
+    let dir = traces_dir().unwrap();
+    let config: AllocConfig = std::env::var("CFG")
+        .map(|s| serde_json::from_str(&s).unwrap())
+        .unwrap_or_default();
+    for name in TRACES {
+        let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
+        let trace = parse_snapshot(&bytes).unwrap();
+        let r = replay(
+            name,
+            &trace,
+            &config,
+            &CostModel::H200_MEASURED,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        eprintln!(
+            "{:20} req {:6.0}M held {:6.0}M frag {:5.2}% g {:4} m {:4} u {:4} r {:4} share {:5.2}% design {:5.2}%",
+            name,
+            r.peak_requested as f64 / 1048576.0,
+            r.peak_held as f64 / 1048576.0,
+            r.fragmentation * 100.0,
+            r.grants, r.maps, r.unmaps, r.returns,
+            r.modelled_driver_time_share * 100.0,
+            r.design_table_driver_time_share * 100.0
+        );
+    }
+}
+
+#[test]
+#[ignore]
+fn histo() {
+    let dir = traces_dir().unwrap();
+    for name in TRACES {
+        let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
+        let trace = parse_snapshot(&bytes).unwrap();
+        let mut small = 0i64;
+        let mut large = 0i64;
+        let mut ps = 0;
+        let mut pl = 0;
+        let mut pt = 0;
+        let mut h = [0u64; 12];
+        let mut streams = std::collections::BTreeSet::new();
+        for e in &trace.events {
+            streams.insert(e.stream);
+            let s = e.size as i64;
+            let d = if e.action == Action::Alloc { s } else { -s };
+            if e.size < Bytes::MIB {
+                small += d
+            } else {
+                large += d
+            }
+            if e.action == Action::Alloc {
+                let b = (64 - e.size.leading_zeros() as usize).saturating_sub(10) / 2;
+                h[b.min(11)] += 1;
+            }
+            ps = ps.max(small);
+            pl = pl.max(large);
+            pt = pt.max(small + large);
+        }
+        eprintln!(
+            "{name}: peak small {} large {} total {} streams {:?} hist(4^k KiB) {:?}",
+            ps >> 20,
+            pl >> 20,
+            pt >> 20,
+            streams.len(),
+            h
+        );
+    }
+}

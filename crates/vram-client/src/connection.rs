@@ -1,0 +1,375 @@
+//! The connection to the daemon: a reader thread that routes replies to the threads waiting for
+//! them, and the daemon's reclaim requests to a worker that answers them.
+
+use std::collections::HashMap;
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::thread;
+
+use vram_core::Bytes;
+use vram_device::{Device, Handle};
+use vram_proto::{
+    Conn, ErrorCode, ErrorReply, GrantId, Hello, ProtoError, Received, Reply, Request, Role,
+    StatusReport, Welcome,
+};
+
+use crate::ClientError;
+
+/// How a process asks to be admitted. Unset fields take the daemon's defaults for the class.
+#[derive(Debug, Clone, Default)]
+pub struct TenantOptions {
+    pub name: String,
+    pub class: Option<String>,
+    pub guarantee: Option<Bytes>,
+    pub limit: Option<Bytes>,
+    /// Which of the daemon's devices; `None`: the first.
+    pub gpu: Option<u32>,
+}
+
+impl TenantOptions {
+    pub fn named(name: impl Into<String>) -> TenantOptions {
+        TenantOptions {
+            name: name.into(),
+            ..TenantOptions::default()
+        }
+    }
+}
+
+/// Memory granted to this tenant: one handle, imported and ready to map. Give it back with
+/// [`Client::give_back`]; dropping it without doing so keeps it counted against the tenant until
+/// the process exits.
+#[derive(Debug)]
+pub struct Grant {
+    pub id: GrantId,
+    pub handle: Handle,
+}
+
+impl Grant {
+    pub fn size(&self) -> Bytes {
+        self.handle.size()
+    }
+}
+
+/// Answers the daemon's request for `Bytes` of idle memory; returns how much it gave back.
+pub type ReclaimHandler = Box<dyn Fn(&Client, Bytes) -> Bytes + Send + Sync>;
+
+type Waiters = Mutex<HashMap<u64, SyncSender<Result<Received<Reply>, String>>>>;
+
+struct Shared {
+    conn: Conn,
+    next_id: AtomicU64,
+    waiters: Waiters,
+    dead: AtomicBool,
+    dead_reason: Mutex<String>,
+}
+
+impl Shared {
+    fn call(&self, request: &Request) -> Result<Received<Reply>, ClientError> {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.waiters.lock().expect("waiters").insert(id, tx);
+        if self.dead.load(Ordering::Acquire) {
+            self.waiters.lock().expect("waiters").remove(&id);
+            return Err(ClientError::Lost(
+                self.dead_reason.lock().expect("reason").clone(),
+            ));
+        }
+        if let Err(e) = self.conn.send(id, request, &[]) {
+            self.waiters.lock().expect("waiters").remove(&id);
+            return Err(e.into());
+        }
+        match rx.recv() {
+            Ok(Ok(r)) => match r.msg {
+                Reply::Error(e) => Err(ClientError::Daemon(e)),
+                _ => Ok(r),
+            },
+            Ok(Err(reason)) => Err(ClientError::Lost(reason)),
+            Err(_) => Err(ClientError::Lost("reader stopped".into())),
+        }
+    }
+
+    fn fail_all(&self, reason: String) {
+        *self.dead_reason.lock().expect("reason") = reason.clone();
+        self.dead.store(true, Ordering::Release);
+        for (_, tx) in self.waiters.lock().expect("waiters").drain() {
+            let _ = tx.try_send(Err(reason.clone()));
+        }
+    }
+}
+
+/// A registered tenant's connection to vramd. Cheap to share across threads (`&Client`).
+pub struct Client {
+    shared: Arc<Shared>,
+    welcome: Welcome,
+    device: Arc<dyn Device>,
+    reclaim: Arc<Mutex<Option<ReclaimHandler>>>,
+    /// The application's handle (not the reclaim worker's view): closes the connection on drop.
+    owner: bool,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("welcome", &self.welcome)
+            .finish()
+    }
+}
+
+fn connect_stream(path: &Path) -> Result<UnixStream, ClientError> {
+    UnixStream::connect(path).map_err(|source| ClientError::Connect {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+fn start_reader(shared: Arc<Shared>, reclaims: Option<SyncSender<(u64, Bytes)>>) {
+    thread::Builder::new()
+        .name("vram-client-reader".into())
+        .spawn(move || loop {
+            match shared.conn.recv::<Reply>() {
+                Ok(r) if r.id == 0 => {
+                    if let (Reply::Reclaim { ask, bytes, .. }, Some(tx)) = (&r.msg, &reclaims) {
+                        // A full queue means a reclaim is already pending; this one can wait for it.
+                        let _ = tx.try_send((*ask, *bytes));
+                    }
+                }
+                Ok(r) => {
+                    let waiter = shared.waiters.lock().expect("waiters").remove(&r.id);
+                    if let Some(tx) = waiter {
+                        let _ = tx.try_send(Ok(r));
+                    }
+                }
+                // A reply this client cannot read leaves a caller waiting forever: give up on all.
+                Err(e) => {
+                    let reason = match e {
+                        ProtoError::Closed => "vramd closed the connection".to_string(),
+                        e => e.to_string(),
+                    };
+                    shared.fail_all(reason);
+                    return;
+                }
+            }
+        })
+        .expect("spawn reader thread");
+}
+
+impl Client {
+    /// Connects to the daemon at `socket` (or [`crate::default_socket`]) and registers as a tenant.
+    pub fn connect(socket: Option<&Path>, opts: &TenantOptions) -> Result<Client, ClientError> {
+        let path: PathBuf = socket.map_or_else(crate::default_socket, Path::to_path_buf);
+        let stream = connect_stream(&path)?;
+        let shared = Arc::new(Shared {
+            conn: Conn::new(stream),
+            next_id: AtomicU64::new(1),
+            waiters: Mutex::new(HashMap::new()),
+            dead: AtomicBool::new(false),
+            dead_reason: Mutex::new(String::new()),
+        });
+        let (reclaim_tx, reclaim_rx) = mpsc::sync_channel(1);
+        start_reader(shared.clone(), Some(reclaim_tx));
+        let hello = Hello {
+            role: Role::Tenant {
+                name: opts.name.clone(),
+                class: opts.class.clone(),
+                guarantee: opts.guarantee,
+                limit: opts.limit,
+            },
+            gpu: opts.gpu,
+            client: format!("vram-client {}", env!("CARGO_PKG_VERSION")),
+        };
+        let welcome = match shared.call(&Request::Hello(hello))?.msg {
+            Reply::Welcome(w) => w,
+            other => return Err(unexpected("Hello", &other)),
+        };
+        let device = open_device(&welcome)?;
+        let client = Client {
+            shared,
+            welcome,
+            device,
+            reclaim: Arc::new(Mutex::new(None)),
+            owner: true,
+        };
+        client.start_reclaim_worker(reclaim_rx);
+        Ok(client)
+    }
+
+    fn start_reclaim_worker(&self, rx: Receiver<(u64, Bytes)>) {
+        // The worker holds its own Client view (same connection), so a handler can give back.
+        let view = Client {
+            shared: self.shared.clone(),
+            welcome: self.welcome.clone(),
+            device: self.device.clone(),
+            reclaim: self.reclaim.clone(),
+            owner: false,
+        };
+        thread::Builder::new()
+            .name("vram-client-reclaim".into())
+            .spawn(move || {
+                for (ask, bytes) in rx {
+                    let returned = match view.reclaim.lock().expect("reclaim").as_ref() {
+                        Some(handler) => handler(&view, bytes),
+                        None => Bytes::ZERO,
+                    };
+                    if view
+                        .shared
+                        .call(&Request::ReclaimDone { ask, returned })
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            })
+            .expect("spawn reclaim thread");
+    }
+
+    /// What the daemon admitted this tenant as (name, class, guarantee, limit, device).
+    pub fn welcome(&self) -> &Welcome {
+        &self.welcome
+    }
+
+    /// This process's view of the device: import, reserve and map granted handles with it.
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// Takes one handle of at least `bytes` (rounded up to the device's granularity).
+    pub fn grant(&self, bytes: Bytes) -> Result<Grant, ClientError> {
+        let r = self.shared.call(&Request::Grant { bytes })?;
+        let Reply::Granted { grant, size } = r.msg else {
+            return Err(unexpected("Grant", &r.msg));
+        };
+        let Some(fd) = r.fds.into_iter().next() else {
+            return Err(ClientError::Proto(ProtoError::MissingFds {
+                announced: 1,
+                received: 0,
+            }));
+        };
+        if size < bytes {
+            return Err(ClientError::Short {
+                got: size,
+                want: bytes,
+            });
+        }
+        let handle = self.device.import(fd, size)?;
+        Ok(Grant { id: grant, handle })
+    }
+
+    /// Returns grants to the daemon; answers what this tenant holds afterwards.
+    pub fn give_back(&self, grants: Vec<Grant>) -> Result<Bytes, ClientError> {
+        let ids = grants.iter().map(|g| g.id).collect();
+        // Our imports go before the daemon reuses anything; it never hands the same memory to
+        // another tenant anyway (see the broker's freshness rule).
+        drop(grants);
+        self.give_back_ids(ids)
+    }
+
+    /// Returns grants by id (their handles already dropped by the caller).
+    pub fn give_back_ids(&self, grants: Vec<GrantId>) -> Result<Bytes, ClientError> {
+        match self.shared.call(&Request::Return { grants })?.msg {
+            Reply::Returned { held, .. } => Ok(held),
+            other => Err(unexpected("Return", &other)),
+        }
+    }
+
+    /// Tells the daemon what the allocator uses and caches, for status, metrics and reclaim.
+    pub fn report_usage(&self, in_use: Bytes, cached: Bytes) -> Result<(), ClientError> {
+        self.shared
+            .call(&Request::Usage { in_use, cached })
+            .map(drop)
+    }
+
+    /// Installs what answers the daemon's requests for idle memory.
+    pub fn on_reclaim(&self, handler: ReclaimHandler) {
+        *self.reclaim.lock().expect("reclaim") = Some(handler);
+    }
+
+    pub fn status(&self) -> Result<StatusReport, ClientError> {
+        status_call(&self.shared)
+    }
+
+    pub fn ping(&self) -> Result<(), ClientError> {
+        self.shared.call(&Request::Ping).map(drop)
+    }
+
+    /// The raw connection, for tests that must misbehave on purpose.
+    pub fn conn(&self) -> &Conn {
+        &self.shared.conn
+    }
+
+    /// The connection's socket fd, for tests that pass it on.
+    pub fn socket_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.shared.conn.stream().as_fd()
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        // Closing the socket ends the reader thread, which ends the reclaim worker.
+        if self.owner {
+            let _ = self.shared.conn.stream().shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// A read-only connection for tools: status without registering as a tenant.
+pub struct Observer {
+    shared: Arc<Shared>,
+}
+
+impl Observer {
+    pub fn connect(socket: Option<&Path>) -> Result<Observer, ClientError> {
+        let path: PathBuf = socket.map_or_else(crate::default_socket, Path::to_path_buf);
+        let stream = connect_stream(&path)?;
+        let shared = Arc::new(Shared {
+            conn: Conn::new(stream),
+            next_id: AtomicU64::new(1),
+            waiters: Mutex::new(HashMap::new()),
+            dead: AtomicBool::new(false),
+            dead_reason: Mutex::new(String::new()),
+        });
+        start_reader(shared.clone(), None);
+        Ok(Observer { shared })
+    }
+
+    pub fn status(&self) -> Result<StatusReport, ClientError> {
+        status_call(&self.shared)
+    }
+}
+
+impl Drop for Observer {
+    fn drop(&mut self) {
+        let _ = self.shared.conn.stream().shutdown(std::net::Shutdown::Both);
+    }
+}
+
+fn status_call(shared: &Shared) -> Result<StatusReport, ClientError> {
+    match shared.call(&Request::Status)?.msg {
+        Reply::Status(s) => Ok(*s),
+        other => Err(unexpected("Status", &other)),
+    }
+}
+
+fn unexpected(request: &'static str, reply: &Reply) -> ClientError {
+    ClientError::Unexpected {
+        request,
+        reply: format!("{reply:?}"),
+    }
+}
+
+fn open_device(w: &Welcome) -> Result<Arc<dyn Device>, ClientError> {
+    match w.device.backend.as_str() {
+        "host" => Ok(Arc::new(vram_device::HostDevice::for_client(
+            w.device.granularity,
+        )?)),
+        "cuda" => Ok(Arc::new(vram_device::CudaDevice::open(&w.device.uuid)?)),
+        other => Err(ClientError::Daemon(ErrorReply {
+            code: ErrorCode::Device,
+            reason: None,
+            message: format!("the daemon's device backend `{other}` is unknown to this client"),
+        })),
+    }
+}

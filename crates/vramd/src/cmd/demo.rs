@@ -1,0 +1,445 @@
+//! `vramd demo`: the whole system on a laptop. A daemon on a 16 GiB host-backend device and three
+//! real tenant processes — a high-priority trainer with a guarantee and two borrowers — take
+//! memory, write and verify patterns, run into their limits; one borrower is SIGKILLed midway and
+//! its memory must be back at once. Exits non-zero if any invariant fails.
+
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::Value;
+use vram_client::Observer;
+use vram_core::Bytes;
+use vram_proto::StatusReport;
+
+use super::status::render;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Keep the temporary directory (socket, daemon log) for inspection.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+const CAPACITY: Bytes = Bytes::gib(16);
+const CHUNK: &str = "512MiB";
+
+struct TenantProc {
+    name: &'static str,
+    child: Child,
+    stdin: ChildStdin,
+    lines: Receiver<String>,
+}
+
+impl TenantProc {
+    fn spawn(
+        exe: &Path,
+        socket: &Path,
+        name: &'static str,
+        flags: &[&str],
+    ) -> anyhow::Result<TenantProc> {
+        let mut child = Command::new(exe)
+            .arg("tenant")
+            .arg("--socket")
+            .arg(socket)
+            .args(["--name", name])
+            .args(flags)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start tenant {name}"))?;
+        let stdin = child.stdin.take().expect("piped");
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let mut t = TenantProc {
+            name,
+            child,
+            stdin,
+            lines,
+        };
+        let hello = t.next()?;
+        if hello["event"] != "welcome" {
+            bail!("tenant {name} was not admitted: {hello}");
+        }
+        Ok(t)
+    }
+
+    fn next(&mut self) -> anyhow::Result<Value> {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(60))
+            .with_context(|| format!("tenant {} did not answer", self.name))?;
+        Ok(serde_json::from_str(&line)?)
+    }
+
+    fn cmd(&mut self, line: &str) -> anyhow::Result<Value> {
+        writeln!(self.stdin, "{line}").with_context(|| format!("tenant {} is gone", self.name))?;
+        self.next()
+    }
+}
+
+/// One line of the final report.
+struct Check {
+    what: String,
+    ok: bool,
+}
+
+struct Report {
+    checks: Vec<Check>,
+    live: bool,
+}
+
+impl Report {
+    fn check(&mut self, ok: bool, what: impl Into<String>) {
+        let what = what.into();
+        if !self.live {
+            println!("  [{}] {what}", if ok { "ok" } else { "FAILED" });
+        }
+        self.checks.push(Check { what, ok });
+    }
+}
+
+pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    let dir = tempfile::Builder::new().prefix("vramd-demo-").tempdir()?;
+    let socket = dir.path().join("vramd.sock");
+    let exe = std::env::current_exe().context("cannot find the vramd executable")?;
+    println!(
+        "vramd demo: a daemon on a {CAPACITY} host-backend device (memfd-backed; sparse, so it costs only what is touched)"
+    );
+    println!("  socket and daemon log in {}", dir.path().display());
+    let mut daemon = start_daemon(&exe, &socket, &dir.path().join("vramd.log"))?;
+    let result = scenario(&exe, &socket);
+    // Stop the daemon whatever happened, and check that it stops cleanly.
+    let _ = rustix::process::kill_process(
+        rustix::process::Pid::from_child(&daemon),
+        rustix::process::Signal::TERM,
+    );
+    let status = wait_timeout(&mut daemon, Duration::from_secs(10))?;
+    let mut report = result?;
+    report.live = false;
+    report.check(
+        status == Some(0),
+        format!("the daemon stopped cleanly on SIGTERM ({status:?})"),
+    );
+    let failed = report.checks.iter().filter(|c| !c.ok).count();
+    println!("\n== Report");
+    for c in &report.checks {
+        println!("  [{}] {}", if c.ok { "ok" } else { "FAILED" }, c.what);
+    }
+    if args.keep {
+        let kept: PathBuf = dir.keep();
+        println!("\nkept {}", kept.display());
+    }
+    if failed == 0 {
+        println!("\nall {} invariants held", report.checks.len());
+        Ok(std::process::ExitCode::SUCCESS)
+    } else {
+        println!("\n{failed} of {} invariants FAILED", report.checks.len());
+        Ok(std::process::ExitCode::from(1))
+    }
+}
+
+fn start_daemon(exe: &Path, socket: &Path, log: &Path) -> anyhow::Result<Child> {
+    let log = std::fs::File::create(log)?;
+    let child = Command::new(exe)
+        .args(["serve", "--backend", "host", "--capacity"])
+        .arg(CAPACITY.to_string().replace(' ', ""))
+        .arg("--socket")
+        .arg(socket)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()
+        .context("cannot start the daemon")?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if Observer::connect(Some(socket))
+            .and_then(|o| o.status())
+            .is_ok()
+        {
+            return Ok(child);
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    bail!("the daemon did not come up within 10 s")
+}
+
+fn status(socket: &Path) -> anyhow::Result<StatusReport> {
+    Ok(Observer::connect(Some(socket))?.status()?)
+}
+
+/// Redraws the status table in place while the scenario runs (only on a terminal).
+struct LiveTable {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl LiveTable {
+    fn start(socket: &Path) -> LiveTable {
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = std::io::stdout().is_terminal().then(|| {
+            let stop = stop.clone();
+            let socket = socket.to_path_buf();
+            std::thread::spawn(move || {
+                let mut lines = 0;
+                while !stop.load(Ordering::Acquire) {
+                    if let Ok(s) = status(&socket) {
+                        let table = render(&s);
+                        let mut out = std::io::stdout().lock();
+                        // Move up over the previous table and clear to the end of the screen.
+                        if lines > 0 {
+                            let _ = write!(out, "\x1b[{lines}A\x1b[J");
+                        }
+                        let _ = write!(out, "{table}");
+                        let _ = out.flush();
+                        lines = table.lines().count();
+                    }
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+            })
+        });
+        LiveTable { stop, thread }
+    }
+
+    fn is_live(&self) -> bool {
+        self.thread.is_some()
+    }
+}
+
+impl Drop for LiveTable {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn step(live: bool, title: &str) {
+    if !live {
+        println!("\n-- {title}");
+    }
+}
+
+fn refusal(v: &Value) -> Option<String> {
+    v["refused"]["reason"].as_str().map(str::to_string)
+}
+
+fn gib(v: &Value, key: &str) -> String {
+    Bytes(v[key].as_u64().unwrap_or(0)).to_string()
+}
+
+fn scenario(exe: &Path, socket: &Path) -> anyhow::Result<Report> {
+    let mut trainer = TenantProc::spawn(
+        exe,
+        socket,
+        "trainer",
+        &["--class", "high", "--guarantee", "6GiB", "--limit", "10GiB"],
+    )?;
+    let mut a = TenantProc::spawn(
+        exe,
+        socket,
+        "borrower-a",
+        &["--class", "normal", "--limit", "5GiB"],
+    )?;
+    let mut b = TenantProc::spawn(
+        exe,
+        socket,
+        "borrower-b",
+        &["--class", "low", "--limit", "6GiB"],
+    )?;
+    let live = LiveTable::start(socket);
+    let mut r = Report {
+        checks: Vec::new(),
+        live: live.is_live(),
+    };
+    let mut notes = Vec::new();
+
+    step(
+        r.live,
+        "trainer (high, guarantee 6 GiB, limit 10 GiB) takes its guarantee",
+    );
+    let t1 = trainer.cmd(&format!("take 6GiB {CHUNK}"))?;
+    r.check(
+        refusal(&t1).is_none() && t1["taken"] == Bytes::gib(6).get(),
+        format!(
+            "trainer took {} of its guarantee, never refused",
+            gib(&t1, "taken")
+        ),
+    );
+
+    step(r.live, "borrower-a (normal, limit 5 GiB) asks for 6 GiB");
+    let a1 = a.cmd(&format!("take 6GiB {CHUNK}"))?;
+    r.check(
+        refusal(&a1).as_deref() == Some("over_limit"),
+        format!(
+            "borrower-a stopped at its limit with {} held: {}",
+            gib(&a1, "held"),
+            a1["refused"]["message"]
+        ),
+    );
+
+    step(
+        r.live,
+        "borrower-b (low, limit 6 GiB) asks for 6 GiB of what is left",
+    );
+    let b1 = b.cmd(&format!("take 6GiB {CHUNK}"))?;
+    let b_reason = refusal(&b1);
+    r.check(
+        matches!(
+            b_reason.as_deref(),
+            Some("device_full" | "priority_reserve")
+        ),
+        format!(
+            "borrower-b refused when the device filled, with {} held: {}",
+            gib(&b1, "held"),
+            b1["refused"]["message"]
+        ),
+    );
+
+    step(r.live, "everyone verifies the patterns they wrote");
+    for t in [&mut trainer, &mut a, &mut b] {
+        let v = t.cmd("verify")?;
+        r.check(
+            v["ok"] == true,
+            format!("{}: {} grants verified", t.name, v["checked"]),
+        );
+    }
+
+    step(
+        r.live,
+        "borrower-a marks 2 GiB idle; the trainer grows 2 GiB above its guarantee",
+    );
+    a.cmd("cache 2GiB")?;
+    let before = Instant::now();
+    let t2 = trainer.cmd(&format!("take 2GiB {CHUNK}"))?;
+    r.check(
+        refusal(&t2).is_none(),
+        format!(
+            "trainer grew to {} in {:.0} ms: the daemon asked borrower-a for its idle memory",
+            gib(&t2, "held"),
+            before.elapsed().as_secs_f64() * 1e3
+        ),
+    );
+
+    step(
+        r.live,
+        "borrower-b is killed with SIGKILL while holding memory",
+    );
+    let s0 = status(socket)?;
+    let b_held = s0
+        .tenants
+        .iter()
+        .find(|t| t.name == "borrower-b")
+        .map_or(Bytes::ZERO, |t| t.held);
+    let killed = Instant::now();
+    b.child.kill()?;
+    let _ = b.child.wait();
+    let back = loop {
+        let s = status(socket)?;
+        if !s.tenants.iter().any(|t| t.name == "borrower-b") {
+            break Some((killed.elapsed(), s));
+        }
+        if killed.elapsed() > Duration::from_secs(5) {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    match back {
+        Some((elapsed, s)) => {
+            let freed = s0.devices[0].held.saturating_sub(s.devices[0].held);
+            r.check(
+                elapsed < Duration::from_millis(100) && freed == b_held,
+                format!(
+                    "borrower-b's {b_held} was back in {:.1} ms (held {} -> {})",
+                    elapsed.as_secs_f64() * 1e3,
+                    s0.devices[0].held,
+                    s.devices[0].held
+                ),
+            );
+        }
+        None => r.check(false, "borrower-b's memory did not come back within 5 s"),
+    }
+
+    step(r.live, "the trainer grows into the memory borrower-b held");
+    let t3 = trainer.cmd(&format!("take 1GiB {CHUNK}"))?;
+    r.check(
+        refusal(&t3).is_none(),
+        format!("trainer now holds {}", gib(&t3, "held")),
+    );
+    for t in [&mut trainer, &mut a] {
+        let v = t.cmd("verify")?;
+        r.check(
+            v["ok"] == true,
+            format!(
+                "{}: {} grants verified after the kill",
+                t.name, v["checked"]
+            ),
+        );
+    }
+
+    step(r.live, "the survivors exit and give everything back");
+    for mut t in [trainer, a] {
+        t.cmd("exit")?;
+        let code = t.child.wait()?;
+        r.check(code.success(), format!("{} exited cleanly", t.name));
+    }
+    // The pool may be refilling (creating ahead) at this moment: give it a moment to settle.
+    let mut s = status(socket)?;
+    let settle = Instant::now() + Duration::from_secs(2);
+    while s.devices[0].device_used != s.devices[0].pooled && Instant::now() < settle {
+        std::thread::sleep(Duration::from_millis(20));
+        s = status(socket)?;
+    }
+    drop(live);
+    if r.live {
+        println!();
+    }
+    r.check(
+        s.tenants.is_empty()
+            && s.devices[0].held == Bytes::ZERO
+            && s.devices[0].device_used == s.devices[0].pooled,
+        format!(
+            "nothing held at the end (held {}, device memory in use {} = pooled {})",
+            s.devices[0].held, s.devices[0].device_used, s.devices[0].pooled
+        ),
+    );
+    notes.push(format!(
+        "grants: trainer {}, borrower-a {}, borrower-b {}",
+        t1["grants"].as_u64().unwrap_or(0)
+            + t2["grants"].as_u64().unwrap_or(0)
+            + t3["grants"].as_u64().unwrap_or(0),
+        a1["grants"],
+        b1["grants"]
+    ));
+    for n in notes {
+        println!("  {n}");
+    }
+    Ok(r)
+}
+
+fn wait_timeout(child: &mut Child, limit: Duration) -> anyhow::Result<Option<i32>> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(s.code());
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            return Ok(None);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}

@@ -1,0 +1,152 @@
+//! `vramd serve`: the daemon.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use vram_core::Bytes;
+use vram_device::{cuda, CudaDevice, Device, HostDevice};
+
+use crate::config::{BackendChoice, Config};
+use crate::server::{ServeOptions, Server};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Where to listen [default: the config's `socket`, else VRAMD_SOCKET, else /run/vramd/vramd.sock]
+    #[arg(long, short = 's')]
+    pub socket: Option<PathBuf>,
+    /// A TOML configuration file (classes, declared tenants, socket mode, allowed uids, pool).
+    #[arg(long, short = 'c')]
+    pub config: Option<PathBuf>,
+    /// Which memory to serve: auto picks cuda where a GPU is found, else host.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendChoice>,
+    /// Capacity of the host backend's device (e.g. `16GiB`); on cuda, a cap below the GPU's memory.
+    #[arg(long)]
+    pub capacity: Option<Bytes>,
+}
+
+/// The host backend's capacity when none is configured.
+pub const DEFAULT_HOST_CAPACITY: Bytes = Bytes::gib(16);
+
+/// On cuda, memory left outside vramd's capacity by default: each tenant's CUDA context (about
+/// 0.5 GB on an H200) and other processes' needs.
+const CUDA_HEADROOM: Bytes = Bytes::gib(4);
+
+pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    let config = match &args.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    let socket = args
+        .socket
+        .clone()
+        .or_else(|| config.socket.clone())
+        .unwrap_or_else(vram_client::default_socket);
+    let capacity = args.capacity.or(config.capacity);
+    let backend = args.backend.or(config.backend).unwrap_or_default();
+    let devices = open_devices(backend, capacity)?;
+    raise_fd_limit();
+    let caps: Vec<Bytes> = devices
+        .iter()
+        .map(|d| effective_capacity(d.as_ref(), capacity))
+        .collect();
+    let policy_config = config.clone();
+    let policy =
+        Box::new(move |d: &dyn Device| policy_config.policy(effective_capacity(d, capacity)));
+    let opts = ServeOptions {
+        socket: socket.clone(),
+        socket_mode: config.socket_mode()?,
+        allowed_uids: config.allowed_uids.clone(),
+        devices: devices.clone(),
+        policy,
+        pool: config.pool.clone(),
+        reclaim_timeout: Duration::from_millis(config.reclaim_timeout_ms.unwrap_or(250)),
+    };
+    let server = Server::bind(opts)?;
+    let shutdown = server.shutdown_handle();
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])
+    .context("cannot install signal handlers")?;
+    std::thread::Builder::new()
+        .name("vramd-signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                tracing::info!(signal = sig, "signal received");
+                shutdown.trigger();
+            }
+        })?;
+    for (d, cap) in devices.iter().zip(&caps) {
+        let info = d.info();
+        tracing::info!(
+            backend = ?info.kind, uuid = info.uuid, name = info.name, capacity = %cap,
+            granularity = %info.granularity, "serving device"
+        );
+    }
+    tracing::info!(socket = %socket.display(), pid = std::process::id(), "vramd ready");
+    server.run()?;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+fn effective_capacity(d: &dyn Device, cap: Option<Bytes>) -> Bytes {
+    let info = d.info();
+    match info.kind {
+        vram_device::BackendKind::Host => info.capacity,
+        vram_device::BackendKind::Cuda => {
+            let default = info.capacity.saturating_sub(CUDA_HEADROOM);
+            cap.map_or(default, |c| c.min(info.capacity))
+        }
+    }
+}
+
+fn open_devices(
+    choice: BackendChoice,
+    capacity: Option<Bytes>,
+) -> anyhow::Result<Vec<Arc<dyn Device>>> {
+    let host = || -> anyhow::Result<Vec<Arc<dyn Device>>> {
+        let cap = capacity.unwrap_or(DEFAULT_HOST_CAPACITY);
+        let dev = HostDevice::new(cap, vram_device::host::DEFAULT_GRANULARITY)?;
+        Ok(vec![Arc::new(dev)])
+    };
+    let gpus = || -> anyhow::Result<Vec<Arc<dyn Device>>> {
+        let infos = cuda::probe()?;
+        if infos.is_empty() {
+            bail!("the CUDA driver reports no GPU");
+        }
+        infos
+            .iter()
+            .map(|i| {
+                let d = CudaDevice::open(&i.uuid)
+                    .with_context(|| format!("cannot open GPU {}", i.uuid))?;
+                Ok(Arc::new(d) as Arc<dyn Device>)
+            })
+            .collect()
+    };
+    match choice {
+        BackendChoice::Host => host(),
+        BackendChoice::Cuda => gpus().context("--backend cuda"),
+        BackendChoice::Auto => match gpus() {
+            Ok(d) => Ok(d),
+            Err(e) => {
+                let cap = capacity.unwrap_or(DEFAULT_HOST_CAPACITY);
+                eprintln!("vramd: no GPU ({e:#}); serving the host backend, a {cap} memfd device");
+                host()
+            }
+        },
+    }
+}
+
+/// One fd per handle is kept by the daemon; lift the soft limit to the hard one.
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        lim.current = lim.maximum;
+        if let Err(e) = setrlimit(Resource::Nofile, lim) {
+            tracing::warn!("cannot raise the open-file limit: {e}");
+        }
+    }
+}

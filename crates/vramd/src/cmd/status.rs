@@ -1,0 +1,126 @@
+//! `vramd status`: devices and tenants, as a table or JSON.
+
+use std::fmt::Write as _;
+
+use vram_client::Observer;
+use vram_proto::StatusReport;
+
+use super::SocketArg;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// Print JSON (the same document as the metrics endpoint's /status).
+    #[arg(long)]
+    pub json: bool,
+    /// Only this device (index).
+    #[arg(long)]
+    pub gpu: Option<u32>,
+}
+
+pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    let obs = Observer::connect(Some(&args.socket.path()))?;
+    let mut report = obs.status()?;
+    if let Some(g) = args.gpu {
+        if !report.devices.iter().any(|d| d.index == g) {
+            anyhow::bail!(
+                "gpu {g} does not exist; the daemon serves {} device(s)",
+                report.devices.len()
+            );
+        }
+        report.devices.retain(|d| d.index == g);
+        report.tenants.retain(|t| t.gpu == g);
+    }
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render(&report));
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The human-readable table.
+pub fn render(r: &StatusReport) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "vramd {} (pid {}), up {:.0} s, {} connection(s), {} protocol error(s)",
+        r.daemon.version,
+        r.daemon.pid,
+        r.daemon.uptime_seconds,
+        r.daemon.connections,
+        r.daemon.protocol_errors
+    );
+    let _ = writeln!(
+        out,
+        "\n{:<4} {:<8} {:<28} {:>11} {:>11} {:>11} {:>11} {:>11}",
+        "GPU", "BACKEND", "DEVICE", "CAPACITY", "HELD", "POOLED", "RESERVED", "FREE"
+    );
+    for d in &r.devices {
+        let name = format!("{} {}", d.name, short_uuid(&d.uuid));
+        let _ = writeln!(
+            out,
+            "{:<4} {:<8} {:<28} {:>11} {:>11} {:>11} {:>11} {:>11}",
+            d.index,
+            d.backend,
+            truncate(&name, 28),
+            d.capacity.to_string(),
+            d.held.to_string(),
+            d.pooled.to_string(),
+            d.reserved.to_string(),
+            d.free.to_string()
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\n{:<16} {:>3} {:<7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}",
+        "TENANT",
+        "GPU",
+        "CLASS",
+        "GUARANTEE",
+        "LIMIT",
+        "HELD",
+        "IN USE",
+        "CACHED",
+        "PID",
+        "GRANTS",
+        "REFUSED"
+    );
+    if r.tenants.is_empty() {
+        let _ = writeln!(out, "(no tenants)");
+    }
+    for t in &r.tenants {
+        let refused: u64 = t.refusals.values().sum();
+        let _ = writeln!(
+            out,
+            "{:<16} {:>3} {:<7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}",
+            truncate(&t.name, 16),
+            t.gpu,
+            truncate(&t.class, 7),
+            t.guarantee.to_string(),
+            t.limit.to_string(),
+            t.held.to_string(),
+            t.in_use.to_string(),
+            t.cached.to_string(),
+            t.pid,
+            t.grants,
+            refused
+        );
+    }
+    out
+}
+
+fn short_uuid(uuid: &str) -> &str {
+    &uuid[..uuid.len().min(12)]
+}
+
+fn truncate(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        let mut t: String = s.chars().take(n - 1).collect();
+        t.push('…');
+        t
+    }
+}

@@ -1,0 +1,303 @@
+//! `vramd tenant`: a scripted tenant process for the demo and the tests. It reads one command per
+//! line on stdin and answers each with one JSON line on stdout:
+//!
+//! - `take SIZE [CHUNK]`: take CHUNK-sized grants (default 256 MiB) until SIZE more is held or a
+//!   grant is refused; write a pattern into each.
+//! - `give SIZE`: give back grants until SIZE has been returned.
+//! - `cache SIZE`: mark SIZE of what is held as idle (reported to the daemon, returned on reclaim).
+//! - `verify`: check every pattern written so far.
+//! - `cycles N SIZE`: N rounds of take SIZE, write, verify, give back.
+//! - `exit` (or end of input): give everything back and exit.
+
+use std::io::{BufRead, Write};
+use std::sync::{Arc, Mutex};
+
+use anyhow::Context;
+use serde_json::json;
+use vram_client::{Client, ClientError, Grant, TenantOptions};
+use vram_core::Bytes;
+use vram_device::{Access, Device, Reservation};
+
+use super::SocketArg;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    #[arg(long)]
+    pub name: String,
+    #[arg(long)]
+    pub class: Option<String>,
+    #[arg(long)]
+    pub guarantee: Option<Bytes>,
+    #[arg(long)]
+    pub limit: Option<Bytes>,
+    #[arg(long)]
+    pub gpu: Option<u32>,
+}
+
+/// Bytes of pattern written per MiB of memory: enough to catch crossed or lost memory without
+/// touching (and so paying RAM for) every page of a large virtual device.
+const PATTERN_STRIDE: u64 = Bytes::MIB;
+const PATTERN_LEN: usize = 64;
+
+struct Held {
+    grant: Grant,
+    res: Reservation,
+    seed: u64,
+    cached: bool,
+}
+
+struct Tenant {
+    client: Client,
+    held: Arc<Mutex<Vec<Held>>>,
+    seed: u64,
+}
+
+pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    let opts = TenantOptions {
+        name: args.name.clone(),
+        class: args.class,
+        guarantee: args.guarantee,
+        limit: args.limit,
+        gpu: args.gpu,
+    };
+    let client = match Client::connect(Some(&args.socket.path()), &opts) {
+        Ok(c) => c,
+        Err(e) => {
+            emit(json!({"event": "refused_at_connect", "message": e.to_string()}));
+            return Ok(std::process::ExitCode::from(3));
+        }
+    };
+    let w = client.welcome().clone();
+    let tenant = Tenant {
+        client,
+        held: Arc::new(Mutex::new(Vec::new())),
+        seed: std::process::id() as u64,
+    };
+    let held = tenant.held.clone();
+    tenant.client.on_reclaim(Box::new(move |client, want| {
+        give_back_cached(client, &held, want)
+    }));
+    emit(
+        json!({"event": "welcome", "name": w.name, "class": w.class, "guarantee": w.guarantee.get(),
+                "limit": w.limit.get(), "pid": std::process::id()}),
+    );
+    for line in std::io::stdin().lock().lines() {
+        let line = line.context("reading commands")?;
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let out = match words.as_slice() {
+            [] => continue,
+            ["take", size, rest @ ..] => {
+                tenant.take(parse(size)?, rest.first().map(|c| parse(c)).transpose()?)
+            }
+            ["give", size] => tenant.give(parse(size)?),
+            ["cache", size] => tenant.cache(parse(size)?),
+            ["verify"] => tenant.verify(),
+            ["cycles", n, size] => tenant.cycles(n.parse().context("cycles N")?, parse(size)?),
+            ["exit"] => break,
+            _ => json!({"event": "error", "message": format!("unknown command `{line}`")}),
+        };
+        emit(out);
+    }
+    let all: Vec<Held> = std::mem::take(&mut *tenant.held.lock().expect("held"));
+    let n = all.len();
+    tenant
+        .client
+        .give_back(all.into_iter().map(|h| h.grant).collect())?;
+    emit(json!({"event": "bye", "returned_grants": n}));
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+fn parse(s: &str) -> anyhow::Result<Bytes> {
+    Ok(s.parse::<Bytes>()?)
+}
+
+fn emit(v: serde_json::Value) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{v}");
+    let _ = out.flush();
+}
+
+fn pattern(seed: u64, offset: u64) -> [u8; PATTERN_LEN] {
+    let mut x = seed ^ offset.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let mut out = [0u8; PATTERN_LEN];
+    for chunk in out.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        chunk.copy_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+fn write_pattern(dev: &dyn Device, h: &Held) -> anyhow::Result<()> {
+    for off in (0..h.grant.size().get()).step_by(PATTERN_STRIDE as usize) {
+        dev.write(&h.res, Bytes(off), &pattern(h.seed, off))?;
+    }
+    Ok(())
+}
+
+fn check_pattern(dev: &dyn Device, h: &Held) -> anyhow::Result<bool> {
+    let mut buf = [0u8; PATTERN_LEN];
+    for off in (0..h.grant.size().get()).step_by(PATTERN_STRIDE as usize) {
+        dev.read(&h.res, Bytes(off), &mut buf)?;
+        if buf != pattern(h.seed, off) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+fn give_back_cached(client: &Client, held: &Mutex<Vec<Held>>, want: Bytes) -> Bytes {
+    let mut back = Vec::new();
+    {
+        let mut h = held.lock().expect("held");
+        let mut got = Bytes::ZERO;
+        let mut i = 0;
+        while i < h.len() && got < want {
+            if h[i].cached {
+                let x = h.swap_remove(i);
+                got += x.grant.size();
+                back.push(x.grant);
+            } else {
+                i += 1;
+            }
+        }
+    }
+    let bytes = back.iter().map(Grant::size).sum();
+    if back.is_empty() || client.give_back(back).is_err() {
+        return Bytes::ZERO;
+    }
+    let _ = report(client, held);
+    bytes
+}
+
+fn report(client: &Client, held: &Mutex<Vec<Held>>) -> Result<(), ClientError> {
+    let (mut in_use, mut cached) = (Bytes::ZERO, Bytes::ZERO);
+    for h in held.lock().expect("held").iter() {
+        if h.cached {
+            cached += h.grant.size();
+        } else {
+            in_use += h.grant.size();
+        }
+    }
+    client.report_usage(in_use, cached)
+}
+
+impl Tenant {
+    fn held_bytes(&self) -> Bytes {
+        self.held
+            .lock()
+            .expect("held")
+            .iter()
+            .map(|h| h.grant.size())
+            .sum()
+    }
+
+    fn take_one(&self, size: Bytes, n: u64) -> Result<(), ClientError> {
+        let grant = self.client.grant(size)?;
+        let dev = self.client.device();
+        let res = dev.reserve(grant.size())?;
+        dev.map(&res, Bytes::ZERO, &grant.handle, Access::ReadWrite)?;
+        let h = Held {
+            seed: self.seed.wrapping_mul(1_000_003).wrapping_add(n),
+            grant,
+            res,
+            cached: false,
+        };
+        write_pattern(dev.as_ref(), &h).map_err(|e| ClientError::Lost(e.to_string()))?;
+        self.held.lock().expect("held").push(h);
+        Ok(())
+    }
+
+    fn take(&self, size: Bytes, chunk: Option<Bytes>) -> serde_json::Value {
+        let chunk = chunk.unwrap_or(Bytes::mib(256));
+        let mut taken = Bytes::ZERO;
+        let mut grants = 0u64;
+        let mut refused = serde_json::Value::Null;
+        while taken < size {
+            let this = chunk.min(size - taken);
+            match self.take_one(this, grants) {
+                Ok(()) => {
+                    taken += this;
+                    grants += 1;
+                }
+                Err(ClientError::Daemon(e)) => {
+                    refused = json!({"reason": e.reason, "message": e.message});
+                    break;
+                }
+                Err(e) => return json!({"event": "error", "message": e.to_string()}),
+            }
+        }
+        let _ = report(&self.client, &self.held);
+        json!({"event": "took", "taken": taken.get(), "grants": grants, "held": self.held_bytes().get(),
+               "refused": refused})
+    }
+
+    fn give(&self, size: Bytes) -> serde_json::Value {
+        let mut back = Vec::new();
+        {
+            let mut h = self.held.lock().expect("held");
+            let mut got = Bytes::ZERO;
+            while got < size {
+                let Some(x) = h.pop() else { break };
+                got += x.grant.size();
+                back.push(x.grant);
+            }
+        }
+        let n = back.len();
+        match self.client.give_back(back) {
+            Ok(held) => {
+                let _ = report(&self.client, &self.held);
+                json!({"event": "gave", "grants": n, "held": held.get()})
+            }
+            Err(e) => json!({"event": "error", "message": e.to_string()}),
+        }
+    }
+
+    fn cache(&self, size: Bytes) -> serde_json::Value {
+        let mut marked = Bytes::ZERO;
+        for h in self.held.lock().expect("held").iter_mut().rev() {
+            if marked >= size {
+                break;
+            }
+            if !h.cached {
+                h.cached = true;
+                marked += h.grant.size();
+            }
+        }
+        let _ = report(&self.client, &self.held);
+        json!({"event": "cached", "bytes": marked.get()})
+    }
+
+    fn verify(&self) -> serde_json::Value {
+        let dev = self.client.device();
+        let held = self.held.lock().expect("held");
+        let mut bad = 0;
+        for h in held.iter() {
+            if !check_pattern(dev.as_ref(), h).unwrap_or(false) {
+                bad += 1;
+            }
+        }
+        json!({"event": "verified", "ok": bad == 0, "checked": held.len(), "bad": bad})
+    }
+
+    fn cycles(&self, n: u64, size: Bytes) -> serde_json::Value {
+        let mut errors = Vec::new();
+        for i in 0..n {
+            if let Err(e) = self.take_one(size, 1_000_000 + i) {
+                errors.push(e.to_string());
+                continue;
+            }
+            let h = self.held.lock().expect("held").pop().expect("just taken");
+            if !check_pattern(self.client.device().as_ref(), &h).unwrap_or(false) {
+                errors.push(format!("cycle {i}: pattern mismatch"));
+            }
+            if let Err(e) = self.client.give_back(vec![h.grant]) {
+                errors.push(e.to_string());
+            }
+        }
+        json!({"event": "cycled", "n": n, "errors": errors.len(), "first_error": errors.first()})
+    }
+}

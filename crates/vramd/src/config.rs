@@ -1,0 +1,166 @@
+//! The daemon's configuration file (TOML). Every key is optional; see `docs/operations.md`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context};
+use serde::Deserialize;
+use vram_core::broker::{Class, DeclaredTenant, Policy};
+use vram_core::Bytes;
+
+/// `backend = "auto" | "host" | "cuda"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    /// cuda where a GPU is found, else host.
+    #[default]
+    Auto,
+    /// memfd-backed shared memory: no GPU needed.
+    Host,
+    /// NVIDIA GPUs through the driver's virtual-memory API.
+    Cuda,
+}
+
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub socket: Option<PathBuf>,
+    /// Octal permission bits of the socket, as a string: `"0660"`.
+    pub socket_mode: Option<String>,
+    /// Uids allowed to connect besides root and the daemon's own.
+    #[serde(default)]
+    pub allowed_uids: Vec<u32>,
+    pub backend: Option<BackendChoice>,
+    /// The host backend's capacity; on cuda, a cap below the device's own memory.
+    pub capacity: Option<Bytes>,
+    /// Free memory that only the highest-priority class present may borrow into.
+    pub priority_reserve: Option<Bytes>,
+    /// How long to wait for tenants to give back cached memory before refusing, in milliseconds.
+    pub reclaim_timeout_ms: Option<u64>,
+    #[serde(default)]
+    pub pool: PoolConfig,
+    #[serde(default)]
+    pub classes: BTreeMap<String, Class>,
+    #[serde(default)]
+    pub tenants: BTreeMap<String, DeclaredTenant>,
+}
+
+/// The handle pool: memory created (and exported) ahead of demand.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// The most memory the pool holds.
+    #[serde(default = "PoolConfig::default_max")]
+    pub max: Bytes,
+    /// Sizes kept ready from the start (more sizes join as tenants ask for them).
+    #[serde(default = "PoolConfig::default_sizes")]
+    pub sizes: Vec<Bytes>,
+    /// Handles of each size kept ready at first; the pool grows with demand.
+    #[serde(default = "PoolConfig::default_initial")]
+    pub initial: usize,
+}
+
+impl PoolConfig {
+    fn default_max() -> Bytes {
+        Bytes::gib(1)
+    }
+    fn default_sizes() -> Vec<Bytes> {
+        vec![Bytes::mib(2)]
+    }
+    fn default_initial() -> usize {
+        4
+    }
+}
+
+impl Default for PoolConfig {
+    fn default() -> Self {
+        PoolConfig {
+            max: Self::default_max(),
+            sizes: Self::default_sizes(),
+            initial: Self::default_initial(),
+        }
+    }
+}
+
+impl Config {
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("invalid config {}", path.display()))
+    }
+
+    /// The socket's permission bits (default 0660).
+    pub fn socket_mode(&self) -> anyhow::Result<u32> {
+        match &self.socket_mode {
+            None => Ok(0o660),
+            Some(s) => {
+                let m = u32::from_str_radix(s.trim_start_matches("0o"), 8).with_context(|| {
+                    format!("socket_mode `{s}` is not an octal mode like \"0660\"")
+                })?;
+                if m > 0o777 {
+                    bail!("socket_mode `{s}` is larger than 0777");
+                }
+                Ok(m)
+            }
+        }
+    }
+
+    /// The broker policy for a device of `capacity`: built-in classes, overridden or extended by
+    /// the file's, and the declared tenants.
+    pub fn policy(&self, capacity: Bytes) -> Policy {
+        let mut policy = Policy::with_capacity(capacity);
+        policy.classes.extend(self.classes.clone());
+        policy.tenants = self.tenants.clone();
+        if let Some(r) = self.priority_reserve {
+            policy.priority_reserve = r;
+        }
+        policy
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_config_parses() {
+        let c: Config = toml::from_str(
+            r#"
+            socket = "/tmp/v.sock"
+            socket_mode = "0600"
+            allowed_uids = [1000, 1001]
+            backend = "host"
+            capacity = "16 GiB"
+            priority_reserve = "512 MiB"
+            reclaim_timeout_ms = 300
+            [pool]
+            max = "2 GiB"
+            sizes = ["2 MiB", "64 MiB"]
+            [classes.batch]
+            priority = 5
+            default_limit = "4 GiB"
+            [tenants.trainer]
+            class = "high"
+            guarantee = "8 GiB"
+            limit = "12 GiB"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.socket_mode().unwrap(), 0o600);
+        let p = c.policy(Bytes::gib(16));
+        assert_eq!(p.classes["batch"].priority, 5);
+        assert!(p.classes.contains_key("high"));
+        assert_eq!(p.tenants["trainer"].guarantee, Bytes::gib(8));
+        assert_eq!(p.priority_reserve, Bytes::mib(512));
+        assert_eq!(c.pool.sizes, vec![Bytes::mib(2), Bytes::mib(64)]);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_sizes_are_errors() {
+        assert!(toml::from_str::<Config>("capacty = \"1 GiB\"").is_err());
+        let e = toml::from_str::<Config>("capacity = \"12 parsecs\"").unwrap_err();
+        assert!(e.to_string().contains("12 parsecs"), "{e}");
+        let c: Config = toml::from_str("socket_mode = \"999\"").unwrap();
+        assert!(c.socket_mode().is_err());
+    }
+}

@@ -1,0 +1,6 @@
+//! vramd, the daemon and its command-line tools. The decisions live in `vram-core`; this crate is
+//! the I/O shell around them: the socket server, configuration, and the commands.
+
+pub mod cmd;
+pub mod config;
+pub mod server;

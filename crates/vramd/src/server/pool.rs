@@ -1,0 +1,267 @@
+//! The handle pool: device memory created and exported ahead of demand, so that a grant costs an
+//! fd passed over a socket, not a create and an export (1.1 ms per handle on an H200).
+//!
+//! The pool only ever holds memory that no tenant has seen: a handle a tenant gives back is
+//! released, never pooled again, so a tenant that kept an import of it reaches nothing of the
+//! next owner's. Pooled memory is the daemon's; it is given up whenever a grant needs the room.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use vram_core::Bytes;
+use vram_device::{Device, DeviceError, Handle};
+
+use crate::config::PoolConfig;
+
+/// A handle with the fd it was exported as.
+pub struct Ready {
+    pub handle: Handle,
+    pub fd: OwnedFd,
+}
+
+struct SizeState {
+    ready: Vec<Ready>,
+    /// How many handles of this size to keep ready; grows on misses, shrinks when idle.
+    target: usize,
+    last_demand: Instant,
+}
+
+struct PoolState {
+    sizes: HashMap<Bytes, SizeState>,
+    pooled: Bytes,
+    /// Room the pool may fill: the broker's free memory, updated by the daemon.
+    room: Bytes,
+}
+
+pub struct Pool {
+    device: Arc<dyn Device>,
+    config: PoolConfig,
+    state: Mutex<PoolState>,
+    wake: Condvar,
+    stop: AtomicBool,
+}
+
+/// A size idle this long lets its target shrink by one.
+const IDLE_DECAY: Duration = Duration::from_secs(10);
+
+impl Pool {
+    pub fn new(device: Arc<dyn Device>, config: PoolConfig) -> Arc<Pool> {
+        let now = Instant::now();
+        let sizes = config
+            .sizes
+            .iter()
+            .map(|s| {
+                let state = SizeState {
+                    ready: Vec::new(),
+                    target: config.initial,
+                    last_demand: now,
+                };
+                (*s, state)
+            })
+            .collect();
+        Arc::new(Pool {
+            device,
+            config,
+            state: Mutex::new(PoolState {
+                sizes,
+                pooled: Bytes::ZERO,
+                room: Bytes::ZERO,
+            }),
+            wake: Condvar::new(),
+            stop: AtomicBool::new(false),
+        })
+    }
+
+    /// Starts the background thread that keeps the pool filled.
+    pub fn start(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
+        let pool = self.clone();
+        std::thread::Builder::new()
+            .name("vramd-pool".into())
+            .spawn(move || pool.refill_loop())
+            .expect("spawn pool thread")
+    }
+
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.wake.notify_all();
+    }
+
+    /// Memory held ready.
+    pub fn pooled(&self) -> Bytes {
+        self.lock().pooled
+    }
+
+    /// Tells the pool how much it may hold without standing in a grant's way.
+    pub fn set_room(&self, room: Bytes) {
+        let mut s = self.lock();
+        let grew = room > s.room;
+        s.room = room;
+        drop(s);
+        if grew {
+            self.wake.notify_all();
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, PoolState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A ready handle of `size`, or a new one made now. On the device running out, pooled memory
+    /// is given up and the create tried once more.
+    pub fn take(&self, size: Bytes) -> Result<Ready, DeviceError> {
+        {
+            let mut s = self.lock();
+            let entry = s.sizes.entry(size).or_insert_with(|| SizeState {
+                ready: Vec::new(),
+                target: 0,
+                last_demand: Instant::now(),
+            });
+            entry.last_demand = Instant::now();
+            if let Some(r) = entry.ready.pop() {
+                s.pooled -= size;
+                drop(s);
+                self.wake.notify_all();
+                return Ok(r);
+            }
+            // A miss: keep more of this size ready from now on.
+            let max_count = (self.config.max.get() / size.get().max(1)) as usize;
+            entry.target = (entry.target * 2).clamp(1, max_count.max(1));
+        }
+        self.wake.notify_all();
+        match self.make(size) {
+            Err(DeviceError::OutOfMemory { .. }) if self.evict(size) => self.make(size),
+            other => other,
+        }
+    }
+
+    fn make(&self, size: Bytes) -> Result<Ready, DeviceError> {
+        let handle = self.device.create(size)?;
+        let fd = self.device.export(&handle)?;
+        Ok(Ready { handle, fd })
+    }
+
+    /// Releases pooled handles until `need` could be created; whether anything was released.
+    fn evict(&self, need: Bytes) -> bool {
+        let mut freed = Bytes::ZERO;
+        let mut victims = Vec::new();
+        {
+            let mut s = self.lock();
+            for st in s.sizes.values_mut() {
+                while freed < need {
+                    let Some(r) = st.ready.pop() else { break };
+                    freed += r.handle.size();
+                    victims.push(r);
+                }
+            }
+            s.pooled -= freed;
+        }
+        let any = !victims.is_empty();
+        drop(victims);
+        any
+    }
+
+    /// Gives up everything pooled (shutdown, or an operator's request).
+    pub fn drain(&self) {
+        let victims: Vec<Ready> = {
+            let mut s = self.lock();
+            s.pooled = Bytes::ZERO;
+            s.sizes
+                .values_mut()
+                .flat_map(|st| st.ready.drain(..))
+                .collect()
+        };
+        drop(victims);
+    }
+
+    fn refill_loop(&self) {
+        while !self.stop.load(Ordering::Acquire) {
+            let want = {
+                let mut s = self.lock();
+                let now = Instant::now();
+                for st in s.sizes.values_mut() {
+                    if now.duration_since(st.last_demand) > IDLE_DECAY && st.target > 0 {
+                        st.target -= 1;
+                        st.last_demand = now;
+                    }
+                }
+                let room = s.room.min(self.config.max);
+                let pooled = s.pooled;
+                let want = s
+                    .sizes
+                    .iter()
+                    .filter(|(size, st)| st.ready.len() < st.target && pooled + **size <= room)
+                    .map(|(size, _)| *size)
+                    .min();
+                if want.is_none() {
+                    let _unused = self
+                        .wake
+                        .wait_timeout(s, Duration::from_secs(1))
+                        .unwrap_or_else(|p| p.into_inner());
+                    continue;
+                }
+                want
+            };
+            let Some(size) = want else { continue };
+            match self.make(size) {
+                Ok(r) => {
+                    let mut s = self.lock();
+                    s.pooled += size;
+                    if let Some(st) = s.sizes.get_mut(&size) {
+                        st.ready.push(r);
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(%size, "pool refill stopped: {e}");
+                    let s = self.lock();
+                    let _unused = self
+                        .wake
+                        .wait_timeout(s, Duration::from_millis(200))
+                        .unwrap_or_else(|p| p.into_inner());
+                }
+            }
+        }
+        self.drain();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vram_device::HostDevice;
+
+    use super::*;
+
+    fn pool(capacity: Bytes) -> (Arc<dyn Device>, Arc<Pool>) {
+        let dev: Arc<dyn Device> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
+        let cfg = PoolConfig {
+            max: Bytes::mib(16),
+            sizes: vec![Bytes::mib(2)],
+            initial: 2,
+        };
+        (dev.clone(), Pool::new(dev, cfg))
+    }
+
+    #[test]
+    fn fills_ahead_within_its_room_and_gives_way() {
+        let (dev, pool) = pool(Bytes::mib(8));
+        pool.set_room(Bytes::mib(8));
+        let t = pool.start();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while pool.pooled() < Bytes::mib(4) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(pool.pooled(), Bytes::mib(4));
+        // A take is served from the pool.
+        let a = pool.take(Bytes::mib(2)).unwrap();
+        // A size the pool never held, larger than what is free: pooled memory gives way.
+        pool.set_room(Bytes::ZERO);
+        let b = pool.take(Bytes::mib(6)).unwrap();
+        assert_eq!(dev.used(), Bytes::mib(8));
+        drop((a, b));
+        pool.stop();
+        t.join().unwrap();
+        assert_eq!(dev.used(), Bytes::ZERO);
+    }
+}

@@ -1,0 +1,296 @@
+//! One device: its broker, the grants it has handed out, and its pool.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use vram_core::broker::{Broker, GrantError, Policy, ReclaimAsk, Tenant, TenantId, TenantRequest};
+use vram_core::Bytes;
+use vram_device::{BackendKind, Device, Handle};
+use vram_proto::{DeviceDesc, DeviceStatus, ErrorCode, ErrorReply, GrantId, TenantStatus};
+
+use super::pool::{Pool, Ready};
+
+struct State {
+    broker: Broker,
+    grants: HashMap<GrantId, (TenantId, Handle)>,
+    next_grant: u64,
+    /// Which connection each tenant speaks on, to reach it with reclaim requests.
+    conn_of: HashMap<TenantId, u64>,
+}
+
+pub struct Slot {
+    index: u32,
+    device: Arc<dyn Device>,
+    state: Mutex<State>,
+    /// Signalled whenever memory comes back, for grants waiting on a reclaim.
+    returned: Condvar,
+    pool: Arc<Pool>,
+}
+
+/// What a grant needs from the caller: a way to send reclaim requests to other tenants.
+pub trait ReclaimSender {
+    fn ask(&self, conn: u64, bytes: Bytes);
+}
+
+impl Slot {
+    pub fn new(
+        index: u32,
+        device: Arc<dyn Device>,
+        policy: Policy,
+        pool: Arc<Pool>,
+    ) -> anyhow::Result<Slot> {
+        let broker = Broker::new(policy)?;
+        pool.set_room(broker.free());
+        Ok(Slot {
+            index,
+            device,
+            state: Mutex::new(State {
+                broker,
+                grants: HashMap::new(),
+                next_grant: 1,
+                conn_of: HashMap::new(),
+            }),
+            returned: Condvar::new(),
+            pool,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    pub fn desc(&self) -> DeviceDesc {
+        let info = self.device.info();
+        DeviceDesc {
+            index: self.index,
+            uuid: info.uuid.clone(),
+            name: info.name.clone(),
+            backend: backend_name(info.kind).to_string(),
+            capacity: self.lock().broker.capacity(),
+            granularity: info.granularity,
+        }
+    }
+
+    pub fn connect(&self, req: TenantRequest, conn: u64) -> Result<(TenantId, Tenant), ErrorReply> {
+        let mut s = self.lock();
+        let id = s.broker.connect(req).map_err(|e| ErrorReply {
+            code: ErrorCode::Admission,
+            reason: None,
+            message: e.to_string(),
+        })?;
+        s.conn_of.insert(id, conn);
+        let tenant = s.broker.tenant(id).expect("just connected").clone();
+        self.pool.set_room(s.broker.free());
+        Ok((id, tenant))
+    }
+
+    /// Grants one handle of `bytes` (rounded up to the granularity). When memory is short, first
+    /// asks tenants with idle memory to give it back and waits up to `timeout` for them.
+    pub fn grant(
+        &self,
+        tenant: TenantId,
+        bytes: Bytes,
+        timeout: std::time::Duration,
+        reclaim: &dyn ReclaimSender,
+    ) -> Result<(GrantId, Bytes, std::os::fd::OwnedFd), ErrorReply> {
+        let granularity = self.device.info().granularity;
+        let size = match bytes.round_up(granularity) {
+            Some(s) if bytes > Bytes::ZERO => s,
+            _ => {
+                let name = self.lock().broker.tenant(tenant).map(|t| t.name.clone());
+                return Err(refused(&GrantError::BadSize {
+                    tenant: name.unwrap_or_default(),
+                    asked: bytes,
+                    reason: if bytes == Bytes::ZERO {
+                        "zero bytes"
+                    } else {
+                        "too large"
+                    },
+                }));
+            }
+        };
+        let mut s = self.lock();
+        if s.broker.check_grant(tenant, size).is_err() {
+            let plan = s.broker.reclaim_plan(tenant, size);
+            if !plan.is_empty() {
+                let targets: Vec<(u64, Bytes)> = plan
+                    .iter()
+                    .filter_map(|ReclaimAsk { tenant, bytes }| {
+                        Some((*s.conn_of.get(tenant)?, *bytes))
+                    })
+                    .collect();
+                drop(s);
+                for (conn, b) in targets {
+                    reclaim.ask(conn, b);
+                }
+                s = self.lock();
+                let deadline = Instant::now() + timeout;
+                while s.broker.check_grant(tenant, size).is_err() {
+                    let left = deadline.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        break;
+                    }
+                    s = self
+                        .returned
+                        .wait_timeout(s, left)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+            }
+        }
+        s.broker.grant(tenant, size).map_err(|e| refused(&e))?;
+        self.pool.set_room(s.broker.free());
+        drop(s);
+        let ready = match self.pool.take(size) {
+            Ok(r) => r,
+            Err(e) => {
+                let mut s = self.lock();
+                s.broker.release(tenant, size);
+                self.pool.set_room(s.broker.free());
+                return Err(ErrorReply {
+                    code: ErrorCode::Device,
+                    reason: None,
+                    message: format!("the device could not create {size}: {e}"),
+                });
+            }
+        };
+        let Ready { handle, fd } = ready;
+        let mut s = self.lock();
+        let id = GrantId(s.next_grant);
+        s.next_grant += 1;
+        // The grant table keeps the handle; the caller sends the fd.
+        s.grants.insert(id, (tenant, handle));
+        Ok((id, size, fd))
+    }
+
+    /// Takes grants back. Every id must belong to `tenant`; otherwise nothing is taken.
+    pub fn give_back(
+        &self,
+        tenant: TenantId,
+        ids: &[GrantId],
+    ) -> Result<(Bytes, Bytes), ErrorReply> {
+        let mut s = self.lock();
+        if let Some(bad) = ids
+            .iter()
+            .find(|id| !matches!(s.grants.get(id), Some((t, _)) if *t == tenant))
+        {
+            return Err(ErrorReply {
+                code: ErrorCode::UnknownGrant,
+                reason: None,
+                message: format!("grant {} is not held by this tenant", bad.0),
+            });
+        }
+        let mut handles = Vec::with_capacity(ids.len());
+        let mut bytes = Bytes::ZERO;
+        for id in ids {
+            if let Some((_, h)) = s.grants.remove(id) {
+                bytes += h.size();
+                handles.push(h);
+            }
+        }
+        s.broker.release(tenant, bytes);
+        let held = s.broker.tenant(tenant).map_or(Bytes::ZERO, |t| t.held);
+        self.pool.set_room(s.broker.free());
+        drop(s);
+        // Released, never pooled again: whoever kept an import of it reaches nobody else's data.
+        drop(handles);
+        self.returned.notify_all();
+        Ok((bytes, held))
+    }
+
+    pub fn report_usage(&self, tenant: TenantId, in_use: Bytes, cached: Bytes) {
+        self.lock().broker.report_usage(tenant, in_use, cached);
+    }
+
+    /// The tenant is gone: everything it held goes back at once. Returns its final state and the
+    /// number of handles released.
+    pub fn disconnect(&self, tenant: TenantId) -> Option<(Tenant, usize)> {
+        let mut s = self.lock();
+        let ids: Vec<GrantId> = s
+            .grants
+            .iter()
+            .filter(|(_, (t, _))| *t == tenant)
+            .map(|(id, _)| *id)
+            .collect();
+        let handles: Vec<Handle> = ids
+            .iter()
+            .filter_map(|id| s.grants.remove(id))
+            .map(|(_, h)| h)
+            .collect();
+        s.conn_of.remove(&tenant);
+        let state = s.broker.disconnect(tenant);
+        self.pool.set_room(s.broker.free());
+        drop(s);
+        let n = handles.len();
+        drop(handles);
+        self.returned.notify_all();
+        state.map(|t| (t, n))
+    }
+
+    pub fn status(&self) -> (DeviceStatus, Vec<TenantStatus>) {
+        let s = self.lock();
+        let snap = s.broker.snapshot();
+        let mut handles: BTreeMap<TenantId, u64> = BTreeMap::new();
+        for (t, _) in s.grants.values() {
+            *handles.entry(*t).or_default() += 1;
+        }
+        drop(s);
+        let info = self.device.info();
+        let device = DeviceStatus {
+            index: self.index,
+            uuid: info.uuid.clone(),
+            name: info.name.clone(),
+            backend: backend_name(info.kind).to_string(),
+            capacity: snap.capacity,
+            granularity: info.granularity,
+            held: snap.held,
+            pooled: self.pool.pooled(),
+            reserved: snap.reserved,
+            free: snap.free,
+            device_used: self.device.used(),
+        };
+        let tenants = snap
+            .tenants
+            .into_iter()
+            .map(|(id, t)| TenantStatus {
+                id: id.0,
+                name: t.name,
+                gpu: self.index,
+                class: t.class,
+                priority: t.priority,
+                guarantee: t.guarantee,
+                limit: t.limit,
+                held: t.held,
+                in_use: t.in_use,
+                cached: t.cached,
+                handles: handles.get(&id).copied().unwrap_or(0),
+                pid: t.pid,
+                uid: t.uid,
+                grants: t.grants,
+                returns: t.returns,
+                refusals: t.refusals,
+            })
+            .collect();
+        (device, tenants)
+    }
+}
+
+fn refused(e: &GrantError) -> ErrorReply {
+    ErrorReply {
+        code: ErrorCode::Refused,
+        reason: Some(e.reason().to_string()),
+        message: e.to_string(),
+    }
+}
+
+pub fn backend_name(kind: BackendKind) -> &'static str {
+    match kind {
+        BackendKind::Host => "host",
+        BackendKind::Cuda => "cuda",
+    }
+}
