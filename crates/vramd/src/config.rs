@@ -27,9 +27,8 @@ pub struct Config {
     pub socket: Option<PathBuf>,
     /// Octal permission bits of the socket, as a string: `"0660"`.
     pub socket_mode: Option<String>,
-    /// Uids allowed to connect besides root and the daemon's own.
-    #[serde(default)]
-    pub allowed_uids: Vec<u32>,
+    /// Uids allowed to connect. Unset: root and the daemon's own uid.
+    pub allowed_uids: Option<Vec<u32>>,
     pub backend: Option<BackendChoice>,
     /// The host backend's capacity; on cuda, a cap below the device's own memory.
     pub capacity: Option<Bytes>,

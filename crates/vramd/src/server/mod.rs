@@ -31,8 +31,8 @@ use crate::config::PoolConfig;
 pub struct ServeOptions {
     pub socket: PathBuf,
     pub socket_mode: u32,
-    /// Uids allowed besides root and the daemon's own.
-    pub allowed_uids: Vec<u32>,
+    /// Uids allowed to connect; `None`: root and the daemon's own uid.
+    pub allowed_uids: Option<Vec<u32>>,
     pub devices: Vec<Arc<dyn Device>>,
     /// Builds each device's policy from its capacity.
     pub policy: Box<dyn Fn(&dyn Device) -> Policy>,
@@ -57,7 +57,7 @@ pub struct Daemon {
 
 impl Daemon {
     pub(crate) fn uid_allowed(&self, uid: u32) -> bool {
-        uid == 0 || uid == rustix::process::getuid().as_raw() || self.allowed_uids.contains(&uid)
+        self.allowed_uids.contains(&uid)
     }
 
     /// The whole daemon's state, as `vramd status` shows it.
@@ -124,7 +124,9 @@ impl Server {
         }
         let daemon = Arc::new(Daemon {
             slots,
-            allowed_uids: opts.allowed_uids,
+            allowed_uids: opts
+                .allowed_uids
+                .unwrap_or_else(|| vec![0, rustix::process::getuid().as_raw()]),
             socket: opts.socket,
             started: Instant::now(),
             reclaim_timeout: opts.reclaim_timeout,
