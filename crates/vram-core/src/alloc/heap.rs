@@ -88,25 +88,6 @@ impl Heap {
         })
     }
 
-    /// Where a block of `len` bytes goes in the free region at `start`: flush against the far end
-    /// when the region touches an unmapped gap only at its start, so that the remainder stays next
-    /// to the gap, where growth can extend it, instead of becoming a sliver between blocks.
-    pub(crate) fn placement(&self, start: u64, len: u64) -> u64 {
-        let r = self.free.get(start).expect("placing in a free region");
-        let end = start + r.len;
-        let gap_after = self.gaps.contains_key(&end);
-        let gap_before = self
-            .gaps
-            .range(..start)
-            .next_back()
-            .is_some_and(|(&g, &glen)| g + glen == start);
-        if gap_before && !gap_after {
-            end - len
-        } else {
-            start
-        }
-    }
-
     /// Maps `m` at `va` (inside a gap) and adds its bytes to the free regions.
     pub(crate) fn place(&mut self, va: u64, m: Mapped, owner: Owner, seq: Seq) {
         let (&g, &glen) = self
@@ -151,9 +132,8 @@ impl Heap {
     }
 
     /// Handles lying wholly inside a free region that every stream may use, except the region that
-    /// starts at `skip`, as `(va, len, splits)`: `splits` when taking the handle out would cut its
-    /// free region in two.
-    pub(crate) fn free_handles(&self, gran: u64, skip: Option<u64>) -> Vec<(u64, u64, bool)> {
+    /// starts at `skip`, as `(va, len)`.
+    pub(crate) fn free_handles(&self, gran: u64, skip: Option<u64>) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         for (start, len) in self.free.any_at_least(gran) {
             if Some(start) == skip {
@@ -161,7 +141,7 @@ impl Heap {
             }
             for (&va, m) in self.handles.range(start..start + len) {
                 if va + m.len <= start + len {
-                    out.push((va, m.len, va > start && va + m.len < start + len));
+                    out.push((va, m.len));
                 }
             }
         }

@@ -61,9 +61,6 @@ pub struct AllocConfig {
     pub min_grow: Bytes,
     /// Grants larger than this are split into several handles, which can be moved or returned alone.
     pub max_handle: Bytes,
-    /// Handles (and the least a growth adds) are about this fraction of held memory, clamped to
-    /// `min_grow..=max_handle`: fine steps for small heaps, few maps for large ones.
-    pub unit_fraction: f64,
     /// Held memory may exceed the peak of allocated bytes by this fraction before growth moves
     /// free handles instead of granting new ones.
     pub grow_slack: f64,
@@ -83,7 +80,6 @@ impl Default for AllocConfig {
             min_grow: Bytes::mib(2),
             max_handle: Bytes::mib(64),
             grow_slack: 0.02,
-            unit_fraction: 0.0,
             release_delay_us: 10_000_000,
             keep_fraction: 0.0625,
         }
@@ -243,11 +239,6 @@ impl<B: Backing> Allocator<B> {
             .free
             .best_fit(len, stream)
             .expect("growth made room for the block");
-        let start = if std::env::var("NOPLACE").is_ok() {
-            start
-        } else {
-            self.heaps[h].placement(start, len)
-        };
         self.heaps[h].free.take(start, len);
         self.live.insert(
             start,
@@ -351,28 +342,12 @@ impl<B: Backing> Allocator<B> {
             self.pick_moves(h, &site)
         };
         let moved: u64 = moves.iter().map(|m| m.2).sum();
-        if std::env::var("DBG2").is_ok() {
-            eprintln!(
-                "grow h{h} len {} need {} moves {} from {:?} held {}",
-                len >> 10,
-                site.need >> 10,
-                moves.len(),
-                moves.iter().map(|m| m.0).collect::<Vec<_>>(),
-                self.stats.held.get() >> 20
-            );
-        }
         let missing = site.need.saturating_sub(moved);
         let grants = if missing == 0 {
             Vec::new()
         } else {
             let floor = if h == LARGE {
-                if self.config.unit_fraction > 0.0 {
-                    let headroom =
-                        cap.saturating_sub(self.stats.held.get() + missing) / gran * gran;
-                    missing + (self.unit().saturating_sub(missing)).min(headroom)
-                } else {
-                    self.config.min_grow.get().next_multiple_of(gran)
-                }
+                self.config.min_grow.get().next_multiple_of(gran)
             } else {
                 gran
             };
@@ -413,65 +388,46 @@ impl<B: Backing> Allocator<B> {
     }
 
     /// Wholly free handles to move next to the growth site instead of granting new memory, as
-    /// `(heap, va, len)`. Handles at the edge of their free region come first, because taking one
-    /// from the middle cuts a free region in two and makes the next growth likelier; among them the
-    /// smallest one that covers the need, else the largest ones first.
+    /// `(heap, va, len)`: the smallest one that covers the need, else the largest ones first.
     fn pick_moves(&self, h: usize, site: &Site) -> Vec<(usize, u64, u64)> {
         let gran = self.config.granularity.get();
         let room = site.gap.1;
-        let mut candidates: Vec<(bool, usize, u64, u64)> = Vec::new();
+        let mut candidates: Vec<(usize, u64, u64)> = Vec::new();
         for (from, heap) in self.heaps.iter().enumerate() {
             let skip = if from == h { site.extends } else { None };
-            for (va, l, splits) in heap.free_handles(gran, skip) {
+            for (va, l) in heap.free_handles(gran, skip) {
                 // The small heap takes only what it needs: what it holds serves small blocks only.
                 if l <= room && (h == LARGE || l <= site.need) {
-                    candidates.push((splits, from, va, l));
+                    candidates.push((from, va, l));
                 }
             }
         }
         if let Some(&one) = candidates
             .iter()
-            .filter(|c| c.3 >= site.need)
-            .min_by_key(|c| (c.0 && std::env::var("NOEDGE").is_err(), c.3))
+            .filter(|c| c.2 >= site.need)
+            .min_by_key(|c| c.2)
         {
-            return vec![(one.1, one.2, one.3)];
+            return vec![one];
         }
-        candidates.sort_by_key(|c| {
-            (
-                c.0 && std::env::var("NOEDGE").is_err(),
-                std::cmp::Reverse(c.3),
-            )
-        });
+        candidates.sort_by_key(|c| std::cmp::Reverse(c.2));
         let mut total = 0;
         let mut out = Vec::new();
-        for (_, from, va, l) in candidates {
+        for c in candidates {
             if total >= site.need {
                 break;
             }
-            if total + l <= room {
-                total += l;
-                out.push((from, va, l));
+            if total + c.2 <= room {
+                total += c.2;
+                out.push(c);
             }
         }
         out
     }
 
-    /// The growth step and handle size for the current held memory.
-    fn unit(&self) -> u64 {
-        let gran = self.config.granularity.get();
-        let lo = self.config.min_grow.get().next_multiple_of(gran);
-        let hi = self.config.max_handle.get().max(lo) / gran * gran;
-        if self.config.unit_fraction <= 0.0 {
-            return hi;
-        }
-        let want = (self.stats.held.get() as f64 * self.config.unit_fraction) as u64 / gran * gran;
-        want.clamp(lo, hi)
-    }
-
-    /// Grants `bytes` as handles of at most `unit`; gives back what it got if one is refused.
+    /// Grants `bytes` as handles of at most `max_handle`; gives back what it got if one is refused.
     fn grant(&mut self, bytes: u64, wanted: u64) -> Result<Vec<Mapped>, AllocError> {
         let gran = self.config.granularity.get();
-        let max = self.unit();
+        let max = self.config.max_handle.get().max(gran) / gran * gran;
         let mut out = Vec::new();
         let mut left = bytes;
         while left > 0 {
@@ -511,7 +467,7 @@ impl<B: Backing> Allocator<B> {
             handles.extend(
                 heap.free_handles(gran, None)
                     .into_iter()
-                    .map(|(va, l, _)| (h, va, l)),
+                    .map(|(va, l)| (h, va, l)),
             );
         }
         handles.sort_by_key(|c| std::cmp::Reverse(c.2));
@@ -528,33 +484,5 @@ impl<B: Backing> Allocator<B> {
             released += l;
         }
         released
-    }
-}
-
-impl<B: Backing> Allocator<B> {
-    pub fn debug_summary(&self) -> String {
-        let gran = self.config.granularity.get();
-        let mut s = String::new();
-        for (i, h) in self.heaps.iter().enumerate() {
-            let live: u64 = self
-                .live
-                .values()
-                .filter(|l| l.heap == i)
-                .map(|l| l.len)
-                .sum();
-            let fh: u64 = h.free_handles(gran, None).iter().map(|x| x.1).sum();
-            let nfree = h.free.any_at_least(0).count();
-            let sizes: Vec<u64> = h.free.any_at_least(0).map(|r| r.1 >> 10).collect();
-            s += &format!("{sizes:?}");
-            s += &format!(
-                "[heap{i} mapped {}M live {}M freehandles {}M freeregions {} handles {}] ",
-                h.mapped >> 20,
-                live >> 20,
-                fh >> 20,
-                nfree,
-                h.handles.len()
-            );
-        }
-        s
     }
 }

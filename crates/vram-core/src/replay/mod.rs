@@ -69,8 +69,6 @@ pub fn replay(
     let mut a = Allocator::new(config.clone(), ModelBacking::new());
     let mut blocks: HashMap<u64, u64> = HashMap::new();
     let total = trace.events.len();
-    let mut dbg_last = String::new();
-    let mut dbg_peak = 0u64;
     for (index, e) in trace.events.iter().enumerate() {
         let err = |source| ReplayError::Alloc {
             trace: name.to_string(),
@@ -94,27 +92,11 @@ pub fn replay(
             }
         }
         a.tick(e.time_us, &AlwaysComplete);
-        if std::env::var("DBG").is_ok() && a.backing().held().get() > dbg_peak {
-            let st = a.stats();
-            if true {
-                dbg_peak = a.backing().held().get();
-                dbg_last = format!(
-                    "{index} held {}M alloc {}M req {}M {}",
-                    st.held.get() >> 20,
-                    st.allocated.get() >> 20,
-                    st.requested.get() >> 20,
-                    a.debug_summary()
-                );
-            }
-        }
         if index % PROGRESS_EVERY == 0 {
             progress(index, total);
         }
     }
     progress(total, total);
-    if std::env::var("DBG").is_ok() {
-        eprintln!("{name}: {dbg_last}");
-    }
     let stats = a.stats();
     let counts = a.backing().counts();
     let peak_held = a.backing().peak_held().get();

@@ -1,0 +1,74 @@
+//! The allocator's core algorithm on one thread, against `ModelBacking` (no driver, no locks):
+//! an alloc+free pair of a size already cached, and the replay of one real trace.
+//!
+//! `cargo bench -p vram-core --bench alloc`. The trace benchmark reads `VRAMD_TRACES`, else
+//! `shared/traces` beside the checkout, and is skipped with a message when neither holds it.
+
+use std::hint::black_box;
+use std::path::PathBuf;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use vram_core::alloc::{AllocConfig, Allocator, AlwaysComplete, Fence, ModelBacking, StreamId};
+use vram_core::replay::{replay, CostModel};
+use vram_core::trace::parse_snapshot;
+use vram_core::Bytes;
+
+const TRACE: &str = "resnet50_train";
+
+fn alloc_free_cached(c: &mut Criterion) {
+    let mut group = c.benchmark_group("alloc_free_cached");
+    for size in [Bytes(4096), Bytes::mib(64)] {
+        let mut a = Allocator::new(AllocConfig::default(), ModelBacking::new());
+        let s = StreamId(0);
+        // Warm the cache: the first pair grants and maps; every later pair reuses that memory.
+        let b = a.alloc(size, s, &AlwaysComplete).unwrap();
+        a.free(b.offset, s, Fence(0), &AlwaysComplete).unwrap();
+        group.bench_with_input(BenchmarkId::from_parameter(size), &size, |bench, &size| {
+            bench.iter(|| {
+                let b = a.alloc(black_box(size), s, &AlwaysComplete).unwrap();
+                a.free(b.offset, s, Fence(0), &AlwaysComplete).unwrap();
+            })
+        });
+    }
+    group.finish();
+}
+
+fn traces_dir() -> Option<PathBuf> {
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    std::env::var_os("VRAMD_TRACES")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([
+            manifest.join("../../shared/traces"),
+            manifest.join("../../../shared/traces"),
+        ])
+        .find(|d| d.join(format!("{TRACE}.pickle.gz")).is_file())
+}
+
+fn replay_trace(c: &mut Criterion) {
+    let Some(dir) = traces_dir() else {
+        eprintln!("replay/{TRACE} skipped: no traces (set VRAMD_TRACES)");
+        return;
+    };
+    let bytes = std::fs::read(dir.join(format!("{TRACE}.pickle.gz"))).unwrap();
+    let trace = parse_snapshot(&bytes).unwrap();
+    let config = AllocConfig::default();
+    let mut group = c.benchmark_group("replay");
+    group.sample_size(10);
+    group.bench_function(TRACE, |bench| {
+        bench.iter(|| {
+            replay(
+                TRACE,
+                &trace,
+                &config,
+                &CostModel::H200_MEASURED,
+                &mut |_, _| {},
+            )
+            .unwrap()
+        })
+    });
+    group.finish();
+}
+
+criterion_group!(benches, alloc_free_cached, replay_trace);
+criterion_main!(benches);
