@@ -36,6 +36,8 @@ pub struct Config {
     pub priority_reserve: Option<Bytes>,
     /// How long to wait for tenants to give back cached memory before refusing, in milliseconds.
     pub reclaim_timeout_ms: Option<u64>,
+    /// Where to serve metrics: `"127.0.0.1:9464"` (the default) or `"off"`.
+    pub metrics: Option<crate::metrics::MetricsAddr>,
     #[serde(default)]
     pub pool: PoolConfig,
     #[serde(default)]
@@ -132,6 +134,7 @@ mod tests {
             capacity = "16 GiB"
             priority_reserve = "512 MiB"
             reclaim_timeout_ms = 300
+            metrics = "0.0.0.0:9464"
             [pool]
             max = "2 GiB"
             sizes = ["2 MiB", "64 MiB"]
@@ -152,6 +155,7 @@ mod tests {
         assert_eq!(p.tenants["trainer"].guarantee, Bytes::gib(8));
         assert_eq!(p.priority_reserve, Bytes::mib(512));
         assert_eq!(c.pool.sizes, vec![Bytes::mib(2), Bytes::mib(64)]);
+        assert_eq!(c.metrics, "0.0.0.0:9464".parse().ok());
     }
 
     #[test]

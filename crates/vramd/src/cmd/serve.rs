@@ -1,6 +1,6 @@
 //! `vramd serve`: the daemon.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -9,6 +9,7 @@ use vram_core::Bytes;
 use vram_device::{cuda, CudaDevice, Device, HostDevice};
 
 use crate::config::{BackendChoice, Config};
+use crate::metrics::{Exporter, MetricsAddr};
 use crate::server::{ServeOptions, Server};
 
 #[derive(Debug, clap::Args)]
@@ -25,6 +26,10 @@ pub struct Args {
     /// Capacity of the host backend's device (e.g. `16GiB`); on cuda, a cap below the GPU's memory.
     #[arg(long)]
     pub capacity: Option<Bytes>,
+    /// Serve Prometheus metrics, /healthz and /status over HTTP at this address (port 0: any free
+    /// port, logged), or `off` [default: the config's `metrics`, else 127.0.0.1:9464]
+    #[arg(long)]
+    pub metrics: Option<MetricsAddr>,
 }
 
 /// The host backend's capacity when none is configured.
@@ -36,7 +41,7 @@ const CUDA_HEADROOM: Bytes = Bytes::gib(4);
 
 pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let config = match &args.config {
-        Some(p) => Config::load(p)?,
+        Some(p) => Config::load(p).inspect_err(|e| config_error(p, e))?,
         None => Config::default(),
     };
     let socket = args
@@ -57,14 +62,19 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         Box::new(move |d: &dyn Device| policy_config.policy(effective_capacity(d, capacity)));
     let opts = ServeOptions {
         socket: socket.clone(),
-        socket_mode: config.socket_mode()?,
+        socket_mode: config
+            .socket_mode()
+            .inspect_err(|e| config_error(args.config.as_deref().unwrap_or(Path::new("")), e))?,
         allowed_uids: config.allowed_uids.clone(),
         devices: devices.clone(),
         policy,
         pool: config.pool.clone(),
         reclaim_timeout: Duration::from_millis(config.reclaim_timeout_ms.unwrap_or(250)),
     };
-    let server = Server::bind(opts)?;
+    let server = Server::bind(opts).inspect_err(|e| {
+        tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
+    })?;
+    let exporter = start_metrics(&server, args.metrics.or(config.metrics))?;
     let shutdown = server.shutdown_handle();
     let mut signals = signal_hook::iterator::Signals::new([
         signal_hook::consts::SIGTERM,
@@ -88,7 +98,31 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     }
     tracing::info!(socket = %socket.display(), pid = std::process::id(), "vramd ready");
     server.run()?;
+    drop(exporter);
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// An address asked for (flag or config) must be served; the default one, when taken (another
+/// daemon, a test), is only warned about.
+fn start_metrics(server: &Server, asked: Option<MetricsAddr>) -> anyhow::Result<Option<Exporter>> {
+    let MetricsAddr::At(addr) = asked.unwrap_or(MetricsAddr::DEFAULT) else {
+        return Ok(None);
+    };
+    match Exporter::start(addr, server) {
+        Ok(e) => {
+            tracing::info!(addr = %e.addr(), "serving metrics at http://{}/metrics", e.addr());
+            Ok(Some(e))
+        }
+        Err(e) if asked.is_none() => {
+            tracing::warn!("{e:#}; running without metrics (set --metrics ADDR or `off`)");
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn config_error(path: &Path, e: &anyhow::Error) {
+    tracing::error!(path = %path.display(), error = format!("{e:#}"), "configuration error");
 }
 
 fn effective_capacity(d: &dyn Device, cap: Option<Bytes>) -> Bytes {

@@ -13,7 +13,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -26,6 +26,10 @@ pub use pool::Pool;
 pub use slot::Slot;
 
 use crate::config::PoolConfig;
+use crate::metrics::Instruments;
+
+/// Builds each device's policy from its capacity.
+pub type PolicyFn = Box<dyn Fn(&dyn Device) -> Policy>;
 
 /// Everything `serve` needs, resolved from flags and the config file.
 pub struct ServeOptions {
@@ -34,8 +38,7 @@ pub struct ServeOptions {
     /// Uids allowed to connect; `None`: root and the daemon's own uid.
     pub allowed_uids: Option<Vec<u32>>,
     pub devices: Vec<Arc<dyn Device>>,
-    /// Builds each device's policy from its capacity.
-    pub policy: Box<dyn Fn(&dyn Device) -> Policy>,
+    pub policy: PolicyFn,
     pub pool: PoolConfig,
     pub reclaim_timeout: Duration,
 }
@@ -53,11 +56,17 @@ pub struct Daemon {
     pub(crate) conns: Mutex<HashMap<u64, Arc<Conn>>>,
     next_conn: AtomicU64,
     pub(crate) next_ask: AtomicU64,
+    /// Set when metrics are served; until then the grant path records nothing.
+    metrics: OnceLock<Instruments>,
 }
 
 impl Daemon {
     pub(crate) fn uid_allowed(&self, uid: u32) -> bool {
         self.allowed_uids.contains(&uid)
+    }
+
+    pub(crate) fn metrics(&self) -> Option<&Instruments> {
+        self.metrics.get()
     }
 
     /// The whole daemon's state, as `vramd status` shows it.
@@ -135,6 +144,7 @@ impl Server {
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             next_ask: AtomicU64::new(1),
+            metrics: OnceLock::new(),
         });
         Ok(Server {
             daemon,
@@ -145,6 +155,11 @@ impl Server {
 
     pub fn daemon(&self) -> &Arc<Daemon> {
         &self.daemon
+    }
+
+    /// Turns on the grant and reclaim instruments (for tenants that connect from now on).
+    pub fn enable_metrics(&self) -> &Instruments {
+        self.daemon.metrics.get_or_init(Instruments::default)
     }
 
     pub fn shutdown_handle(&self) -> Shutdown {

@@ -2,20 +2,24 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use prometheus_client::metrics::histogram::Histogram;
 use vram_core::broker::{TenantId, TenantRequest};
 use vram_core::Bytes;
 use vram_proto::{Conn, ErrorCode, ErrorReply, Hello, ProtoError, Reply, Request, Role, Welcome};
 
 use super::slot::ReclaimSender;
 use super::Daemon;
+use crate::metrics::{tenant_labels, TenantLabels};
 
 /// A registered tenant on this connection.
 struct Registered {
     slot: usize,
     id: TenantId,
     name: String,
+    /// Its grant latency series, when metrics are served.
+    grant_seconds: Option<(TenantLabels, Histogram)>,
 }
 
 struct Session {
@@ -108,6 +112,9 @@ impl Session {
             Request::ReclaimDone { ask, returned } => self.registered().map(|_| {
                 let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
                 tracing::info!(tenant = name, ask, %returned, "reclaim answered");
+                if let Some(m) = self.daemon.metrics() {
+                    m.reclaim_answered(returned.get());
+                }
                 Reply::Ack
             }),
         };
@@ -170,10 +177,15 @@ impl Session {
             tenant = t.name, class = t.class, guarantee = %t.guarantee, limit = %t.limit,
             pid = self.pid, gpu = slot, client = hello.client, "tenant connected"
         );
+        let grant_seconds = self.daemon.metrics().map(|m| {
+            let labels = tenant_labels(&t.name, &t.class, slot as u32);
+            (labels.clone(), m.grant_histogram(&labels))
+        });
         self.tenant = Some(Registered {
             slot,
             id,
             name: t.name.clone(),
+            grant_seconds,
         });
         Ok(Reply::Welcome(Welcome {
             tenant: id.0,
@@ -193,7 +205,15 @@ impl Session {
         };
         let timeout = self.daemon.reclaim_timeout;
         let asker = Asker(&self.daemon);
-        match self.daemon.slots[slot].grant(tenant, bytes, timeout, &asker) {
+        let started = Instant::now();
+        let granted = self.daemon.slots[slot].grant(tenant, bytes, timeout, &asker);
+        if let (Ok(_), Some((_, h))) = (
+            &granted,
+            self.tenant.as_ref().and_then(|t| t.grant_seconds.as_ref()),
+        ) {
+            h.observe(started.elapsed().as_secs_f64());
+        }
+        match granted {
             Ok((grant, size, fd)) => {
                 use std::os::fd::AsFd;
                 let reply = Reply::Granted { grant, size };
@@ -204,6 +224,8 @@ impl Session {
                 let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
                 tracing::warn!(
                     tenant = name,
+                    gpu = slot,
+                    asked = bytes.get(),
                     reason = e.reason.as_deref().unwrap_or(""),
                     "refused: {}",
                     e.message
@@ -229,12 +251,21 @@ impl Session {
             .expect("conns")
             .remove(&self.conn_id);
         let Some(t) = self.tenant else { return };
+        if let (Some(m), Some((labels, _))) = (self.daemon.metrics(), &t.grant_seconds) {
+            m.forget(labels);
+        }
         let started = Instant::now();
         if let Some((state, handles)) = self.daemon.slots[t.slot].disconnect(t.id) {
-            tracing::info!(
-                tenant = t.name, pid = self.pid, reclaimed = %state.held, handles,
-                micros = started.elapsed().as_micros() as u64, "tenant gone; its memory is back"
-            );
+            let micros = started.elapsed().as_micros() as u64;
+            if handles > 0 {
+                // It did not give its memory back itself: it crashed, was killed, or just closed.
+                tracing::warn!(
+                    tenant = t.name, pid = self.pid, reclaimed = %state.held, handles, micros,
+                    "crash reclaim: tenant gone holding memory; all of it is back"
+                );
+            } else {
+                tracing::info!(tenant = t.name, pid = self.pid, "tenant gone");
+            }
         }
     }
 }
@@ -249,7 +280,10 @@ impl ReclaimSender for Asker<'_> {
         };
         let ask = self.0.next_ask.fetch_add(1, Ordering::Relaxed);
         let deadline_ms = self.0.reclaim_timeout.as_millis() as u32;
-        tracing::info!(ask, %bytes, "asking a tenant to give back idle memory");
+        tracing::info!(ask, conn, %bytes, deadline_ms, "asking a tenant to give back idle memory");
+        if let Some(m) = self.0.metrics() {
+            m.reclaim_asked();
+        }
         let _ = c.send(
             0,
             &Reply::Reclaim {
@@ -259,5 +293,20 @@ impl ReclaimSender for Asker<'_> {
             },
             &[],
         );
+    }
+
+    fn settled(&self, satisfied: bool, waited: Duration) {
+        let waited_ms = waited.as_secs_f64() * 1e3;
+        if satisfied {
+            tracing::info!(waited_ms, "reclaim done: enough memory came back");
+        } else {
+            tracing::warn!(
+                waited_ms,
+                "reclaim done: not enough memory came back in time"
+            );
+        }
+        if let Some(m) = self.0.metrics() {
+            m.reclaim_settled(satisfied);
+        }
     }
 }

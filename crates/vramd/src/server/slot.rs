@@ -28,9 +28,12 @@ pub struct Slot {
     pool: Arc<Pool>,
 }
 
-/// What a grant needs from the caller: a way to send reclaim requests to other tenants.
+/// What a grant needs from the caller: a way to send reclaim requests to other tenants, and to
+/// hear how the wait on them ended.
 pub trait ReclaimSender {
     fn ask(&self, conn: u64, bytes: Bytes);
+    /// After the asks: whether enough came back (`satisfied`) within the deadline, and the wait.
+    fn settled(&self, satisfied: bool, waited: std::time::Duration);
 }
 
 impl Slot {
@@ -129,7 +132,8 @@ impl Slot {
                     reclaim.ask(conn, b);
                 }
                 s = self.lock();
-                let deadline = Instant::now() + timeout;
+                let asked = Instant::now();
+                let deadline = asked + timeout;
                 while s.broker.check_grant(tenant, size).is_err() {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
@@ -141,6 +145,8 @@ impl Slot {
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
                 }
+                let satisfied = s.broker.check_grant(tenant, size).is_ok();
+                reclaim.settled(satisfied, asked.elapsed());
             }
         }
         s.broker.grant(tenant, size).map_err(|e| refused(&e))?;

@@ -1,0 +1,222 @@
+//! Series read from the daemon's status at scrape time: every gauge, and the counters the broker
+//! already keeps. A scrape costs one `Daemon::status()` (each device's lock, briefly) and nothing
+//! on the grant path.
+
+use std::fmt;
+use std::sync::Arc;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Unit;
+use vram_proto::StatusReport;
+
+use super::{tenant_labels, TenantLabels};
+use crate::server::Daemon;
+
+pub struct StatusCollector(pub Arc<Daemon>);
+
+impl fmt::Debug for StatusCollector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StatusCollector")
+    }
+}
+
+impl Collector for StatusCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
+        encode_report(&self.0.status(), &mut encoder)
+    }
+}
+
+/// One family: its descriptor, then one sample per label set.
+fn family<L: EncodeLabelSet>(
+    encoder: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    unit: Option<&Unit>,
+    kind: MetricType,
+    samples: impl IntoIterator<Item = (L, u64)>,
+) -> fmt::Result {
+    let mut metric = encoder.encode_descriptor(name, help, unit, kind)?;
+    for (labels, value) in samples {
+        let mut sample = metric.encode_family(&labels)?;
+        match kind {
+            MetricType::Counter => sample.encode_counter::<NoLabelSet, u64, u64>(&value, None)?,
+            _ => sample.encode_gauge(&value)?,
+        }
+    }
+    Ok(())
+}
+
+fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let bytes = Some(&Unit::Bytes);
+
+    let dev = |f: fn(&vram_proto::DeviceStatus) -> u64| {
+        r.devices.iter().map(move |d| {
+            let labels = [("gpu", d.index.to_string()), ("uuid", d.uuid.clone())];
+            (labels, f(d))
+        })
+    };
+    family(
+        e,
+        "device_capacity",
+        "Memory vramd may hand out on the device",
+        bytes,
+        Gauge,
+        dev(|d| d.capacity.get()),
+    )?;
+    family(
+        e,
+        "device_held",
+        "Memory granted to tenants",
+        bytes,
+        Gauge,
+        dev(|d| d.held.get()),
+    )?;
+    family(
+        e,
+        "device_pooled",
+        "Memory created ahead of demand and not yet granted",
+        bytes,
+        Gauge,
+        dev(|d| d.pooled.get()),
+    )?;
+    family(
+        e,
+        "device_reserved",
+        "Guarantees not taken up yet",
+        bytes,
+        Gauge,
+        dev(|d| d.reserved.get()),
+    )?;
+    family(
+        e,
+        "device_free",
+        "Memory a tenant without a guarantee could still borrow",
+        bytes,
+        Gauge,
+        dev(|d| d.free.get()),
+    )?;
+    family(
+        e,
+        "device_used",
+        "Physical memory the daemon has created and not released",
+        bytes,
+        Gauge,
+        dev(|d| d.device_used.get()),
+    )?;
+
+    let ten = |f: fn(&vram_proto::TenantStatus) -> u64| {
+        r.tenants
+            .iter()
+            .map(move |t| (tenant_labels(&t.name, &t.class, t.gpu), f(t)))
+    };
+    family(
+        e,
+        "tenant_guarantee",
+        "Memory reserved for the tenant",
+        bytes,
+        Gauge,
+        ten(|t| t.guarantee.get()),
+    )?;
+    family(
+        e,
+        "tenant_limit",
+        "The most the tenant may hold",
+        bytes,
+        Gauge,
+        ten(|t| t.limit.get()),
+    )?;
+    family(
+        e,
+        "tenant_held",
+        "Memory granted to the tenant",
+        bytes,
+        Gauge,
+        ten(|t| t.held.get()),
+    )?;
+    family(
+        e,
+        "tenant_in_use",
+        "Memory the tenant's allocator reports in use",
+        bytes,
+        Gauge,
+        ten(|t| t.in_use.get()),
+    )?;
+    family(
+        e,
+        "tenant_cached",
+        "Memory the tenant's allocator holds idle (reclaimable)",
+        bytes,
+        Gauge,
+        ten(|t| t.cached.get()),
+    )?;
+    family(
+        e,
+        "tenant_handles",
+        "Grants (device handles) the tenant holds",
+        None,
+        Gauge,
+        ten(|t| t.handles),
+    )?;
+    family(
+        e,
+        "tenant_grants",
+        "Grants made to the tenant",
+        None,
+        Counter,
+        ten(|t| t.grants),
+    )?;
+    family(
+        e,
+        "tenant_returns",
+        "Grants the tenant gave back",
+        None,
+        Counter,
+        ten(|t| t.returns),
+    )?;
+    let refusals = r.tenants.iter().flat_map(|t| {
+        t.refusals.iter().map(|(reason, n)| {
+            let [a, b, c]: TenantLabels = tenant_labels(&t.name, &t.class, t.gpu);
+            ([a, b, c, ("reason", reason.clone())], *n)
+        })
+    });
+    family(
+        e,
+        "tenant_refusals",
+        "Grants refused to the tenant, by reason (over_limit, device_full, priority_reserve, ...)",
+        None,
+        Counter,
+        refusals,
+    )?;
+
+    let none = |v: u64| [([] as [(&str, &str); 0], v)];
+    family(
+        e,
+        "tenants",
+        "Connected tenants",
+        None,
+        Gauge,
+        none(r.tenants.len() as u64),
+    )?;
+    family(
+        e,
+        "connections",
+        "Open connections (tenants and observers)",
+        None,
+        Gauge,
+        none(r.daemon.connections),
+    )?;
+    family(
+        e,
+        "protocol_errors",
+        "Frames refused (malformed, oversized, wrong version)",
+        None,
+        Counter,
+        none(r.daemon.protocol_errors),
+    )?;
+    let mut info = e.encode_descriptor("build", "The daemon's version", None, MetricType::Info)?;
+    info.encode_info(&[("version", r.daemon.version.as_str())])?;
+    Ok(())
+}

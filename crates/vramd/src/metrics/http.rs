@@ -1,0 +1,116 @@
+//! The metrics endpoint: `/metrics`, `/healthz` and `/status` over HTTP, served by axum on a
+//! thread of its own with a single-threaded tokio runtime, so the daemon's socket server stays
+//! plain threads and a slow scraper never touches a tenant's connection.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use anyhow::Context;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::registry::Registry;
+use tokio::sync::oneshot;
+
+use super::collector::StatusCollector;
+use crate::server::{Daemon, Server};
+
+struct Scrape {
+    registry: Registry,
+    daemon: Arc<Daemon>,
+}
+
+/// A running endpoint. Dropping it stops the endpoint and waits for its thread.
+pub struct Exporter {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Exporter {
+    /// Binds `addr` (port 0: any free port) and serves `server`'s figures; turns on the grant and
+    /// reclaim instruments.
+    pub fn start(addr: SocketAddr, server: &Server) -> anyhow::Result<Exporter> {
+        let listener = std::net::TcpListener::bind(addr)
+            .with_context(|| format!("cannot listen for metrics on {addr}"))?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let daemon = server.daemon().clone();
+        let mut registry = Registry::with_prefix("vramd");
+        server.enable_metrics().register(&mut registry);
+        registry.register_collector(Box::new(StatusCollector(daemon.clone())));
+        let app = Router::new()
+            .route("/metrics", get(metrics))
+            .route("/healthz", get(|| async { "ok\n" }))
+            .route("/status", get(status))
+            .with_state(Arc::new(Scrape { registry, daemon }));
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .context("cannot start the metrics runtime")?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("vramd-metrics".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let served = match tokio::net::TcpListener::from_std(listener) {
+                        Ok(l) => {
+                            axum::serve(l, app)
+                                .with_graceful_shutdown(async {
+                                    let _ = stopped.await;
+                                })
+                                .await
+                        }
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = served {
+                        tracing::error!(%addr, "metrics endpoint failed: {e}");
+                    }
+                })
+            })?;
+        Ok(Exporter {
+            addr,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// The bound address (the real port when asked for port 0).
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for Exporter {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+async fn metrics(State(s): State<Arc<Scrape>>) -> Response {
+    let mut body = String::with_capacity(16 * 1024);
+    match prometheus_text::encode(&mut body, &s.registry) {
+        Ok(()) => (
+            [(header::CONTENT_TYPE, prometheus_text::CONTENT_TYPE)],
+            body,
+        )
+            .into_response(),
+        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n").into_response(),
+    }
+}
+
+async fn status(State(s): State<Arc<Scrape>>) -> Response {
+    match serde_json::to_string_pretty(&s.daemon.status()) {
+        Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+    }
+}
