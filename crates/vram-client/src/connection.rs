@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::Duration;
 
 use vram_core::Bytes;
 use vram_device::{Device, Handle};
@@ -65,6 +66,9 @@ struct Shared {
     waiters: Waiters,
     dead: AtomicBool,
     dead_reason: Mutex<String>,
+    /// The error the daemon sent unasked (id 0) before it closed the connection: a refused uid, a
+    /// frame it could not trust. Calls that fail on the lost connection report it.
+    last_word: Mutex<Option<ErrorReply>>,
 }
 
 impl Shared {
@@ -74,21 +78,35 @@ impl Shared {
         self.waiters.lock().expect("waiters").insert(id, tx);
         if self.dead.load(Ordering::Acquire) {
             self.waiters.lock().expect("waiters").remove(&id);
-            return Err(ClientError::Lost(
-                self.dead_reason.lock().expect("reason").clone(),
-            ));
+            return Err(self.lost(self.dead_reason.lock().expect("reason").clone()));
         }
         if let Err(e) = self.conn.send(id, request, &[]) {
+            if matches!(e, ProtoError::Io(_)) {
+                // The daemon may have closed the connection with its last word still unread: give
+                // the reader the moment it needs to get to it.
+                let _ = rx.recv_timeout(Duration::from_secs(1));
+            }
             self.waiters.lock().expect("waiters").remove(&id);
-            return Err(e.into());
+            return Err(match self.last_word.lock().expect("last word").clone() {
+                Some(last) => ClientError::Daemon(last),
+                None => e.into(),
+            });
         }
         match rx.recv() {
             Ok(Ok(r)) => match r.msg {
                 Reply::Error(e) => Err(ClientError::Daemon(e)),
                 _ => Ok(r),
             },
-            Ok(Err(reason)) => Err(ClientError::Lost(reason)),
-            Err(_) => Err(ClientError::Lost("reader stopped".into())),
+            Ok(Err(reason)) => Err(self.lost(reason)),
+            Err(_) => Err(self.lost("reader stopped".into())),
+        }
+    }
+
+    /// The connection is gone: the daemon's last word if it sent one, else `reason`.
+    fn lost(&self, reason: String) -> ClientError {
+        match self.last_word.lock().expect("last word").clone() {
+            Some(e) => ClientError::Daemon(e),
+            None => ClientError::Lost(reason),
         }
     }
 
@@ -131,12 +149,16 @@ fn start_reader(shared: Arc<Shared>, reclaims: Option<SyncSender<(u64, Bytes)>>)
         .name("vram-client-reader".into())
         .spawn(move || loop {
             match shared.conn.recv::<Reply>() {
-                Ok(r) if r.id == 0 => {
-                    if let (Reply::Reclaim { ask, bytes, .. }, Some(tx)) = (&r.msg, &reclaims) {
+                Ok(r) if r.id == 0 => match (r.msg, &reclaims) {
+                    (Reply::Reclaim { ask, bytes, .. }, Some(tx)) => {
                         // A full queue means a reclaim is already pending; this one can wait for it.
-                        let _ = tx.try_send((*ask, *bytes));
+                        let _ = tx.try_send((ask, bytes));
                     }
-                }
+                    (Reply::Error(e), _) => {
+                        *shared.last_word.lock().expect("last word") = Some(e);
+                    }
+                    _ => {}
+                },
                 Ok(r) => {
                     let waiter = shared.waiters.lock().expect("waiters").remove(&r.id);
                     if let Some(tx) = waiter {
@@ -168,6 +190,7 @@ impl Client {
             waiters: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
             dead_reason: Mutex::new(String::new()),
+            last_word: Mutex::new(None),
         });
         let (reclaim_tx, reclaim_rx) = mpsc::sync_channel(1);
         start_reader(shared.clone(), Some(reclaim_tx));
@@ -330,6 +353,7 @@ impl Observer {
             waiters: Mutex::new(HashMap::new()),
             dead: AtomicBool::new(false),
             dead_reason: Mutex::new(String::new()),
+            last_word: Mutex::new(None),
         });
         start_reader(shared.clone(), None);
         Ok(Observer { shared })

@@ -5,6 +5,7 @@
 //! handles. The daemon may ask for idle memory back at any time: [`Client::on_reclaim`] installs
 //! what answers it (the caching allocator's trim).
 
+pub mod alloc;
 mod connection;
 mod error;
 

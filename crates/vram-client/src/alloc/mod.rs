@@ -1,0 +1,197 @@
+//! The caching allocator every allocation of a tenant process goes through.
+//!
+//! The algorithms (stitched heaps, size classes, stream-safe reuse, hysteresis) are
+//! `vram_core::alloc`, behind one mutex: the slow path. In front of it, each thread keeps a small
+//! cache of blocks it freed, by size class and stream (the fast path): an alloc of a cached size on
+//! the same stream takes no global lock and makes no system call. A table of live blocks, sharded by
+//! address, checks every free (unknown pointer, double free) before anything is cached.
+
+mod backing;
+mod live;
+mod thread_cache;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use vram_core::alloc::{AllocConfig, AllocError, AllocStats, Allocator, Fence, Fences, StreamId};
+use vram_core::Bytes;
+
+pub use backing::{DaemonSource, HandleSource, LocalSource, MappedBacking};
+
+use live::LiveTable;
+use thread_cache::{ThreadCaches, CACHE_LIMIT};
+
+/// Stream events: the fence recorded at a free, and whether it has completed.
+pub trait StreamEvents: Fences + Send + Sync {
+    /// Records a fence on `stream` now.
+    fn record(&self, stream: StreamId) -> Fence;
+}
+
+/// Host backend: there is no asynchronous device work, so a free is complete when it returns.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HostEvents;
+
+impl Fences for HostEvents {
+    fn is_complete(&self, _: Fence) -> bool {
+        true
+    }
+}
+
+impl StreamEvents for HostEvents {
+    fn record(&self, _: StreamId) -> Fence {
+        Fence(0)
+    }
+}
+
+/// Why a free was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FreeError {
+    #[error("{0:#x} was not allocated by vramd's allocator (or was already freed)")]
+    Unknown(u64),
+    #[error("{0:#x} was freed twice")]
+    DoubleFree(u64),
+}
+
+/// Figures of the allocator, the thread caches included.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct CachingStats {
+    /// The core allocator's counters (blocks in thread caches count as allocated there).
+    pub core: AllocStats,
+    /// Bytes handed to the application now.
+    pub in_use: Bytes,
+    /// Bytes held but idle: free in the core, or waiting in a thread cache.
+    pub cached: Bytes,
+    /// Allocations served from a thread cache.
+    pub fast_allocs: u64,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A thread-safe caching allocator over a [`HandleSource`].
+pub struct CachingAllocator<S: HandleSource> {
+    id: u64,
+    core: Mutex<Allocator<MappedBacking<S>>>,
+    base: u64,
+    va: u64,
+    align: u64,
+    live: LiveTable,
+    caches: ThreadCaches,
+    events: Box<dyn StreamEvents>,
+    fast_allocs: AtomicU64,
+}
+
+impl<S: HandleSource> CachingAllocator<S> {
+    pub fn new(
+        config: AllocConfig,
+        backing: MappedBacking<S>,
+        events: Box<dyn StreamEvents>,
+    ) -> Self {
+        let base = backing.base();
+        let va = config.va_bytes.get();
+        let align = config.align.get();
+        CachingAllocator {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            core: Mutex::new(Allocator::new(config, backing)),
+            base,
+            va,
+            align,
+            live: LiveTable::default(),
+            caches: ThreadCaches::default(),
+            events,
+            fast_allocs: AtomicU64::new(0),
+        }
+    }
+
+    fn core(&self) -> MutexGuard<'_, Allocator<MappedBacking<S>>> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The address of a block of at least `size` bytes for use on `stream`. A zero-byte request
+    /// gets a distinct address too.
+    pub fn alloc(&self, size: Bytes, stream: StreamId) -> Result<u64, AllocError> {
+        let len = size
+            .get()
+            .max(1)
+            .div_ceil(self.align)
+            .saturating_mul(self.align);
+        if len <= CACHE_LIMIT {
+            if let Some(offset) = self.caches.pop(self.id, len, stream) {
+                self.live.reuse(offset, size.get());
+                self.fast_allocs.fetch_add(1, Ordering::Relaxed);
+                return Ok(self.base + offset);
+            }
+        }
+        let block = self.core().alloc(size, stream, self.events.as_ref())?;
+        self.live
+            .insert(block.offset, block.size.get(), size.get(), stream);
+        Ok(self.base + block.offset)
+    }
+
+    /// Frees the block at `ptr`, last used on `stream`.
+    pub fn free(&self, ptr: u64, stream: StreamId) -> Result<Bytes, FreeError> {
+        let offset = ptr.wrapping_sub(self.base);
+        if offset >= self.va {
+            return Err(FreeError::Unknown(ptr));
+        }
+        let len = self.live.mark_cached(offset, ptr)?;
+        if len <= CACHE_LIMIT && self.caches.push(self.id, offset, len, stream) {
+            return Ok(Bytes(len));
+        }
+        self.live.remove(offset);
+        self.free_to_core(offset, stream);
+        Ok(Bytes(len))
+    }
+
+    fn free_to_core(&self, offset: u64, stream: StreamId) {
+        let fence = self.events.record(stream);
+        let r = self
+            .core()
+            .free(offset, stream, fence, self.events.as_ref());
+        debug_assert!(r.is_ok(), "live table and core disagree: {r:?}");
+    }
+
+    /// Returns every idle byte to the daemon now (its reclaim request): the thread caches are
+    /// emptied into the core, which gives back every wholly free handle. Returns the bytes.
+    pub fn trim(&self) -> Bytes {
+        for (offset, stream) in self.caches.drain_all() {
+            self.live.remove(offset);
+            self.free_to_core(offset, stream);
+        }
+        self.core().trim(self.events.as_ref())
+    }
+
+    /// Lets allocator time pass: idle memory above the recent peak goes back with hysteresis.
+    pub fn tick(&self, now_us: u64) -> Bytes {
+        self.core().tick(now_us, self.events.as_ref())
+    }
+
+    pub fn stats(&self) -> CachingStats {
+        let core = self.core().stats();
+        let in_caches = self.caches.bytes();
+        CachingStats {
+            core,
+            in_use: core.allocated.saturating_sub(Bytes(in_caches)),
+            cached: core.cached + Bytes(in_caches),
+            fast_allocs: self.fast_allocs.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Size of the live block at `ptr` (rounded), if there is one.
+    pub fn block_size(&self, ptr: u64) -> Option<Bytes> {
+        self.live.len_of(ptr.wrapping_sub(self.base)).map(Bytes)
+    }
+
+    /// Runs `f` with the core allocator's backing (its device and reservation).
+    pub fn with_backing<R>(&self, f: impl FnOnce(&MappedBacking<S>) -> R) -> R {
+        f(self.core().backing())
+    }
+}
+
+impl<S: HandleSource> Drop for CachingAllocator<S> {
+    fn drop(&mut self) {
+        self.caches.forget(self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,199 @@
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use vram_device::{Device, HostDevice};
+
+use super::*;
+
+fn host_allocator(capacity: Bytes) -> (Arc<dyn Device>, CachingAllocator<LocalSource>) {
+    let dev: Arc<dyn Device> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
+    let config = AllocConfig::default();
+    let backing =
+        MappedBacking::new(dev.clone(), config.va_bytes, LocalSource::new(dev.clone())).unwrap();
+    (
+        dev,
+        CachingAllocator::new(config, backing, Box::new(HostEvents)),
+    )
+}
+
+fn write(a: &CachingAllocator<LocalSource>, ptr: u64, data: &[u8]) {
+    a.with_backing(|b| {
+        let off = ptr - b.base();
+        b.device().write(b.reservation(), Bytes(off), data).unwrap()
+    })
+}
+
+fn read(a: &CachingAllocator<LocalSource>, ptr: u64, len: usize) -> Vec<u8> {
+    a.with_backing(|b| {
+        let off = ptr - b.base();
+        let mut out = vec![0; len];
+        b.device()
+            .read(b.reservation(), Bytes(off), &mut out)
+            .unwrap();
+        out
+    })
+}
+
+#[test]
+fn reuses_a_cached_block_on_the_same_stream_only() {
+    let (_, a) = host_allocator(Bytes::gib(1));
+    let s1 = StreamId(1);
+    let p = a.alloc(Bytes(4096), s1).unwrap();
+    a.free(p, s1).unwrap();
+    assert_eq!(
+        a.alloc(Bytes(4096), s1).unwrap(),
+        p,
+        "same stream: the cached block"
+    );
+    a.free(p, s1).unwrap();
+    let q = a.alloc(Bytes(4096), StreamId(2)).unwrap();
+    assert_ne!(
+        q, p,
+        "another stream does not take it from the thread cache"
+    );
+    assert_eq!(a.stats().fast_allocs, 1);
+}
+
+#[test]
+fn bad_frees_are_errors() {
+    let (_, a) = host_allocator(Bytes::gib(1));
+    let p = a.alloc(Bytes(100), StreamId(0)).unwrap();
+    assert_eq!(a.free(p + 8, StreamId(0)), Err(FreeError::Unknown(p + 8)));
+    a.free(p, StreamId(0)).unwrap();
+    assert_eq!(a.free(p, StreamId(0)), Err(FreeError::DoubleFree(p)));
+    assert_eq!(a.free(12345, StreamId(0)), Err(FreeError::Unknown(12345)));
+}
+
+#[test]
+fn zero_byte_requests_get_distinct_addresses() {
+    let (_, a) = host_allocator(Bytes::gib(1));
+    let p = a.alloc(Bytes(0), StreamId(0)).unwrap();
+    let q = a.alloc(Bytes(0), StreamId(0)).unwrap();
+    assert_ne!(p, q);
+}
+
+#[test]
+fn trim_returns_everything_including_thread_caches() {
+    let (dev, a) = host_allocator(Bytes::gib(4));
+    let mut ptrs = Vec::new();
+    for i in 0..200u64 {
+        ptrs.push(a.alloc(Bytes(1 + i * 9_000), StreamId(i % 3)).unwrap());
+    }
+    let big = a.alloc(Bytes::mib(300), StreamId(0)).unwrap();
+    for (i, p) in ptrs.into_iter().enumerate() {
+        a.free(p, StreamId(i as u64 % 3)).unwrap();
+    }
+    a.free(big, StreamId(0)).unwrap();
+    assert!(a.stats().cached > Bytes::ZERO);
+    a.trim();
+    let s = a.stats();
+    assert_eq!(
+        (s.core.held, s.in_use, s.cached),
+        (Bytes::ZERO, Bytes::ZERO, Bytes::ZERO)
+    );
+    assert_eq!(dev.used(), Bytes::ZERO);
+}
+
+#[test]
+fn eight_threads_random_sizes_cross_thread_frees_patterns_hold() {
+    use std::sync::mpsc;
+    let (dev, a) = host_allocator(Bytes::gib(64));
+    let a = Arc::new(a);
+    // Each thread allocates, writes a pattern, and sends half its blocks to the next thread to
+    // check and free.
+    let (txs, rxs): (Vec<_>, Vec<_>) = (0..8).map(|_| mpsc::channel::<(u64, u64, u8)>()).unzip();
+    let mut handles = Vec::new();
+    for (t, rx) in rxs.into_iter().enumerate() {
+        let a = a.clone();
+        let next = txs[(t + 1) % 8].clone();
+        handles.push(std::thread::spawn(move || {
+            let mut seed = 0x9E37_79B9u64 * (t as u64 + 1);
+            let mut rand = move || {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                seed
+            };
+            let mut mine = Vec::new();
+            for i in 0..300 {
+                // Mostly small, sometimes up to 512 MiB.
+                let size = match rand() % 100 {
+                    0..=79 => 1 + rand() % 65_536,
+                    80..=97 => 1 + rand() % (16 << 20),
+                    _ => 1 + rand() % (512 << 20),
+                };
+                let p = a.alloc(Bytes(size), StreamId(0)).unwrap();
+                let tag = (rand() & 0xff) as u8;
+                let edge = size.min(64) as usize;
+                write(&a, p, &vec![tag; edge]);
+                write(&a, p + size - edge as u64, &vec![tag; edge]);
+                if i % 2 == 0 {
+                    next.send((p, size, tag)).unwrap();
+                } else {
+                    mine.push((p, size, tag));
+                }
+                while let Ok(block) = rx.try_recv() {
+                    mine.push(block);
+                }
+                if mine.len() > 20 {
+                    let (p, size, tag) = mine.swap_remove((rand() % mine.len() as u64) as usize);
+                    let edge = size.min(64) as usize;
+                    assert_eq!(read(&a, p, edge), vec![tag; edge], "head of {p:#x}");
+                    assert_eq!(
+                        read(&a, p + size - edge as u64, edge),
+                        vec![tag; edge],
+                        "tail of {p:#x}"
+                    );
+                    a.free(p, StreamId(0)).unwrap();
+                }
+            }
+            drop(next);
+            (mine, rx)
+        }));
+    }
+    drop(txs);
+    let mut rest = Vec::new();
+    let mut rxs = Vec::new();
+    for h in handles {
+        let (mine, rx) = h.join().unwrap();
+        rest.extend(mine);
+        rxs.push(rx);
+    }
+    for rx in rxs {
+        rest.extend(rx.try_iter());
+    }
+    for (p, size, tag) in rest {
+        let edge = size.min(64) as usize;
+        assert_eq!(read(&a, p, edge), vec![tag; edge]);
+        a.free(p, StreamId(0)).unwrap();
+    }
+    a.trim();
+    assert_eq!(dev.used(), Bytes::ZERO);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// Live blocks never overlap, whatever the sequence, through the thread caches too.
+    #[test]
+    fn live_blocks_never_overlap(ops in prop::collection::vec((0u64..3, 1u64..3_000_000, any::<bool>()), 1..150)) {
+        let (dev, a) = host_allocator(Bytes::gib(8));
+        let mut live: Vec<(u64, u64)> = Vec::new();
+        for (stream, size, free) in ops {
+            if free && !live.is_empty() {
+                let (p, _) = live.remove((size as usize) % live.len());
+                a.free(p, StreamId(stream)).unwrap();
+            } else {
+                let p = a.alloc(Bytes(size), StreamId(stream)).unwrap();
+                for (q, l) in &live {
+                    prop_assert!(p + size <= *q || q + l <= p, "{p:#x}+{size} overlaps {q:#x}+{l}");
+                }
+                live.push((p, size));
+            }
+        }
+        for (p, _) in live {
+            a.free(p, StreamId(0)).unwrap();
+        }
+        a.trim();
+        prop_assert_eq!(dev.used(), Bytes::ZERO);
+    }
+}

@@ -1,0 +1,124 @@
+//! Per-thread caches of freed blocks, by size class and stream.
+//!
+//! Each thread's cache sits behind its own mutex, which only that thread takes on the fast path
+//! (uncontended: no system call). A trim takes each cache's mutex in turn to empty it, so idle
+//! memory cached by a sleeping thread can still go back to the daemon.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Mutex};
+
+use vram_core::alloc::StreamId;
+
+/// Blocks up to this length are cached per thread.
+pub(super) const CACHE_LIMIT: u64 = 1 << 20;
+const ALIGN_SHIFT: u32 = 9;
+/// Blocks kept per size class and thread.
+const PER_CLASS: usize = 16;
+/// Bytes one thread may keep cached.
+const PER_THREAD: u64 = 32 << 20;
+
+#[derive(Default)]
+struct Cache {
+    /// Index: length / 512 - 1. Each entry: (offset, stream).
+    bins: Vec<Vec<(u64, StreamId)>>,
+    bytes: u64,
+}
+
+type Shared = Arc<Mutex<Cache>>;
+
+thread_local! {
+    /// This thread's cache for each allocator (by id) it has used.
+    static MINE: RefCell<Vec<(u64, Shared)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The registry of every thread's cache for one allocator.
+#[derive(Default)]
+pub(super) struct ThreadCaches {
+    all: Mutex<Vec<Shared>>,
+}
+
+fn class(len: u64) -> usize {
+    (len >> ALIGN_SHIFT) as usize - 1
+}
+
+impl ThreadCaches {
+    fn with_mine<R>(&self, id: u64, f: impl FnOnce(&mut Cache) -> R) -> R {
+        MINE.with(|mine| {
+            let mut mine = mine.borrow_mut();
+            let shared = match mine.iter().find(|(i, _)| *i == id) {
+                Some((_, s)) => s.clone(),
+                None => {
+                    let s: Shared = Arc::default();
+                    self.all
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(s.clone());
+                    mine.push((id, s.clone()));
+                    s
+                }
+            };
+            drop(mine);
+            let mut cache = shared.lock().unwrap_or_else(|p| p.into_inner());
+            f(&mut cache)
+        })
+    }
+
+    /// A cached block of exactly `len` last used on `stream`.
+    pub(super) fn pop(&self, id: u64, len: u64, stream: StreamId) -> Option<u64> {
+        self.with_mine(id, |c| {
+            let bin = c.bins.get_mut(class(len))?;
+            let i = bin.iter().rposition(|(_, s)| *s == stream)?;
+            let (offset, _) = bin.swap_remove(i);
+            c.bytes -= len;
+            Some(offset)
+        })
+    }
+
+    /// Keeps a freed block; `false` if this thread's cache is full.
+    pub(super) fn push(&self, id: u64, offset: u64, len: u64, stream: StreamId) -> bool {
+        self.with_mine(id, |c| {
+            if c.bytes + len > PER_THREAD {
+                return false;
+            }
+            let k = class(len);
+            if c.bins.len() <= k {
+                c.bins.resize_with(k + 1, Vec::new);
+            }
+            if c.bins[k].len() >= PER_CLASS {
+                return false;
+            }
+            c.bins[k].push((offset, stream));
+            c.bytes += len;
+            true
+        })
+    }
+
+    /// Empties every thread's cache.
+    pub(super) fn drain_all(&self) -> Vec<(u64, StreamId)> {
+        let mut all = self.all.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out = Vec::new();
+        for shared in all.iter() {
+            let mut c = shared.lock().unwrap_or_else(|p| p.into_inner());
+            for bin in &mut c.bins {
+                out.append(bin);
+            }
+            c.bytes = 0;
+        }
+        // Caches of threads that have exited are held by the registry alone: forget them.
+        all.retain(|s| Arc::strong_count(s) > 1);
+        out
+    }
+
+    /// Bytes waiting in all thread caches.
+    pub(super) fn bytes(&self) -> u64 {
+        let all = self.all.lock().unwrap_or_else(|p| p.into_inner());
+        all.iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).bytes)
+            .sum()
+    }
+
+    /// The allocator is going away: this thread's entry for it is dropped.
+    pub(super) fn forget(&self, id: u64) {
+        let _ = MINE.try_with(|mine| mine.borrow_mut().retain(|(i, _)| *i != id));
+    }
+}

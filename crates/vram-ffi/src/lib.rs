@@ -1,0 +1,240 @@
+//! libvram.so: the caching allocator of `vram-client` behind a C ABI (`include/vram.h`), for
+//! PyTorch's `CUDAPluggableAllocator` and any C program. The process-wide tenant is set up on first
+//! use from the environment (`VRAMD_SOCKET`, `VRAMD_TENANT`, `VRAMD_LIMIT`, `VRAMD_GUARANTEE`,
+//! `VRAMD_PRIORITY`, `VRAMD_GPU`).
+//!
+//! Nothing here aborts or unwinds into C: every entry point catches panics, and errors go to the
+//! calling thread's `vram_last_error`.
+
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use vram_client::alloc::{CachingAllocator, DaemonSource, HostEvents, MappedBacking};
+use vram_client::{Client, TenantOptions};
+use vram_core::alloc::{AllocConfig, StreamId};
+use vram_core::Bytes;
+
+/// The process's tenant: its connection and its allocator.
+pub struct Tenant {
+    pub client: Arc<Client>,
+    pub alloc: CachingAllocator<DaemonSource>,
+    pub gpu: u32,
+}
+
+static TENANT: OnceLock<Result<Tenant, String>> = OnceLock::new();
+
+thread_local! {
+    static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
+}
+
+fn set_error(msg: String) {
+    let c = CString::new(msg.replace('\0', " ")).expect("no NUL left");
+    LAST_ERROR.with(|e| *e.borrow_mut() = Some(c));
+}
+
+fn env_bytes(name: &str) -> Result<Option<Bytes>, String> {
+    match std::env::var(name) {
+        Ok(v) if !v.is_empty() => v.parse().map(Some).map_err(|e| format!("{name}: {e}")),
+        _ => Ok(None),
+    }
+}
+
+fn options_from_env() -> Result<TenantOptions, String> {
+    let gpu = match std::env::var("VRAMD_GPU") {
+        Ok(v) if !v.is_empty() => Some(
+            v.parse::<u32>()
+                .map_err(|e| format!("VRAMD_GPU `{v}`: {e}"))?,
+        ),
+        _ => None,
+    };
+    Ok(TenantOptions {
+        name: std::env::var("VRAMD_TENANT")
+            .ok()
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| format!("pid-{}", std::process::id())),
+        class: std::env::var("VRAMD_PRIORITY")
+            .ok()
+            .filter(|s| !s.is_empty()),
+        guarantee: env_bytes("VRAMD_GUARANTEE")?,
+        limit: env_bytes("VRAMD_LIMIT")?,
+        gpu,
+    })
+}
+
+fn connect() -> Result<Tenant, String> {
+    let opts = options_from_env()?;
+    let client = Arc::new(Client::connect(None, &opts).map_err(|e| format!("vramd: {e}"))?);
+    let w = client.welcome().clone();
+    if w.device.backend != "host" {
+        return Err(format!(
+            "vramd: this build's C allocator supports the host backend only; the daemon serves `{}`",
+            w.device.backend
+        ));
+    }
+    let config = AllocConfig {
+        granularity: w.device.granularity,
+        ..AllocConfig::default()
+    };
+    let device = client.device().clone();
+    let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::new(client.clone()))
+        .map_err(|e| format!("vramd: cannot reserve address space: {e}"))?;
+    let alloc = CachingAllocator::new(config, backing, Box::new(HostEvents));
+    client.on_reclaim(Box::new(|_, _| match TENANT.get() {
+        Some(Ok(t)) => t.alloc.trim(),
+        _ => Bytes::ZERO,
+    }));
+    Ok(Tenant {
+        client,
+        alloc,
+        gpu: w.device.index,
+    })
+}
+
+/// Keeps the daemon informed and lets idle memory go back with hysteresis.
+fn start_housekeeping() {
+    let _ = std::thread::Builder::new()
+        .name("vram-housekeeping".into())
+        .spawn(|| {
+            let start = Instant::now();
+            let mut last = (Bytes(u64::MAX), Bytes(u64::MAX));
+            loop {
+                std::thread::sleep(Duration::from_millis(200));
+                let Some(Ok(t)) = TENANT.get() else { return };
+                t.alloc.tick(start.elapsed().as_micros() as u64);
+                let s = t.alloc.stats();
+                if (s.in_use, s.cached) != last {
+                    last = (s.in_use, s.cached);
+                    if t.client.report_usage(s.in_use, s.cached).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+}
+
+/// The process's tenant, connecting on first use.
+pub fn tenant() -> Result<&'static Tenant, String> {
+    let t = TENANT.get_or_init(|| {
+        let t = connect();
+        if t.is_ok() {
+            start_housekeeping();
+        }
+        t
+    });
+    t.as_ref().map_err(Clone::clone)
+}
+
+fn guarded<R>(fallback: R, f: impl FnOnce() -> Result<R, String>) -> R {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(r)) => r,
+        Ok(Err(msg)) => {
+            set_error(msg);
+            fallback
+        }
+        Err(_) => {
+            set_error("vramd: internal error (a panic was caught at the C boundary)".into());
+            fallback
+        }
+    }
+}
+
+fn check_device(t: &Tenant, device: c_int) -> Result<(), String> {
+    if device < 0 || device as u32 != t.gpu {
+        return Err(format!(
+            "vramd: device {device} asked for, but this process is a tenant of gpu {}",
+            t.gpu
+        ));
+    }
+    Ok(())
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
+    guarded(std::ptr::null_mut(), || {
+        let t = tenant()?;
+        check_device(t, device)?;
+        let size = u64::try_from(size).map_err(|_| format!("vramd: negative size {size}"))?;
+        let stream = StreamId(stream as u64);
+        let ptr = t.alloc.alloc(Bytes(size), stream).map_err(|e| {
+            let w = t.client.welcome();
+            format!(
+                "vramd: tenant `{}` could not allocate {}: {e} (limit {}, guarantee {})",
+                w.name,
+                Bytes(size),
+                w.limit,
+                w.guarantee
+            )
+        })?;
+        Ok(ptr as *mut c_void)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_free(ptr: *mut c_void, _size: isize, device: c_int, stream: *mut c_void) {
+    guarded((), || {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let t = tenant()?;
+        check_device(t, device)?;
+        t.alloc
+            .free(ptr as u64, StreamId(stream as u64))
+            .map(drop)
+            .map_err(|e| format!("vramd: {e}"))
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_stats_json() -> *mut c_char {
+    guarded(std::ptr::null_mut(), || {
+        let t = tenant()?;
+        let w = t.client.welcome();
+        let v = serde_json::json!({
+            "tenant": w.name, "gpu": t.gpu, "limit": w.limit.get(), "guarantee": w.guarantee.get(),
+            "stats": t.alloc.stats(),
+        });
+        let s = CString::new(v.to_string()).map_err(|e| e.to_string())?;
+        Ok(s.into_raw())
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_trim() -> i64 {
+    guarded(-1, || Ok(tenant()?.alloc.trim().get() as i64))
+}
+
+/// See `include/vram.h`.
+///
+/// # Safety
+/// `s` must be NULL or a string returned by `vram_stats_json` not yet freed.
+#[no_mangle]
+pub unsafe extern "C" fn vram_string_free(s: *mut c_char) {
+    if s.is_null() {
+        return;
+    }
+    // SAFETY: the caller passes a pointer from `CString::into_raw` in `vram_stats_json`, freed once.
+    drop(unsafe { CString::from_raw(s) });
+}
+
+/// The last error as a Rust string (for tests and benches linking this crate directly).
+pub fn last_error() -> Option<String> {
+    let p = vram_last_error();
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: `p` points into this thread's LAST_ERROR CString, alive until the next call here.
+    Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
