@@ -1,0 +1,214 @@
+//! `vramd replay`: PyTorch memory snapshots replayed through the real client allocator (thread
+//! caches, live table, core algorithms, real mappings) on a host-backend device, with the driver
+//! time its calls would cost on an H200.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use vram_client::alloc::{CachingAllocator, HostEvents, LocalSource, MappedBacking};
+use vram_core::alloc::{AllocConfig, BackingCounts, StreamId};
+use vram_core::replay::CostModel;
+use vram_core::trace::{parse_snapshot, Action, Trace};
+use vram_core::Bytes;
+use vram_device::{Device, HostDevice};
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// PyTorch snapshots (`torch.cuda.memory._snapshot()`, pickled, optionally gzipped).
+    #[arg(required = true)]
+    pub traces: Vec<PathBuf>,
+    /// One JSON object per trace instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// One trace's figures. Sizes in bytes, times in microseconds.
+#[derive(Debug, Serialize)]
+pub struct Outcome {
+    pub trace: String,
+    pub events: usize,
+    pub skipped_frees: usize,
+    pub peak_requested: u64,
+    pub peak_held: u64,
+    pub fragmentation: f64,
+    pub grants: u64,
+    pub maps: u64,
+    pub unmaps: u64,
+    pub returns: u64,
+    pub mapped_bytes: u64,
+    pub wall_us: u64,
+    pub cost_model: &'static str,
+    pub modelled_driver_us: f64,
+    pub modelled_driver_time_share: f64,
+    /// The same share priced with DESIGN.md's table as written (set-access per MiB).
+    pub design_table_driver_time_share: f64,
+    /// Allocations served from a thread cache without the core.
+    pub fast_allocs: u64,
+}
+
+pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    let mut outcomes = Vec::new();
+    for path in &args.traces {
+        let bytes =
+            std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+        let trace = parse_snapshot(&bytes)
+            .with_context(|| format!("{} is not a readable snapshot", path.display()))?;
+        let name = path
+            .file_name()
+            .map(|n| {
+                n.to_string_lossy()
+                    .trim_end_matches(".gz")
+                    .trim_end_matches(".pickle")
+                    .to_string()
+            })
+            .unwrap_or_default();
+        let o = replay(&name, &trace)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&o)?);
+        }
+        outcomes.push(o);
+    }
+    if !args.json {
+        print!("{}", table(&outcomes));
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+fn progress_bar(name: &str, total: usize) -> ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(total as u64);
+    bar.set_style(
+        ProgressStyle::with_template("{prefix:>24} [{bar:40}] {pos}/{len} events ({eta})")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar.set_prefix(name.to_string());
+    bar
+}
+
+/// Replays one trace through a fresh allocator on a sparse host device.
+pub fn replay(name: &str, trace: &Trace) -> anyhow::Result<Outcome> {
+    let config = AllocConfig::default();
+    // Sparse: only the pages the replay writes would cost memory, and it writes none.
+    let device: Arc<dyn Device> = Arc::new(HostDevice::new(Bytes(Bytes::TIB), config.granularity)?);
+    let backing = MappedBacking::new(device.clone(), config.va_bytes, LocalSource::new(device))?;
+    let alloc = CachingAllocator::new(config, backing, Box::new(HostEvents));
+    let bar = progress_bar(name, trace.events.len());
+    let mut ptrs = std::collections::HashMap::new();
+    for (i, e) in trace.events.iter().enumerate() {
+        let stream = StreamId(e.stream);
+        match e.action {
+            Action::Alloc => {
+                let p = alloc
+                    .alloc(Bytes(e.size), stream)
+                    .with_context(|| format!("{name}: event {i}: alloc of {}", Bytes(e.size)))?;
+                ptrs.insert(e.addr, p);
+            }
+            Action::Free => {
+                if let Some(p) = ptrs.remove(&e.addr) {
+                    alloc
+                        .free(p, stream)
+                        .with_context(|| format!("{name}: event {i}: free"))?;
+                }
+            }
+        }
+        alloc.tick(e.time_us);
+        if i % 4096 == 0 {
+            bar.set_position(i as u64);
+        }
+    }
+    bar.finish_and_clear();
+    let s = alloc.stats().core;
+    let counts = BackingCounts {
+        grants: s.grants,
+        maps: s.maps,
+        unmaps: s.unmaps,
+        releases: s.returns,
+        granted_bytes: s.granted_bytes.get(),
+        mapped_bytes: s.mapped_bytes.get(),
+    };
+    let wall_us = trace.wall_us();
+    let share = |us: f64| {
+        if wall_us == 0 {
+            0.0
+        } else {
+            us / wall_us as f64
+        }
+    };
+    let model = CostModel::H200_MEASURED;
+    let modelled = model.driver_us(&counts);
+    let (peak_requested, peak_held) = (s.requested_peak.get(), s.held_peak.get());
+    Ok(Outcome {
+        trace: name.to_string(),
+        events: trace.events.len(),
+        skipped_frees: trace.skipped_frees,
+        peak_requested,
+        peak_held,
+        fragmentation: if peak_held == 0 {
+            0.0
+        } else {
+            1.0 - peak_requested as f64 / peak_held as f64
+        },
+        grants: s.grants,
+        maps: s.maps,
+        unmaps: s.unmaps,
+        returns: s.returns,
+        mapped_bytes: s.mapped_bytes.get(),
+        wall_us,
+        cost_model: model.name,
+        modelled_driver_us: modelled,
+        modelled_driver_time_share: share(modelled),
+        design_table_driver_time_share: share(CostModel::DESIGN_TABLE.driver_us(&counts)),
+        fast_allocs: alloc.stats().fast_allocs,
+    })
+}
+
+fn table(outcomes: &[Outcome]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<24} {:>8} {:>12} {:>12} {:>7} {:>7} {:>6} {:>7} {:>7} {:>9} {:>9}",
+        "TRACE",
+        "EVENTS",
+        "PEAK REQ",
+        "PEAK HELD",
+        "FRAG",
+        "GRANTS",
+        "MAPS",
+        "UNMAPS",
+        "RETURNS",
+        "DRIVER",
+        "(TABLE)"
+    );
+    for o in outcomes {
+        let _ = writeln!(
+            out,
+            "{:<24} {:>8} {:>12} {:>12} {:>6.2}% {:>7} {:>6} {:>7} {:>7} {:>8.2}% {:>8.2}%",
+            o.trace,
+            o.events,
+            Bytes(o.peak_requested).to_string(),
+            Bytes(o.peak_held).to_string(),
+            o.fragmentation * 100.0,
+            o.grants,
+            o.maps,
+            o.unmaps,
+            o.returns,
+            o.modelled_driver_time_share * 100.0,
+            o.design_table_driver_time_share * 100.0
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nFRAG = 1 - peak live requested / peak held. DRIVER = modelled H200 driver time of the grants,\n\
+         maps, unmaps and returns as a share of the trace's wall time (set-access priced per handle as\n\
+         measured on an H200; TABLE: priced per MiB as DESIGN.md's table has it)."
+    );
+    out
+}
