@@ -24,6 +24,9 @@ enum Command {
     Serve(cmd::serve::Args),
     /// Show devices and tenants of a running daemon.
     Status(cmd::status::Args),
+    /// A live view of devices and tenants: held, in use and cached against guarantee and limit,
+    /// refusals, grant rate; sortable (s, r, 1-9), q quits.
+    Top(cmd::top::Args),
     /// Start a daemon on a 16 GiB host-backend device and three tenant processes, one of which is
     /// killed midway; report grants, refusals, reclaimed memory and whether every pattern verified.
     Demo(cmd::demo::Args),
@@ -38,6 +41,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Serve(a) => cmd::serve::run(a),
         Command::Status(a) => cmd::status::run(a),
+        Command::Top(a) => cmd::top::run(a),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Tenant(a) => cmd::tenant::run(a),
     };

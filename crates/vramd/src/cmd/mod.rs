@@ -4,6 +4,7 @@ pub mod demo;
 pub mod serve;
 pub mod status;
 pub mod tenant;
+pub mod top;
 
 use std::path::PathBuf;
 
