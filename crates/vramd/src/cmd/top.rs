@@ -273,7 +273,7 @@ fn header(view: &View) -> Line<'static> {
     let mut spans = Vec::new();
     if let Some(r) = &view.report {
         let d = &r.daemon;
-        let rate: f64 = view.rates.values().sum();
+        let rate = view.rates.values().fold(0.0, |a, r| a + r);
         spans.push(Span::styled(
             format!("vramd {} pid {}", d.version, d.pid),
             Style::new().add_modifier(Modifier::BOLD),
