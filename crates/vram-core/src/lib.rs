@@ -4,6 +4,7 @@
 pub mod alloc;
 pub mod broker;
 pub mod replay;
+pub mod shared;
 pub mod trace;
 pub mod units;
 

@@ -435,25 +435,30 @@ fn known_classes(policy: &Policy) -> String {
 }
 
 fn validate_name(name: &str) -> Result<(), AdmissionError> {
-    let bad = |reason| {
-        Err(AdmissionError::BadName {
+    match name_problem(name) {
+        Some(reason) => Err(AdmissionError::BadName {
             name: name.to_string(),
             reason,
-        })
-    };
+        }),
+        None => Ok(()),
+    }
+}
+
+/// What is wrong with a tenant's or a shared buffer's name, if anything.
+pub(crate) fn name_problem(name: &str) -> Option<&'static str> {
     if name.is_empty() {
-        return bad("empty");
+        return Some("empty");
     }
     if name.len() > 64 {
-        return bad("longer than 64 bytes");
+        return Some("longer than 64 bytes");
     }
     if !name
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || b"-_.@:".contains(&b))
     {
-        return bad("only letters, digits and - _ . @ : are allowed");
+        return Some("only letters, digits and - _ . @ : are allowed");
     }
-    Ok(())
+    None
 }
 
 #[cfg(test)]

@@ -1,0 +1,777 @@
+//! Shared buffers' books: named buffers, one writer lease at a time, versions that readers pin.
+//! Pure state; the daemon creates, exports, checksums and releases the memory of each version and
+//! calls in with what happened, passing the time in.
+//!
+//! A buffer's life: the owner creates it (no memory yet). A writer takes the lease (with a
+//! time-to-live it renews), begins a write — a draft version in fresh memory, charged to the
+//! owner through the [`Broker`] — fills it and publishes it with its checksum. Readers pin the
+//! current published version and keep it until they release it, however many versions are
+//! published meanwhile.
+//!
+//! Invariants kept by every method:
+//! - a reader only ever pins a published version; a draft is visible to its writer alone;
+//! - a version is freed only when it is neither current nor pinned (or its buffer's owner is gone);
+//! - the broker holds, against each owner, exactly `size × live versions` of its buffers, so
+//!   memory is counted once however many readers map it;
+//! - a writer whose lease expired or was released loses its draft, which no one ever sees.
+
+mod checksum;
+mod error;
+
+use std::collections::{BTreeMap, HashMap};
+
+use serde::{Deserialize, Serialize};
+
+pub use checksum::{checksum, Checksummer};
+pub use error::SharedError;
+
+use crate::broker::{name_problem, Broker, Tenant, TenantId};
+use crate::Bytes;
+
+/// A buffer's id, unique for the daemon's lifetime (a deleted name may be reused by a new buffer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct BufferId(pub u64);
+
+/// A version of a buffer; published versions of one buffer strictly increase.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct Version(pub u64);
+
+impl std::fmt::Display for Version {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "v{}", self.0)
+    }
+}
+
+/// Who an access rule names.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Principal {
+    Tenant(String),
+    Class(String),
+    Anyone,
+}
+
+impl Principal {
+    fn matches(&self, t: &Tenant) -> bool {
+        match self {
+            Principal::Tenant(n) => *n == t.name,
+            Principal::Class(c) => *c == t.class,
+            Principal::Anyone => true,
+        }
+    }
+}
+
+/// Who besides the owner may read and write. Writers may also read.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Acl {
+    pub readers: Vec<Principal>,
+    pub writers: Vec<Principal>,
+}
+
+/// What the owner asks for at create.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferSpec {
+    pub name: String,
+    /// Bytes of each version (the daemon rounds it up to the device granularity first).
+    pub size: Bytes,
+    pub acl: Acl,
+}
+
+/// The writer lease, as others see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseInfo {
+    pub holder: String,
+    /// When it runs out, on the caller's clock (milliseconds).
+    pub expires_ms: u64,
+}
+
+/// A buffer as `open`, `list` and status show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufferInfo {
+    pub id: BufferId,
+    pub name: String,
+    pub size: Bytes,
+    pub owner: String,
+    pub acl: Acl,
+    pub current: Option<Version>,
+    pub checksum: Option<u64>,
+    pub lease: Option<LeaseInfo>,
+    /// Versions holding memory: current, pinned old ones, and a draft.
+    pub versions: u32,
+    /// Pins held by readers, over all versions.
+    pub pins: u64,
+    /// Memory held for this buffer (counted against the owner).
+    pub bytes: Bytes,
+    pub publishes: u64,
+    /// Published versions the scrub found changed since publish.
+    pub corrupt: Vec<Version>,
+    /// Deleted, kept only until its pinned versions are released.
+    pub deleted: bool,
+}
+
+/// A version whose memory the daemon may now release.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Freed {
+    pub buffer: BufferId,
+    pub version: Version,
+}
+
+/// A published version, for the scrub.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PublishedVersion {
+    pub buffer: BufferId,
+    pub version: Version,
+    pub size: Bytes,
+    pub checksum: u64,
+}
+
+#[derive(Debug)]
+struct VersionState {
+    /// `None` while a draft.
+    checksum: Option<u64>,
+    pins: BTreeMap<TenantId, u32>,
+    corrupt: bool,
+}
+
+#[derive(Debug)]
+struct Lease {
+    holder: TenantId,
+    holder_name: String,
+    expires_ms: u64,
+    draft: Option<Version>,
+}
+
+#[derive(Debug)]
+struct Buffer {
+    name: String,
+    size: Bytes,
+    owner: TenantId,
+    owner_name: String,
+    acl: Acl,
+    current: Option<Version>,
+    versions: BTreeMap<Version, VersionState>,
+    lease: Option<Lease>,
+    next_version: u64,
+    publishes: u64,
+    deleted: bool,
+}
+
+impl Buffer {
+    fn can_read(&self, id: TenantId, t: &Tenant) -> bool {
+        self.can_write(id, t) || self.acl.readers.iter().any(|p| p.matches(t))
+    }
+
+    fn can_write(&self, id: TenantId, t: &Tenant) -> bool {
+        id == self.owner || self.acl.writers.iter().any(|p| p.matches(t))
+    }
+
+    /// Whether `v` may go: not current, not pinned, not the live draft.
+    fn unused(&self, v: Version) -> bool {
+        let draft = self.lease.as_ref().and_then(|l| l.draft);
+        let pinned = self.versions.get(&v).is_some_and(|s| !s.pins.is_empty());
+        self.current != Some(v) && draft != Some(v) && !pinned
+    }
+
+    fn info(&self, id: BufferId) -> BufferInfo {
+        BufferInfo {
+            id,
+            name: self.name.clone(),
+            size: self.size,
+            owner: self.owner_name.clone(),
+            acl: self.acl.clone(),
+            current: self.current,
+            checksum: self
+                .current
+                .and_then(|v| self.versions.get(&v))
+                .and_then(|s| s.checksum),
+            lease: self.lease.as_ref().map(|l| LeaseInfo {
+                holder: l.holder_name.clone(),
+                expires_ms: l.expires_ms,
+            }),
+            versions: self.versions.len() as u32,
+            pins: self
+                .versions
+                .values()
+                .flat_map(|s| s.pins.values())
+                .map(|&n| u64::from(n))
+                .sum(),
+            bytes: Bytes(self.size.get() * self.versions.len() as u64),
+            publishes: self.publishes,
+            corrupt: self
+                .versions
+                .iter()
+                .filter(|(_, s)| s.corrupt)
+                .map(|(v, _)| *v)
+                .collect(),
+            deleted: self.deleted,
+        }
+    }
+}
+
+/// Every shared buffer of one device. See the module docs for the invariants.
+#[derive(Debug, Default)]
+pub struct SharedBuffers {
+    buffers: BTreeMap<BufferId, Buffer>,
+    by_name: HashMap<String, BufferId>,
+    next_id: u64,
+}
+
+impl SharedBuffers {
+    pub fn new() -> SharedBuffers {
+        SharedBuffers::default()
+    }
+
+    /// Creates an empty buffer owned by `owner`. No memory is taken until a version is written.
+    pub fn create(
+        &mut self,
+        broker: &Broker,
+        owner: TenantId,
+        spec: BufferSpec,
+    ) -> Result<BufferInfo, SharedError> {
+        let t = tenant(broker, owner)?;
+        if let Some(reason) = name_problem(&spec.name) {
+            return Err(SharedError::BadName {
+                name: spec.name,
+                reason,
+            });
+        }
+        if spec.size == Bytes::ZERO {
+            return Err(SharedError::BadName {
+                name: spec.name,
+                reason: "a buffer of zero bytes",
+            });
+        }
+        if let Some(other) = self.by_name.get(&spec.name) {
+            return Err(SharedError::NameInUse {
+                name: spec.name,
+                owner: self.buffers[other].owner_name.clone(),
+            });
+        }
+        self.next_id += 1;
+        let id = BufferId(self.next_id);
+        let buffer = Buffer {
+            name: spec.name.clone(),
+            size: spec.size,
+            owner,
+            owner_name: t.name.clone(),
+            acl: spec.acl,
+            current: None,
+            versions: BTreeMap::new(),
+            lease: None,
+            next_version: 1,
+            publishes: 0,
+            deleted: false,
+        };
+        let info = buffer.info(id);
+        self.by_name.insert(spec.name, id);
+        self.buffers.insert(id, buffer);
+        Ok(info)
+    }
+
+    /// Finds a buffer by name, for a tenant that may read or write it.
+    pub fn open(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        name: &str,
+        now_ms: u64,
+    ) -> Result<(BufferInfo, Vec<Freed>), SharedError> {
+        let id = *self
+            .by_name
+            .get(name)
+            .ok_or_else(|| SharedError::NoSuchBuffer(name.to_string()))?;
+        let freed = self.expire_one(broker, id, now_ms);
+        self.check(broker, who, id, "read")?;
+        Ok((self.buffers[&id].info(id), freed))
+    }
+
+    /// The buffers `who` may read or write.
+    pub fn list(&self, broker: &Broker, who: TenantId) -> Vec<BufferInfo> {
+        let Some(t) = broker.tenant(who) else {
+            return Vec::new();
+        };
+        self.buffers
+            .iter()
+            .filter(|(_, b)| !b.deleted && b.can_read(who, t))
+            .map(|(id, b)| b.info(*id))
+            .collect()
+    }
+
+    /// Every buffer, deleted ones still holding memory included (for status).
+    pub fn all(&self) -> Vec<BufferInfo> {
+        self.buffers.iter().map(|(id, b)| b.info(*id)).collect()
+    }
+
+    pub fn info(&self, id: BufferId) -> Option<BufferInfo> {
+        self.buffers.get(&id).map(|b| b.info(id))
+    }
+
+    /// Deletes a buffer (owner only): its name goes at once, the lease and draft are dropped, and
+    /// each version goes when its last pin does.
+    pub fn delete(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        id: BufferId,
+    ) -> Result<Vec<Freed>, SharedError> {
+        let b = self.live(id)?;
+        if b.owner != who {
+            let t = tenant(broker, who)?;
+            return Err(forbidden(b, t, "delete"));
+        }
+        Ok(self.remove(broker, id))
+    }
+
+    /// Takes the writer lease for `ttl_ms`, or renews it if `who` holds it already.
+    pub fn acquire(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        id: BufferId,
+        ttl_ms: u64,
+        now_ms: u64,
+    ) -> Result<(LeaseInfo, Vec<Freed>), SharedError> {
+        let freed = self.expire_one(broker, id, now_ms);
+        self.check(broker, who, id, "write")?;
+        let name = tenant(broker, who)?.name.clone();
+        let b = self.buffers.get_mut(&id).expect("checked");
+        match &mut b.lease {
+            Some(l) if l.holder == who => l.expires_ms = now_ms.saturating_add(ttl_ms),
+            Some(l) => {
+                return Err(SharedError::LeaseHeld {
+                    buffer: b.name.clone(),
+                    holder: l.holder_name.clone(),
+                    expires_in_ms: l.expires_ms.saturating_sub(now_ms),
+                    current: b.current,
+                })
+            }
+            None => {
+                b.lease = Some(Lease {
+                    holder: who,
+                    holder_name: name.clone(),
+                    expires_ms: now_ms.saturating_add(ttl_ms),
+                    draft: None,
+                })
+            }
+        }
+        let expires_ms = b.lease.as_ref().expect("just set").expires_ms;
+        Ok((
+            LeaseInfo {
+                holder: name,
+                expires_ms,
+            },
+            freed,
+        ))
+    }
+
+    /// Extends a lease `who` still holds. A lease that ran out is lost, not renewed.
+    pub fn renew(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        id: BufferId,
+        ttl_ms: u64,
+        now_ms: u64,
+    ) -> Result<(LeaseInfo, Vec<Freed>), SharedError> {
+        let freed = self.expire_one(broker, id, now_ms);
+        self.holder(broker, who, id)?;
+        self.acquire(broker, who, id, ttl_ms, now_ms)
+            .map(|(l, more)| (l, freed.into_iter().chain(more).collect()))
+    }
+
+    /// Gives the lease up; an unpublished draft is discarded.
+    pub fn release_lease(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        id: BufferId,
+        now_ms: u64,
+    ) -> Result<Vec<Freed>, SharedError> {
+        let mut freed = self.expire_one(broker, id, now_ms);
+        self.holder(broker, who, id)?;
+        let b = self.buffers.get_mut(&id).expect("checked");
+        let draft = b.lease.take().and_then(|l| l.draft);
+        freed.extend(draft.and_then(|v| self.free_if_unused(broker, id, v)));
+        Ok(freed)
+    }
+
+    /// Starts version `v+1` from `base` (the version the writer read, or `None` before the first
+    /// publish): charges a version's memory to the owner and returns the draft's number. A draft
+    /// begun earlier and not published is discarded.
+    pub fn begin_write(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        id: BufferId,
+        base: Option<Version>,
+        now_ms: u64,
+    ) -> Result<(Version, Vec<Freed>), SharedError> {
+        let mut freed = self.expire_one(broker, id, now_ms);
+        self.holder(broker, who, id)?;
+        let b = self.buffers.get_mut(&id).expect("checked");
+        if base != b.current {
+            return Err(SharedError::StaleBase {
+                buffer: b.name.clone(),
+                base,
+                current: b.current,
+            });
+        }
+        broker
+            .grant(b.owner, b.size)
+            .map_err(|source| SharedError::Memory {
+                buffer: b.name.clone(),
+                source,
+            })?;
+        let v = Version(b.next_version);
+        b.next_version += 1;
+        b.versions.insert(
+            v,
+            VersionState {
+                checksum: None,
+                pins: BTreeMap::new(),
+                corrupt: false,
+            },
+        );
+        let lease = b.lease.as_mut().expect("checked");
+        let old = lease.draft.replace(v);
+        freed.extend(old.and_then(|o| self.free_if_unused(broker, id, o)));
+        Ok((v, freed))
+    }
+
+    /// Checks that `version` is `who`'s draft of `id` and may be published now (before the daemon
+    /// spends time checksumming it); [`SharedBuffers::publish`] checks again.
+    pub fn check_draft(
+        &self,
+        broker: &Broker,
+        who: TenantId,
+        id: BufferId,
+        version: Version,
+        now_ms: u64,
+    ) -> Result<Bytes, SharedError> {
+        let b = self.live(id)?;
+        let t = tenant(broker, who)?;
+        let current = b.current;
+        let lease = match &b.lease {
+            Some(l) if l.holder == who && l.expires_ms > now_ms => l,
+            _ => {
+                return Err(SharedError::NoLease {
+                    buffer: b.name.clone(),
+                    tenant: t.name.clone(),
+                    current,
+                })
+            }
+        };
+        if lease.draft != Some(version) {
+            let stale = current.is_some_and(|c| c > version);
+            return Err(if stale {
+                SharedError::StaleBase {
+                    buffer: b.name.clone(),
+                    base: Some(Version(version.0.saturating_sub(1))),
+                    current,
+                }
+            } else {
+                SharedError::NoDraft {
+                    buffer: b.name.clone(),
+                    version,
+                    draft: lease.draft,
+                    current,
+                }
+            });
+        }
+        Ok(b.size)
+    }
+
+    /// Makes `who`'s draft `version` the current version, with the checksum the daemon computed.
+    /// The previous current version is freed unless pinned. The writer keeps its lease.
+    pub fn publish(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        id: BufferId,
+        version: Version,
+        checksum: u64,
+        now_ms: u64,
+    ) -> Result<Vec<Freed>, SharedError> {
+        let mut freed = self.expire_one(broker, id, now_ms);
+        self.check_draft(broker, who, id, version, now_ms)?;
+        let b = self.buffers.get_mut(&id).expect("checked");
+        b.lease.as_mut().expect("checked").draft = None;
+        b.versions.get_mut(&version).expect("draft").checksum = Some(checksum);
+        let old = b.current.replace(version);
+        b.publishes += 1;
+        freed.extend(old.and_then(|o| self.free_if_unused(broker, id, o)));
+        Ok(freed)
+    }
+
+    /// Pins the current published version for `who`; returns it and its checksum.
+    pub fn pin(
+        &mut self,
+        broker: &Broker,
+        who: TenantId,
+        id: BufferId,
+    ) -> Result<(Version, u64), SharedError> {
+        self.check(broker, who, id, "read")?;
+        let b = self.buffers.get_mut(&id).expect("checked");
+        let Some(v) = b.current else {
+            return Err(SharedError::NothingPublished(b.name.clone()));
+        };
+        let s = b.versions.get_mut(&v).expect("current is held");
+        *s.pins.entry(who).or_default() += 1;
+        Ok((v, s.checksum.expect("published")))
+    }
+
+    /// Drops one of `who`'s pins on `version`; the version goes if that was the last use of it.
+    pub fn unpin(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        id: BufferId,
+        version: Version,
+    ) -> Result<Vec<Freed>, SharedError> {
+        let b = self
+            .buffers
+            .get_mut(&id)
+            .ok_or_else(|| SharedError::NoSuchBuffer(format!("#{}", id.0)))?;
+        let not_pinned = || SharedError::NotPinned {
+            buffer: b.name.clone(),
+            version,
+        };
+        let s = b.versions.get_mut(&version).ok_or_else(not_pinned)?;
+        let n = s.pins.get_mut(&who).ok_or_else(not_pinned)?;
+        *n -= 1;
+        if *n == 0 {
+            s.pins.remove(&who);
+        }
+        Ok(self
+            .free_if_unused(broker, id, version)
+            .into_iter()
+            .collect())
+    }
+
+    /// The checksum recorded at publish of a version still held (for verification).
+    pub fn checksum_of(&self, id: BufferId, version: Version) -> Result<u64, SharedError> {
+        let b = self
+            .buffers
+            .get(&id)
+            .ok_or_else(|| SharedError::NoSuchBuffer(format!("#{}", id.0)))?;
+        b.versions
+            .get(&version)
+            .and_then(|s| s.checksum)
+            .ok_or_else(|| SharedError::NoSuchVersion {
+                buffer: b.name.clone(),
+                version,
+            })
+    }
+
+    /// The current published version of a buffer, for readers waiting for a newer one.
+    pub fn current(&self, id: BufferId) -> Option<Version> {
+        self.buffers.get(&id).and_then(|b| b.current)
+    }
+
+    /// Published versions still held, for the scrub.
+    pub fn published(&self) -> Vec<PublishedVersion> {
+        let mut out = Vec::new();
+        for (id, b) in &self.buffers {
+            for (v, s) in &b.versions {
+                if let Some(checksum) = s.checksum {
+                    out.push(PublishedVersion {
+                        buffer: *id,
+                        version: *v,
+                        size: b.size,
+                        checksum,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Records that the scrub found `version` changed since its publish.
+    pub fn mark_corrupt(&mut self, id: BufferId, version: Version) {
+        if let Some(s) = self
+            .buffers
+            .get_mut(&id)
+            .and_then(|b| b.versions.get_mut(&version))
+        {
+            s.corrupt = true;
+        }
+    }
+
+    /// Takes every lease that ran out by `now_ms` away; their drafts are discarded.
+    pub fn expire(&mut self, broker: &mut Broker, now_ms: u64) -> Vec<Freed> {
+        let ids: Vec<BufferId> = self.buffers.keys().copied().collect();
+        ids.into_iter()
+            .flat_map(|id| self.expire_one(broker, id, now_ms))
+            .collect()
+    }
+
+    /// `who`'s connection is gone: its pins and leases go, and the buffers it owned are deleted
+    /// with every version (their memory was counted against it, which the broker forgets now).
+    /// Call before [`Broker::disconnect`].
+    pub fn disconnect(&mut self, broker: &mut Broker, who: TenantId) -> Vec<Freed> {
+        let mut freed = Vec::new();
+        let ids: Vec<BufferId> = self.buffers.keys().copied().collect();
+        for id in ids {
+            let b = self.buffers.get_mut(&id).expect("listed");
+            if b.owner == who {
+                freed.extend(self.remove(broker, id));
+                // Pinned versions go too: nobody is left to count them against.
+                if let Some(b) = self.buffers.remove(&id) {
+                    for v in b.versions.keys() {
+                        broker.release(who, b.size);
+                        freed.push(Freed {
+                            buffer: id,
+                            version: *v,
+                        });
+                    }
+                }
+                continue;
+            }
+            let mut candidates: Vec<Version> = Vec::new();
+            for (v, s) in &mut b.versions {
+                if s.pins.remove(&who).is_some() {
+                    candidates.push(*v);
+                }
+            }
+            if b.lease.as_ref().is_some_and(|l| l.holder == who) {
+                candidates.extend(b.lease.take().and_then(|l| l.draft));
+            }
+            for v in candidates {
+                freed.extend(self.free_if_unused(broker, id, v));
+            }
+        }
+        freed
+    }
+
+    /// Aggregates for status and metrics.
+    pub fn totals(&self) -> SharedTotals {
+        let mut t = SharedTotals::default();
+        for b in self.buffers.values() {
+            t.buffers += u64::from(!b.deleted);
+            t.versions += b.versions.len() as u64;
+            t.bytes += Bytes(b.size.get() * b.versions.len() as u64);
+            t.pins += b
+                .versions
+                .values()
+                .flat_map(|s| s.pins.values())
+                .map(|&n| u64::from(n))
+                .sum::<u64>();
+            t.publishes += b.publishes;
+        }
+        t
+    }
+
+    fn live(&self, id: BufferId) -> Result<&Buffer, SharedError> {
+        match self.buffers.get(&id) {
+            Some(b) if !b.deleted => Ok(b),
+            Some(b) => Err(SharedError::NoSuchBuffer(b.name.clone())),
+            None => Err(SharedError::NoSuchBuffer(format!("#{}", id.0))),
+        }
+    }
+
+    /// Checks that buffer `id` exists and `who` may `what` ("read" or "write") it.
+    fn check(
+        &self,
+        broker: &Broker,
+        who: TenantId,
+        id: BufferId,
+        what: &'static str,
+    ) -> Result<(), SharedError> {
+        let b = self.live(id)?;
+        let t = tenant(broker, who)?;
+        let allowed = match what {
+            "write" => b.can_write(who, t),
+            _ => b.can_read(who, t),
+        };
+        if allowed {
+            Ok(())
+        } else {
+            Err(forbidden(b, t, what))
+        }
+    }
+
+    /// Checks that `who` holds the (unexpired: call `expire_one` first) lease of `id`.
+    fn holder(&self, broker: &Broker, who: TenantId, id: BufferId) -> Result<(), SharedError> {
+        let b = self.live(id)?;
+        match &b.lease {
+            Some(l) if l.holder == who => Ok(()),
+            _ => Err(SharedError::NoLease {
+                buffer: b.name.clone(),
+                tenant: tenant(broker, who)?.name.clone(),
+                current: b.current,
+            }),
+        }
+    }
+
+    fn expire_one(&mut self, broker: &mut Broker, id: BufferId, now_ms: u64) -> Vec<Freed> {
+        let Some(b) = self.buffers.get_mut(&id) else {
+            return Vec::new();
+        };
+        if !b.lease.as_ref().is_some_and(|l| l.expires_ms <= now_ms) {
+            return Vec::new();
+        }
+        let draft = b.lease.take().and_then(|l| l.draft);
+        draft
+            .and_then(|v| self.free_if_unused(broker, id, v))
+            .into_iter()
+            .collect()
+    }
+
+    /// Marks `id` deleted and frees what nobody uses; the entry goes with its last version.
+    fn remove(&mut self, broker: &mut Broker, id: BufferId) -> Vec<Freed> {
+        let b = self.buffers.get_mut(&id).expect("caller checked");
+        self.by_name.remove(&b.name);
+        b.deleted = true;
+        b.lease = None;
+        b.current = None;
+        let versions: Vec<Version> = b.versions.keys().copied().collect();
+        if versions.is_empty() {
+            self.buffers.remove(&id);
+        }
+        versions
+            .into_iter()
+            .filter_map(|v| self.free_if_unused(broker, id, v))
+            .collect()
+    }
+
+    fn free_if_unused(&mut self, broker: &mut Broker, id: BufferId, v: Version) -> Option<Freed> {
+        let b = self.buffers.get_mut(&id)?;
+        if !b.versions.contains_key(&v) || !b.unused(v) {
+            return None;
+        }
+        b.versions.remove(&v);
+        broker.release(b.owner, b.size);
+        if b.deleted && b.versions.is_empty() {
+            self.buffers.remove(&id);
+        }
+        Some(Freed {
+            buffer: id,
+            version: v,
+        })
+    }
+}
+
+/// Shared-buffer aggregates of one device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SharedTotals {
+    pub buffers: u64,
+    pub versions: u64,
+    pub bytes: Bytes,
+    pub pins: u64,
+    pub publishes: u64,
+}
+
+fn tenant(broker: &Broker, id: TenantId) -> Result<&Tenant, SharedError> {
+    broker.tenant(id).ok_or(SharedError::UnknownTenant(id.0))
+}
+
+fn forbidden(b: &Buffer, t: &Tenant, what: &'static str) -> SharedError {
+    SharedError::Forbidden {
+        tenant: t.name.clone(),
+        buffer: b.name.clone(),
+        owner: b.owner_name.clone(),
+        what,
+    }
+}
+
+#[cfg(test)]
+mod tests;
