@@ -30,6 +30,8 @@ enum Command {
     /// Start a daemon on a 16 GiB host-backend device and three tenant processes, one of which is
     /// killed midway; report grants, refusals, reclaimed memory and whether every pattern verified.
     Demo(cmd::demo::Args),
+    /// Measure the take+return round trip through a real daemon (p50/p90/p99/max per size).
+    Bench(cmd::bench::Args),
     /// A scripted tenant process (used by `demo` and the tests).
     #[command(hide = true)]
     Tenant(cmd::tenant::Args),
@@ -43,6 +45,7 @@ fn main() -> std::process::ExitCode {
         Command::Status(a) => cmd::status::run(a),
         Command::Top(a) => cmd::top::run(a),
         Command::Demo(a) => cmd::demo::run(a),
+        Command::Bench(a) => cmd::bench::run(a),
         Command::Tenant(a) => cmd::tenant::run(a),
     };
     match result {

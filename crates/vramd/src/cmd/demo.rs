@@ -17,6 +17,7 @@ use vram_client::Observer;
 use vram_core::Bytes;
 use vram_proto::StatusReport;
 
+use super::child::{start_daemon, stop_daemon};
 use super::status::render;
 
 #[derive(Debug, clap::Args)]
@@ -119,14 +120,16 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         "vramd demo: a daemon on a {CAPACITY} host-backend device (memfd-backed; sparse, so it costs only what is touched)"
     );
     println!("  socket and daemon log in {}", dir.path().display());
-    let mut daemon = start_daemon(&exe, &socket, &dir.path().join("vramd.log"))?;
+    let capacity = CAPACITY.to_string().replace(' ', "");
+    let mut daemon = start_daemon(
+        &exe,
+        &socket,
+        &dir.path().join("vramd.log"),
+        &["--backend", "host", "--capacity", &capacity],
+    )?;
     let result = scenario(&exe, &socket);
     // Stop the daemon whatever happened, and check that it stops cleanly.
-    let _ = rustix::process::kill_process(
-        rustix::process::Pid::from_child(&daemon),
-        rustix::process::Signal::TERM,
-    );
-    let status = wait_timeout(&mut daemon, Duration::from_secs(10))?;
+    let status = stop_daemon(&mut daemon)?;
     let mut report = result?;
     report.live = false;
     report.check(
@@ -149,31 +152,6 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         println!("\n{failed} of {} invariants FAILED", report.checks.len());
         Ok(std::process::ExitCode::from(1))
     }
-}
-
-fn start_daemon(exe: &Path, socket: &Path, log: &Path) -> anyhow::Result<Child> {
-    let log = std::fs::File::create(log)?;
-    let child = Command::new(exe)
-        .args(["serve", "--backend", "host", "--capacity"])
-        .arg(CAPACITY.to_string().replace(' ', ""))
-        .arg("--socket")
-        .arg(socket)
-        .stdin(Stdio::null())
-        .stdout(log.try_clone()?)
-        .stderr(log)
-        .spawn()
-        .context("cannot start the daemon")?;
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if Observer::connect(Some(socket))
-            .and_then(|o| o.status())
-            .is_ok()
-        {
-            return Ok(child);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    bail!("the daemon did not come up within 10 s")
 }
 
 fn status(socket: &Path) -> anyhow::Result<StatusReport> {
@@ -428,18 +406,4 @@ fn scenario(exe: &Path, socket: &Path) -> anyhow::Result<Report> {
         println!("  {n}");
     }
     Ok(r)
-}
-
-fn wait_timeout(child: &mut Child, limit: Duration) -> anyhow::Result<Option<i32>> {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(s) = child.try_wait()? {
-            return Ok(s.code());
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            return Ok(None);
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
 }

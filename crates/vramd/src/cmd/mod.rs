@@ -1,5 +1,7 @@
 //! The subcommands. Each module has its `Args` (clap) and a `run`.
 
+pub mod bench;
+mod child;
 pub mod demo;
 pub mod serve;
 pub mod status;
