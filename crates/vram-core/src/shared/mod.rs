@@ -706,7 +706,7 @@ impl SharedBuffers {
         let Some(b) = self.buffers.get_mut(&id) else {
             return Vec::new();
         };
-        if !b.lease.as_ref().is_some_and(|l| l.expires_ms <= now_ms) {
+        if b.lease.as_ref().is_none_or(|l| l.expires_ms > now_ms) {
             return Vec::new();
         }
         let draft = b.lease.take().and_then(|l| l.draft);
