@@ -1,0 +1,226 @@
+//! Multi-process test support: a real `vramd serve` on a temporary socket (host backend), and
+//! scripted tenant processes (`vramd tenant`) driven line by line.
+#![allow(dead_code)] // each test binary uses part of it
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use vram_client::{ClientError, Observer};
+use vram_proto::StatusReport;
+
+pub const VRAMD: &str = env!("CARGO_BIN_EXE_vramd");
+
+/// A daemon of the test's own. Dropping it kills it; [`Daemon::stop`] checks a clean shutdown.
+pub struct Daemon {
+    child: Option<Child>,
+    pub dir: tempfile::TempDir,
+    pub socket: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `vramd serve --backend host` with `config` (TOML) and waits until it answers.
+    pub fn start(config: &str) -> Daemon {
+        let dir = tempfile::Builder::new()
+            .prefix("vramd-test-")
+            .tempdir()
+            .unwrap();
+        let socket = dir.path().join("vramd.sock");
+        let config_path = dir.path().join("vramd.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let log = std::fs::File::create(dir.path().join("vramd.log")).unwrap();
+        let child = Command::new(VRAMD)
+            .args(["serve", "--backend", "host", "--socket"])
+            .arg(&socket)
+            .arg("--config")
+            .arg(&config_path)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap();
+        let mut d = Daemon {
+            child: Some(child),
+            dir,
+            socket,
+        };
+        // Up once it answers, even if only to refuse us (a config whose allowed_uids excludes us).
+        let up = wait_until(Duration::from_secs(10), || {
+            matches!(
+                Observer::connect(Some(&d.socket)).and_then(|o| o.status()),
+                Ok(_) | Err(ClientError::Daemon(_))
+            )
+        });
+        if !up {
+            d.kill();
+            panic!("the daemon did not come up:\n{}", d.log());
+        }
+        d
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn status(&self) -> StatusReport {
+        Observer::connect(Some(&self.socket))
+            .and_then(|o| o.status())
+            .unwrap_or_else(|e| panic!("status: {e}\n{}", self.log()))
+    }
+
+    /// Open file descriptors of the daemon process.
+    pub fn fd_count(&self) -> usize {
+        std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
+            .unwrap()
+            .count()
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("vramd.log")).unwrap_or_default()
+    }
+
+    /// Starts a scripted tenant and waits for its welcome.
+    pub fn tenant(&self, name: &str, flags: &[&str]) -> Tenant {
+        let mut t = Tenant::spawn(&self.socket, name, flags);
+        let hello = t.next();
+        assert_eq!(hello["event"], "welcome", "{name} not admitted: {hello}");
+        t
+    }
+
+    /// SIGTERM; the daemon must exit 0 within 10 s.
+    pub fn stop(mut self) {
+        let mut child = self.child.take().expect("running");
+        let pid = rustix::process::Pid::from_child(&child);
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("the daemon ignored SIGTERM:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(status.code(), Some(0), "daemon exit:\n{}", self.log());
+        assert!(!self.socket.exists(), "the socket outlived the daemon");
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if self.child.is_some() && std::thread::panicking() {
+            eprintln!("--- daemon log ---\n{}", self.log());
+        }
+        self.kill();
+    }
+}
+
+/// A `vramd tenant` process: one command per line in, one JSON line out.
+pub struct Tenant {
+    pub child: Child,
+    stdin: Option<ChildStdin>,
+    lines: Receiver<String>,
+    name: String,
+}
+
+impl Tenant {
+    /// Starts the process without waiting for anything.
+    pub fn spawn(socket: &Path, name: &str, flags: &[&str]) -> Tenant {
+        let mut child = Command::new(VRAMD)
+            .arg("tenant")
+            .arg("--socket")
+            .arg(socket)
+            .args(["--name", name])
+            .args(flags)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, lines) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Tenant {
+            child,
+            stdin,
+            lines,
+            name: name.to_string(),
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next JSON line (60 s at most).
+    pub fn next(&mut self) -> Value {
+        let line = self
+            .lines
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|e| panic!("tenant {} did not answer: {e}", self.name));
+        serde_json::from_str(&line).unwrap()
+    }
+
+    /// Sends a command without waiting for its answer.
+    pub fn send(&mut self, line: &str) {
+        let stdin = self.stdin.as_mut().expect("stdin open");
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
+    }
+
+    pub fn cmd(&mut self, line: &str) -> Value {
+        self.send(line);
+        self.next()
+    }
+
+    /// `exit`: gives everything back; the process must exit 0.
+    pub fn exit(mut self) {
+        let bye = self.cmd("exit");
+        assert_eq!(bye["event"], "bye", "{bye}");
+        drop(self.stdin.take());
+        let status = self.child.wait().unwrap();
+        assert!(
+            status.success(),
+            "tenant {} exited with {status}",
+            self.name
+        );
+    }
+
+    /// SIGKILL, and reap.
+    pub fn kill(mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+/// Polls `cond` every millisecond until it holds or `limit` passes; whether it held.
+pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + limit;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}

@@ -1,0 +1,198 @@
+//! Peers that misbehave get a clear error each, and the tenants that behave never notice.
+
+mod common;
+
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use common::{Daemon, Tenant, VRAMD};
+use vram_client::{ClientError, Observer, TenantOptions};
+use vram_core::Bytes;
+use vram_proto::{
+    Conn, ErrorCode, ErrorReply, FrameHeader, ProtoError, Reply, Request, MAX_FDS, MAX_PAYLOAD,
+};
+
+/// A raw connection that gives up on a silent daemon after 10 s.
+fn raw(socket: &Path) -> Conn {
+    let stream = UnixStream::connect(socket).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    Conn::new(stream)
+}
+
+/// The daemon's unsolicited error reply on `conn`.
+fn error_reply(conn: &Conn) -> ErrorReply {
+    let r = conn.recv::<Reply>().expect("an error reply");
+    assert_eq!(r.id, 0, "errors about frames carry id 0");
+    match r.msg {
+        Reply::Error(e) => e,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+/// Sends `bytes`, expects a `Protocol` error whose message contains `says`, then the close.
+fn refused_and_closed(socket: &Path, bytes: &[u8], shut_write: bool, says: &str) {
+    let conn = raw(socket);
+    conn.send_bytes(bytes).unwrap();
+    if shut_write {
+        conn.stream().shutdown(std::net::Shutdown::Write).unwrap();
+    }
+    let e = error_reply(&conn);
+    assert_eq!(e.code, ErrorCode::Protocol, "{e:?}");
+    assert!(e.message.contains(says), "`{}` lacks `{says}`", e.message);
+    assert!(
+        e.message.contains("closing the connection"),
+        "{}",
+        e.message
+    );
+    assert!(matches!(conn.recv::<Reply>(), Err(ProtoError::Closed)));
+}
+
+fn frame(header: FrameHeader, payload: &[u8]) -> Vec<u8> {
+    let mut f = header.encode().to_vec();
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The well-behaved tenant: takes, verifies everything it holds, gives back.
+fn keeps_working(worker: &mut Tenant, after: &str) {
+    let took = worker.cmd("take 4MiB 2MiB");
+    assert_eq!(took["taken"], Bytes::mib(4).get(), "after {after}: {took}");
+    let v = worker.cmd("verify");
+    assert_eq!(v["ok"], true, "after {after}: {v}");
+    let gave = worker.cmd("give 2MiB");
+    assert_eq!(gave["event"], "gave", "after {after}: {gave}");
+}
+
+#[test]
+fn bad_peers_get_clear_errors_while_a_tenant_keeps_working() {
+    let uid = rustix::process::getuid().as_raw();
+    let root = uid == 0;
+    let d = Daemon::start(&format!(
+        "allowed_uids = [{uid}]\nsocket_mode = \"0666\"\ncapacity = \"1 GiB\"\n"
+    ));
+    let socket = d.socket.clone();
+    let mut worker = d.tenant("worker", &["--limit", "256MiB"]);
+    keeps_working(&mut worker, "start");
+
+    refused_and_closed(
+        &socket,
+        b"GET / HTTP/1.1\r\nHost: vramd\r\n\r\n",
+        false,
+        "bad magic",
+    );
+    keeps_working(&mut worker, "garbage bytes");
+
+    // A header announcing 100 bytes, 3 of them sent, then the peer stops writing.
+    let truncated = frame(FrameHeader::new(0, 100), &[1, 2, 3]);
+    refused_and_closed(&socket, &truncated, true, "in the middle of a frame");
+    keeps_working(&mut worker, "a truncated frame");
+
+    let oversized = FrameHeader::new(0, MAX_PAYLOAD + 1).encode();
+    refused_and_closed(&socket, &oversized, false, "exceeds the limit");
+    keeps_working(&mut worker, "an oversized frame");
+
+    let fds = FrameHeader::new(MAX_FDS + 1, 1).encode();
+    refused_and_closed(&socket, &fds, false, "file descriptors");
+    keeps_working(&mut worker, "too many fds announced");
+
+    let mut v99 = FrameHeader::new(0, 1);
+    v99.version = 99;
+    refused_and_closed(&socket, &frame(v99, &[0]), false, "version 99");
+    keeps_working(&mut worker, "a wrong protocol version");
+
+    // A well-framed payload that does not decode: an error, and the connection stays usable.
+    let conn = raw(&socket);
+    conn.send_bytes(&frame(FrameHeader::new(0, 3), &[0xff, 0xff, 0xff]))
+        .unwrap();
+    let e = error_reply(&conn);
+    assert_eq!(e.code, ErrorCode::Malformed, "{e:?}");
+    assert!(e.message.starts_with("malformed request"), "{}", e.message);
+    conn.send(7, &Request::Ping, &[]).unwrap();
+    let pong = conn.recv::<Reply>().unwrap();
+    assert_eq!((pong.id, pong.msg), (7, Reply::Pong));
+    drop(conn);
+    keeps_working(&mut worker, "a malformed payload");
+
+    // The same name again, from another connection.
+    let worker_pid = worker.pid();
+    let e = vram_client::Client::connect(Some(&socket), &TenantOptions::named("worker"))
+        .expect_err("a second `worker`");
+    let ClientError::Daemon(e) = e else {
+        panic!("expected the daemon's refusal, got {e}")
+    };
+    assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
+    assert!(
+        e.message.contains("`worker` is already connected")
+            && e.message.contains(&format!("pid {worker_pid}")),
+        "{}",
+        e.message
+    );
+    keeps_working(&mut worker, "a name in use");
+
+    // A uid that is not allowed, on this same daemon: a child running as `nobody` (needs root).
+    if root {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = Command::new(VRAMD)
+            .args(["status", "--socket"])
+            .arg(&socket)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(
+            stderr.contains("uid 65534 is not allowed to use this vramd"),
+            "{stderr}"
+        );
+        keeps_working(&mut worker, "a connection from uid 65534");
+    } else {
+        eprintln!("not root: the refused uid is checked on a second daemon only");
+    }
+
+    let s = d.status();
+    assert_eq!(
+        s.daemon.protocol_errors, 6,
+        "garbage, truncated, oversized, fds, version, malformed"
+    );
+    let w = s.tenants.iter().find(|t| t.name == "worker").unwrap();
+    // Each of its rounds kept 2 MiB.
+    assert_eq!(w.held, Bytes::mib(2 * 8 + if root { 2 } else { 0 }));
+    assert_eq!(worker.cmd("verify")["ok"], true);
+    worker.exit();
+    d.stop();
+}
+
+/// `allowed_uids` is an exact list: one without the test's own uid refuses the test.
+#[test]
+fn a_uid_outside_allowed_uids_is_refused_with_its_number() {
+    let uid = rustix::process::getuid().as_raw();
+    let d = Daemon::start(&format!("allowed_uids = [{}]\n", uid + 1));
+    let e = Observer::connect(Some(&d.socket))
+        .unwrap()
+        .status()
+        .expect_err("refused");
+    let ClientError::Daemon(e) = e else {
+        panic!("expected the daemon's refusal, got {e}")
+    };
+    assert_eq!(e.code, ErrorCode::PermissionDenied, "{e:?}");
+    assert!(
+        e.message
+            .contains(&format!("uid {uid} is not allowed to use this vramd")),
+        "{}",
+        e.message
+    );
+    let t = vram_client::Client::connect(Some(&d.socket), &TenantOptions::named("intruder"))
+        .expect_err("refused");
+    assert!(
+        matches!(&t, ClientError::Daemon(e) if e.code == ErrorCode::PermissionDenied),
+        "{t}"
+    );
+    d.stop();
+}
