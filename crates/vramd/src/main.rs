@@ -32,6 +32,9 @@ enum Command {
     Demo(cmd::demo::Args),
     /// Measure the take+return round trip through a real daemon (p50/p90/p99/max per size).
     Bench(cmd::bench::Args),
+    /// Replay PyTorch memory snapshots through vramd's allocator: fragmentation, driver calls and
+    /// their modelled H200 cost.
+    Replay(cmd::replay::Args),
     /// A scripted tenant process (used by `demo` and the tests).
     #[command(hide = true)]
     Tenant(cmd::tenant::Args),
@@ -46,6 +49,7 @@ fn main() -> std::process::ExitCode {
         Command::Top(a) => cmd::top::run(a),
         Command::Demo(a) => cmd::demo::run(a),
         Command::Bench(a) => cmd::bench::run(a),
+        Command::Replay(a) => cmd::replay::run(a),
         Command::Tenant(a) => cmd::tenant::run(a),
     };
     match result {

@@ -153,11 +153,15 @@ impl<S: HandleSource> CachingAllocator<S> {
     /// Returns every idle byte to the daemon now (its reclaim request): the thread caches are
     /// emptied into the core, which gives back every wholly free handle. Returns the bytes.
     pub fn trim(&self) -> Bytes {
+        self.flush_caches();
+        self.core().trim(self.events.as_ref())
+    }
+
+    fn flush_caches(&self) {
         for (offset, stream) in self.caches.drain_all() {
             self.live.remove(offset);
             self.free_to_core(offset, stream);
         }
-        self.core().trim(self.events.as_ref())
     }
 
     /// Lets allocator time pass: idle memory above the recent peak goes back with hysteresis.

@@ -10,12 +10,12 @@ use std::sync::{Arc, Mutex};
 use vram_core::alloc::StreamId;
 
 /// Blocks up to this length are cached per thread.
-pub(super) const CACHE_LIMIT: u64 = 1 << 20;
+pub(super) const CACHE_LIMIT: u64 = 64 << 10;
 const ALIGN_SHIFT: u32 = 9;
 /// Blocks kept per size class and thread.
-const PER_CLASS: usize = 16;
+const PER_CLASS: usize = 8;
 /// Bytes one thread may keep cached.
-const PER_THREAD: u64 = 32 << 20;
+const PER_THREAD: u64 = 1 << 20;
 
 #[derive(Default)]
 struct Cache {

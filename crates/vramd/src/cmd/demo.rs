@@ -287,6 +287,15 @@ fn scenario(exe: &Path, socket: &Path) -> anyhow::Result<Report> {
         ),
     );
 
+    let dirty: u64 = [&t1, &a1, &b1]
+        .iter()
+        .map(|v| v["dirty"].as_u64().unwrap_or(0))
+        .sum();
+    r.check(
+        dirty == 0,
+        format!("every grant arrived zeroed: no tenant saw another's bytes ({dirty} dirty)"),
+    );
+
     step(r.live, "everyone verifies the patterns they wrote");
     for t in [&mut trainer, &mut a, &mut b] {
         let v = t.cmd("verify")?;

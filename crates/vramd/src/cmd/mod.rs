@@ -3,6 +3,7 @@
 pub mod bench;
 mod child;
 pub mod demo;
+pub mod replay;
 pub mod serve;
 pub mod status;
 pub mod tenant;

@@ -52,6 +52,8 @@ struct Tenant {
     client: Client,
     held: Arc<Mutex<Vec<Held>>>,
     seed: u64,
+    /// Grants whose memory was not all zeros when it arrived.
+    dirty: std::sync::atomic::AtomicU64,
 }
 
 pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
@@ -74,6 +76,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         client,
         held: Arc::new(Mutex::new(Vec::new())),
         seed: std::process::id() as u64,
+        dirty: std::sync::atomic::AtomicU64::new(0),
     };
     let held = tenant.held.clone();
     tenant.client.on_reclaim(Box::new(move |client, want| {
@@ -129,6 +132,18 @@ fn pattern(seed: u64, offset: u64) -> [u8; PATTERN_LEN] {
         chunk.copy_from_slice(&x.to_le_bytes());
     }
     out
+}
+
+/// Whether fresh memory reads as zeros where the pattern will go: no tenant may see another's data.
+fn is_clean(dev: &dyn Device, h: &Held) -> anyhow::Result<bool> {
+    let mut buf = [0u8; PATTERN_LEN];
+    for off in (0..h.grant.size().get()).step_by(PATTERN_STRIDE as usize) {
+        dev.read(&h.res, Bytes(off), &mut buf)?;
+        if buf.iter().any(|b| *b != 0) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 fn write_pattern(dev: &dyn Device, h: &Held) -> anyhow::Result<()> {
@@ -206,6 +221,10 @@ impl Tenant {
             res,
             cached: false,
         };
+        if !is_clean(dev.as_ref(), &h).map_err(|e| ClientError::Lost(e.to_string()))? {
+            self.dirty
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         write_pattern(dev.as_ref(), &h).map_err(|e| ClientError::Lost(e.to_string()))?;
         self.held.lock().expect("held").push(h);
         Ok(())
@@ -232,7 +251,7 @@ impl Tenant {
         }
         let _ = report(&self.client, &self.held);
         json!({"event": "took", "taken": taken.get(), "grants": grants, "held": self.held_bytes().get(),
-               "refused": refused})
+               "refused": refused, "dirty": self.dirty.load(std::sync::atomic::Ordering::Relaxed)})
     }
 
     fn give(&self, size: Bytes) -> serde_json::Value {

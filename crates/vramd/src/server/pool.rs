@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use vram_core::Bytes;
-use vram_device::{Device, DeviceError, Handle};
+use vram_device::{Access, BackendKind, Device, DeviceError, Handle};
 
 use crate::config::PoolConfig;
 
@@ -139,8 +139,22 @@ impl Pool {
 
     fn make(&self, size: Bytes) -> Result<Ready, DeviceError> {
         let handle = self.device.create(size)?;
+        if self.device.info().kind == BackendKind::Cuda {
+            self.scrub(&handle)?;
+        }
         let fd = self.device.export(&handle)?;
         Ok(Ready { handle, fd })
+    }
+
+    /// Zeroes new GPU memory before any tenant sees it: the driver may hand back physical pages
+    /// another process released, with their bytes (memfds are zero by construction).
+    fn scrub(&self, handle: &Handle) -> Result<(), DeviceError> {
+        let size = handle.size();
+        let res = self.device.reserve(size)?;
+        self.device
+            .map(&res, Bytes::ZERO, handle, Access::ReadWrite)?;
+        self.device.fill(&res, Bytes::ZERO, size, 0)?;
+        self.device.unmap(&res, Bytes::ZERO, size)
     }
 
     /// Releases pooled handles until `need` could be created; whether anything was released.
