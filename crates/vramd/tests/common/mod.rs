@@ -24,6 +24,11 @@ pub struct Daemon {
 impl Daemon {
     /// Starts `vramd serve --backend host` with `config` (TOML) and waits until it answers.
     pub fn start(config: &str) -> Daemon {
+        Self::start_on("host", config)
+    }
+
+    /// Starts `vramd serve --backend BACKEND` with `config` (TOML) and waits until it answers.
+    pub fn start_on(backend: &str, config: &str) -> Daemon {
         let dir = tempfile::Builder::new()
             .prefix("vramd-test-")
             .tempdir()
@@ -33,7 +38,7 @@ impl Daemon {
         std::fs::write(&config_path, config).unwrap();
         let log = std::fs::File::create(dir.path().join("vramd.log")).unwrap();
         let child = Command::new(VRAMD)
-            .args(["serve", "--backend", "host", "--socket"])
+            .args(["serve", "--backend", backend, "--socket"])
             .arg(&socket)
             .arg("--config")
             .arg(&config_path)
