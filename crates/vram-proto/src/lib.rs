@@ -9,6 +9,7 @@
 mod conn;
 mod frame;
 mod message;
+mod shared;
 mod status;
 
 pub use conn::{Conn, Received};
@@ -16,10 +17,13 @@ pub use frame::{FrameHeader, HEADER_LEN, MAGIC};
 pub use message::{
     DeviceDesc, Envelope, ErrorCode, ErrorReply, GrantId, Hello, Reply, Request, Role, Welcome,
 };
+pub use shared::{
+    LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,
+};
 pub use status::{DaemonInfo, DeviceStatus, StatusReport, TenantStatus};
 
 /// The protocol version this build speaks. A peer speaking another gets an error and is closed.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// The largest payload accepted, in bytes. Anything larger is refused and the connection closed.
 pub const MAX_PAYLOAD: usize = 256 * 1024;

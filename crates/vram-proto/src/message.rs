@@ -63,6 +63,8 @@ pub enum Request {
     },
     Status,
     Ping,
+    /// Shared buffers: see [`crate::SharedRequest`].
+    Shared(crate::SharedRequest),
 }
 
 /// What a device is, as a tenant needs to know it.
@@ -110,6 +112,16 @@ pub enum ErrorCode {
     Device,
     /// The daemon is shutting down.
     ShuttingDown,
+    /// A shared buffer's writer conflict: another's lease, a lost lease, a stale base; the message
+    /// names the holder and the current version.
+    Conflict,
+    /// No such shared buffer (or version).
+    NotFound,
+    /// The buffer's access list does not allow this tenant to do that.
+    Forbidden,
+    /// A shared-buffer request that cannot be served as asked (bad name, nothing published yet,
+    /// a checksum that does not match).
+    BadRequest,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -154,4 +166,6 @@ pub enum Reply {
         bytes: Bytes,
         deadline_ms: u32,
     },
+    /// Answer to a `Shared` request; some carry one fd.
+    Shared(crate::SharedReply),
 }

@@ -8,6 +8,8 @@ pub struct StatusReport {
     pub daemon: DaemonInfo,
     pub devices: Vec<DeviceStatus>,
     pub tenants: Vec<TenantStatus>,
+    #[serde(default)]
+    pub shared: crate::SharedStatus,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -41,6 +41,8 @@ pub struct Config {
     #[serde(default)]
     pub pool: PoolConfig,
     #[serde(default)]
+    pub shared: SharedConfig,
+    #[serde(default)]
     pub classes: BTreeMap<String, Class>,
     #[serde(default)]
     pub tenants: BTreeMap<String, DeclaredTenant>,
@@ -79,6 +81,36 @@ impl Default for PoolConfig {
             max: Self::default_max(),
             sizes: Self::default_sizes(),
             initial: Self::default_initial(),
+        }
+    }
+}
+
+/// Shared buffers: the scrub and the writer lease.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SharedConfig {
+    /// Bytes per second the background scrub re-reads published versions at ("0" turns it off).
+    #[serde(default = "SharedConfig::default_scrub_rate")]
+    pub scrub_rate: Bytes,
+    /// The longest time-to-live a writer lease may be taken or renewed for, in milliseconds.
+    #[serde(default = "SharedConfig::default_max_lease_ms")]
+    pub max_lease_ms: u64,
+}
+
+impl SharedConfig {
+    fn default_scrub_rate() -> Bytes {
+        Bytes::mib(256)
+    }
+    fn default_max_lease_ms() -> u64 {
+        60_000
+    }
+}
+
+impl Default for SharedConfig {
+    fn default() -> Self {
+        SharedConfig {
+            scrub_rate: Self::default_scrub_rate(),
+            max_lease_ms: Self::default_max_lease_ms(),
         }
     }
 }

@@ -562,6 +562,43 @@ impl SharedBuffers {
             })
     }
 
+    /// Takes back a draft whose memory could not be made; the writer keeps its lease.
+    pub fn discard_draft(
+        &mut self,
+        broker: &mut Broker,
+        who: TenantId,
+        id: BufferId,
+        version: Version,
+    ) -> Vec<Freed> {
+        let Some(lease) = self.buffers.get_mut(&id).and_then(|b| b.lease.as_mut()) else {
+            return Vec::new();
+        };
+        if lease.holder != who || lease.draft != Some(version) {
+            return Vec::new();
+        }
+        lease.draft = None;
+        self.free_if_unused(broker, id, version)
+            .into_iter()
+            .collect()
+    }
+
+    /// Whether `version` of `id` is held (a draft, current, or pinned).
+    pub fn holds(&self, id: BufferId, version: Version) -> bool {
+        self.buffers
+            .get(&id)
+            .is_some_and(|b| b.versions.contains_key(&version))
+    }
+
+    /// Checks that buffer `id` exists and `who` may read it.
+    pub fn may_read(
+        &self,
+        broker: &Broker,
+        who: TenantId,
+        id: BufferId,
+    ) -> Result<(), SharedError> {
+        self.check(broker, who, id, "read")
+    }
+
     /// The current published version of a buffer, for readers waiting for a newer one.
     pub fn current(&self, id: BufferId) -> Option<Version> {
         self.buffers.get(&id).and_then(|b| b.current)

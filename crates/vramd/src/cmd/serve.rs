@@ -74,6 +74,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let server = Server::bind(opts).inspect_err(|e| {
         tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
     })?;
+    server.configure_shared(&config.shared);
     let exporter = start_metrics(&server, args.metrics.or(config.metrics))?;
     let shutdown = server.shutdown_handle();
     let mut signals = signal_hook::iterator::Signals::new([

@@ -465,6 +465,7 @@ mod tests {
                 device_used: Bytes::gib(6),
             }],
             tenants,
+            shared: Default::default(),
         }
     }
 

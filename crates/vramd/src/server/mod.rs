@@ -5,7 +5,9 @@
 //! bookkeeping, never across device calls or socket writes.
 
 mod pool;
+mod scrub;
 mod session;
+mod shared;
 mod slot;
 
 use std::collections::HashMap;
@@ -58,6 +60,7 @@ pub struct Daemon {
     pub(crate) next_ask: AtomicU64,
     /// Set when metrics are served; until then the grant path records nothing.
     metrics: OnceLock<Instruments>,
+    pub(crate) shared: shared::SharedServer,
 }
 
 impl Daemon {
@@ -89,6 +92,7 @@ impl Daemon {
             },
             devices,
             tenants,
+            shared: shared::status(self),
         }
     }
 }
@@ -145,7 +149,9 @@ impl Server {
             next_conn: AtomicU64::new(1),
             next_ask: AtomicU64::new(1),
             metrics: OnceLock::new(),
+            shared: shared::SharedServer::default(),
         });
+        pool_threads.push(scrub::start(daemon.clone())?);
         Ok(Server {
             daemon,
             listener,

@@ -101,6 +101,9 @@ impl Session {
             Request::Status => Ok(Reply::Status(Box::new(self.daemon.status()))),
             Request::Ping => Ok(Reply::Pong),
             Request::Grant { bytes } => return self.grant(id, bytes),
+            Request::Shared(r) => {
+                return super::shared::serve(&self.daemon, &self.conn, self.registered(), id, r)
+            }
             Request::Return { grants } => self.registered().and_then(|(slot, t)| {
                 let (bytes, held) = self.daemon.slots[slot].give_back(t, &grants)?;
                 Ok(Reply::Returned { bytes, held })

@@ -10,6 +10,7 @@ use vram_device::{BackendKind, Device, Handle};
 use vram_proto::{DeviceDesc, DeviceStatus, ErrorCode, ErrorReply, GrantId, TenantStatus};
 
 use super::pool::{Pool, Ready};
+use super::shared::Books;
 
 struct State {
     broker: Broker,
@@ -17,6 +18,8 @@ struct State {
     next_grant: u64,
     /// Which connection each tenant speaks on, to reach it with reclaim requests.
     conn_of: HashMap<TenantId, u64>,
+    /// Shared buffers, charged to their owners through `broker` (see `shared.rs`).
+    shared: Books,
 }
 
 pub struct Slot {
@@ -53,6 +56,7 @@ impl Slot {
                 grants: HashMap::new(),
                 next_grant: 1,
                 conn_of: HashMap::new(),
+                shared: Books::default(),
             }),
             returned: Condvar::new(),
             pool,
@@ -65,6 +69,21 @@ impl Slot {
 
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
+    }
+
+    pub fn device(&self) -> &Arc<dyn Device> {
+        &self.device
+    }
+
+    /// Runs `f` on the shared-buffer books under the slot's lock (bookkeeping only: no device
+    /// call, no socket write). Memory they give back wakes grants waiting on a reclaim.
+    pub(super) fn with_shared<R>(&self, f: impl FnOnce(&mut Broker, &mut Books) -> R) -> R {
+        let mut s = self.lock();
+        let s = &mut *s;
+        let r = f(&mut s.broker, &mut s.shared);
+        self.pool.set_room(s.broker.free());
+        self.returned.notify_all();
+        r
     }
 
     pub fn desc(&self) -> DeviceDesc {
@@ -229,11 +248,14 @@ impl Slot {
             .map(|(_, h)| h)
             .collect();
         s.conn_of.remove(&tenant);
-        let state = s.broker.disconnect(tenant);
+        let st = &mut *s;
+        let shared = st.shared.disconnect(&mut st.broker, tenant);
+        let state = st.broker.disconnect(tenant);
         self.pool.set_room(s.broker.free());
         drop(s);
         let n = handles.len();
         drop(handles);
+        drop(shared);
         self.returned.notify_all();
         state.map(|t| (t, n))
     }

@@ -1,0 +1,582 @@
+//! Shared buffers in the daemon: the I/O around `vram_core::shared`. The books live in each slot,
+//! under the slot's lock with the broker they charge; this module creates and exports each
+//! version's memory, checksums it, passes fds, and wakes readers waiting for a newer version.
+//!
+//! The one exception to "the daemon never maps tenant memory": to checksum a version at publish,
+//! to verify it on request and to scrub it, the daemon maps shared-buffer versions read-only and
+//! reads them (`Device::read`: a copy on the host backend, a device-to-host copy on cuda). It never
+//! maps a tenant's private grants.
+
+use std::collections::HashMap;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use vram_core::broker::{Broker, TenantId};
+use vram_core::shared::{
+    BufferId, BufferSpec, Checksummer, Freed, SharedBuffers, SharedError, Version,
+};
+use vram_core::Bytes;
+use vram_device::{Access, BackendKind, Device, DeviceError, Handle};
+use vram_proto::{
+    Conn, ErrorCode, ErrorReply, LeaseOp, Reply, ScrubStatus, SharedBufferStatus, SharedReply,
+    SharedRequest, SharedStatus,
+};
+
+use super::Daemon;
+use crate::config::SharedConfig;
+
+/// One version's memory: the daemon's handle, its export, and the fd readers get.
+pub struct Memory {
+    pub(super) handle: Handle,
+    fd: OwnedFd,
+    /// On the host backend the memfd reopened read-only, so a reader cannot map it writable at
+    /// all; on cuda the same export (read-only access is set by the reader's mapping).
+    reader_fd: OwnedFd,
+}
+
+/// A slot's shared-buffer books and the memory of every version they hold.
+#[derive(Default)]
+pub struct Books {
+    pub core: SharedBuffers,
+    pub(super) memory: HashMap<(BufferId, Version), Arc<Memory>>,
+}
+
+impl Books {
+    /// Takes the memory of freed versions out, to be dropped once the slot's lock is released.
+    pub fn take(&mut self, freed: Vec<Freed>) -> Vec<Arc<Memory>> {
+        freed
+            .into_iter()
+            .filter_map(|f| self.memory.remove(&(f.buffer, f.version)))
+            .collect()
+    }
+
+    /// `tenant` is gone: its pins, lease, draft and owned buffers go. Call before the broker
+    /// forgets it.
+    pub fn disconnect(&mut self, broker: &mut Broker, tenant: TenantId) -> Vec<Arc<Memory>> {
+        let freed = self.core.disconnect(broker, tenant);
+        self.take(freed)
+    }
+}
+
+/// Daemon-wide shared-buffer state: settings, counters, and the wake-up for waiting readers.
+pub struct SharedServer {
+    epoch: Instant,
+    scrub_rate: AtomicU64,
+    max_lease_ms: AtomicU64,
+    /// Bumped at every publish; readers waiting for a newer version sleep on it.
+    published: Mutex<u64>,
+    wake: Condvar,
+    publishes: AtomicU64,
+    publish_bytes: AtomicU64,
+    conflicts: AtomicU64,
+    drafts_discarded: AtomicU64,
+    pub(super) scrub: ScrubCounters,
+}
+
+#[derive(Default)]
+pub(super) struct ScrubCounters {
+    pub passes: AtomicU64,
+    pub bytes: AtomicU64,
+    pub versions: AtomicU64,
+    pub mismatches: AtomicU64,
+}
+
+impl Default for SharedServer {
+    fn default() -> Self {
+        let cfg = SharedConfig::default();
+        SharedServer {
+            epoch: Instant::now(),
+            scrub_rate: AtomicU64::new(cfg.scrub_rate.get()),
+            max_lease_ms: AtomicU64::new(cfg.max_lease_ms),
+            published: Mutex::new(0),
+            wake: Condvar::new(),
+            publishes: AtomicU64::new(0),
+            publish_bytes: AtomicU64::new(0),
+            conflicts: AtomicU64::new(0),
+            drafts_discarded: AtomicU64::new(0),
+            scrub: ScrubCounters::default(),
+        }
+    }
+}
+
+impl SharedServer {
+    /// The books' clock: milliseconds since the daemon started.
+    pub(super) fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64
+    }
+
+    pub(super) fn scrub_rate(&self) -> u64 {
+        self.scrub_rate.load(Ordering::Relaxed)
+    }
+
+    pub(super) fn discarded(&self, n: usize) {
+        self.drafts_discarded.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    fn notify_published(&self) {
+        *self.published.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        self.wake.notify_all();
+    }
+}
+
+impl super::Server {
+    /// Applies the `[shared]` settings (scrub rate, longest lease).
+    pub fn configure_shared(&self, cfg: &SharedConfig) {
+        let s = &self.daemon.shared;
+        s.scrub_rate.store(cfg.scrub_rate.get(), Ordering::Relaxed);
+        s.max_lease_ms.store(cfg.max_lease_ms, Ordering::Relaxed);
+    }
+}
+
+/// The shared-buffer section of the status report.
+pub fn status(daemon: &Daemon) -> SharedStatus {
+    let s = &daemon.shared;
+    let buffers = daemon
+        .slots
+        .iter()
+        .enumerate()
+        .flat_map(|(gpu, slot)| {
+            slot.with_shared(|_, books| books.core.all())
+                .into_iter()
+                .map(move |info| SharedBufferStatus {
+                    gpu: gpu as u32,
+                    info,
+                })
+        })
+        .collect();
+    let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    SharedStatus {
+        buffers,
+        scrub: ScrubStatus {
+            rate: s.scrub_rate(),
+            passes: load(&s.scrub.passes),
+            bytes: load(&s.scrub.bytes),
+            versions: load(&s.scrub.versions),
+            mismatches: load(&s.scrub.mismatches),
+        },
+        publishes: load(&s.publishes),
+        publish_bytes: load(&s.publish_bytes),
+        conflicts: load(&s.conflicts),
+        drafts_discarded: load(&s.drafts_discarded),
+    }
+}
+
+/// Serves one shared-buffer request; `false` if the connection is gone.
+pub fn serve(
+    daemon: &Arc<Daemon>,
+    conn: &Arc<Conn>,
+    who: Result<(usize, TenantId), ErrorReply>,
+    id: u64,
+    request: SharedRequest,
+) -> bool {
+    let (slot, tenant) = match who {
+        Ok(w) => w,
+        Err(e) => return conn.send(id, &Reply::Error(e), &[]).is_ok(),
+    };
+    if let SharedRequest::WaitNewer {
+        buffer,
+        than,
+        timeout_ms,
+    } = request
+    {
+        // Waits on its own thread so the connection's other requests (a lease renewal) go on.
+        let (daemon, conn) = (daemon.clone(), conn.clone());
+        let spawned = std::thread::Builder::new()
+            .name("vramd-shared-wait".into())
+            .spawn(move || {
+                let timeout = Duration::from_millis(u64::from(timeout_ms));
+                let reply = wait_newer(&daemon, slot, tenant, buffer, than, timeout);
+                let _ = conn.send(id, &reply.unwrap_or_else(Reply::Error), &[]);
+            });
+        return spawned.is_ok();
+    }
+    let op = Op {
+        daemon,
+        slot,
+        tenant,
+    };
+    match op.run(request) {
+        Ok((reply, fd)) => {
+            let fds: Vec<_> = fd.iter().map(|m| m.as_fd()).collect();
+            conn.send(id, &Reply::Shared(reply), &fds).is_ok()
+        }
+        Err(e) => conn.send(id, &Reply::Error(e), &[]).is_ok(),
+    }
+}
+
+/// The fd to send with a reply: a version's export or its read-only reopening.
+enum FdOf {
+    Writer(Arc<Memory>),
+    Reader(Arc<Memory>),
+}
+
+impl FdOf {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        match self {
+            FdOf::Writer(m) => m.fd.as_fd(),
+            FdOf::Reader(m) => m.reader_fd.as_fd(),
+        }
+    }
+}
+
+struct Op<'a> {
+    daemon: &'a Arc<Daemon>,
+    slot: usize,
+    tenant: TenantId,
+}
+
+type Answer = Result<(SharedReply, Option<FdOf>), ErrorReply>;
+
+impl Op<'_> {
+    fn shared(&self) -> &SharedServer {
+        &self.daemon.shared
+    }
+
+    /// Runs `f` on the books; the memory of versions it frees is released after the lock.
+    fn books<R>(
+        &self,
+        f: impl FnOnce(&mut Broker, &mut SharedBuffers, u64) -> Result<(R, Vec<Freed>), SharedError>,
+    ) -> Result<R, ErrorReply> {
+        let now = self.shared().now_ms();
+        let (result, memory) = self.daemon.slots[self.slot].with_shared(|broker, books| {
+            match f(broker, &mut books.core, now) {
+                Ok((r, freed)) => (Ok(r), books.take(freed)),
+                Err(e) => (Err(e), Vec::new()),
+            }
+        });
+        drop(memory);
+        result.map_err(|e| self.refused(e))
+    }
+
+    fn refused(&self, e: SharedError) -> ErrorReply {
+        if e.is_conflict() {
+            self.shared().conflicts.fetch_add(1, Ordering::Relaxed);
+        }
+        shared_error(&e)
+    }
+
+    fn run(&self, request: SharedRequest) -> Answer {
+        let t = self.tenant;
+        let plain = |r: SharedReply| Ok((r, None));
+        match request {
+            SharedRequest::Create { name, size, acl } => {
+                let granularity = self.daemon.slots[self.slot].device().info().granularity;
+                let size = size.round_up(granularity).unwrap_or(Bytes::ZERO);
+                let spec = BufferSpec { name, size, acl };
+                let info = self.books(|b, c, _| Ok((c.create(b, t, spec)?, Vec::new())))?;
+                tracing::info!(buffer = info.name, owner = info.owner, size = %info.size, "shared buffer created");
+                plain(SharedReply::Buffer(Box::new(info)))
+            }
+            SharedRequest::Open { name } => plain(SharedReply::Buffer(Box::new(
+                self.books(|b, c, now| c.open(b, t, &name, now))?,
+            ))),
+            SharedRequest::List => plain(SharedReply::Buffers(
+                self.books(|b, c, _| Ok((c.list(b, t), Vec::new())))?,
+            )),
+            SharedRequest::Delete { buffer } => {
+                self.books(|b, c, _| Ok(((), c.delete(b, t, buffer)?)))?;
+                plain(SharedReply::Done)
+            }
+            SharedRequest::Lease { buffer, op, ttl_ms } => {
+                let max = self.shared().max_lease_ms.load(Ordering::Relaxed);
+                let ttl = u64::from(ttl_ms).clamp(10, max.max(10));
+                let until = self.books(|b, c, now| match op {
+                    LeaseOp::Acquire => c
+                        .acquire(b, t, buffer, ttl, now)
+                        .map(|(l, f)| (l.expires_ms - now, f)),
+                    LeaseOp::Renew => c
+                        .renew(b, t, buffer, ttl, now)
+                        .map(|(l, f)| (l.expires_ms - now, f)),
+                    LeaseOp::Release => Ok((0, c.release_lease(b, t, buffer, now)?)),
+                })?;
+                plain(SharedReply::Lease { ttl_ms: until })
+            }
+            SharedRequest::BeginWrite { buffer, base } => self.begin_write(buffer, base),
+            SharedRequest::Publish {
+                buffer,
+                version,
+                checksum,
+            } => self.publish(buffer, version, checksum),
+            SharedRequest::Pin { buffer } => {
+                let (version, checksum, memory) = self
+                    .books(|b, c, _| {
+                        let (v, sum) = c.pin(b, t, buffer)?;
+                        Ok(((v, sum), Vec::new()))
+                    })
+                    .and_then(|(v, sum)| Ok((v, sum, self.memory(buffer, v)?)))?;
+                let size = memory.handle.size();
+                Ok((
+                    SharedReply::Pinned {
+                        version,
+                        size,
+                        checksum,
+                    },
+                    Some(FdOf::Reader(memory)),
+                ))
+            }
+            SharedRequest::Unpin { buffer, version } => {
+                self.books(|b, c, _| Ok(((), c.unpin(b, t, buffer, version)?)))?;
+                plain(SharedReply::Done)
+            }
+            SharedRequest::Verify { buffer, version } => self.verify(buffer, version),
+            SharedRequest::WaitNewer { .. } => unreachable!("served on its own thread"),
+        }
+    }
+
+    fn memory(&self, buffer: BufferId, version: Version) -> Result<Arc<Memory>, ErrorReply> {
+        self.daemon.slots[self.slot]
+            .with_shared(|_, books| books.memory.get(&(buffer, version)).cloned())
+            .ok_or_else(|| {
+                shared_error(&SharedError::NoSuchVersion {
+                    buffer: format!("#{}", buffer.0),
+                    version,
+                })
+            })
+    }
+
+    fn begin_write(&self, buffer: BufferId, base: Option<Version>) -> Answer {
+        let t = self.tenant;
+        let version = self.books(|b, c, now| c.begin_write(b, t, buffer, base, now))?;
+        let slot = &self.daemon.slots[self.slot];
+        let made = slot
+            .with_shared(|_, books| books.core.info(buffer).map(|i| i.size))
+            .ok_or_else(|| device_error(format!("buffer #{} vanished", buffer.0)))
+            .and_then(|size| {
+                let ready = slot.pool().take(size).map_err(|e| {
+                    device_error(format!("the device could not create {size}: {e}"))
+                })?;
+                let reader_fd = reader_fd(slot.device().as_ref(), &ready.fd)?;
+                Ok(Arc::new(Memory {
+                    handle: ready.handle,
+                    fd: ready.fd,
+                    reader_fd,
+                }))
+            });
+        let memory = match made {
+            Ok(m) => m,
+            Err(e) => {
+                self.books(|b, c, _| Ok(((), c.discard_draft(b, t, buffer, version))))?;
+                return Err(e);
+            }
+        };
+        let size = memory.handle.size();
+        let kept = slot.with_shared(|_, books| {
+            let held = books.core.holds(buffer, version);
+            if held {
+                books.memory.insert((buffer, version), memory.clone());
+            }
+            held
+        });
+        if !kept {
+            return Err(shared_error(&SharedError::NoSuchVersion {
+                buffer: format!("#{}", buffer.0),
+                version,
+            }));
+        }
+        Ok((
+            SharedReply::Draft { version, size },
+            Some(FdOf::Writer(memory)),
+        ))
+    }
+
+    fn publish(&self, buffer: BufferId, version: Version, given: Option<u64>) -> Answer {
+        let t = self.tenant;
+        let started = Instant::now();
+        let size =
+            self.books(|b, c, now| Ok((c.check_draft(b, t, buffer, version, now)?, Vec::new())))?;
+        let memory = self.memory(buffer, version)?;
+        let device = self.daemon.slots[self.slot].device().clone();
+        let checksum = checksum_memory(device.as_ref(), &memory.handle, |_| true)
+            .map_err(|e| {
+                device_error(format!("cannot read version {version} to checksum it: {e}"))
+            })?
+            .expect("not cancelled");
+        if let Some(given) = given.filter(|g| *g != checksum) {
+            return Err(ErrorReply {
+                code: ErrorCode::BadRequest,
+                reason: Some("checksum_mismatch".into()),
+                message: format!(
+                    "version {version}: the writer's checksum {given:016x} does not match the daemon's \
+                     {checksum:016x}: the memory differs from what the writer meant to publish"
+                ),
+            });
+        }
+        self.books(|b, c, now| Ok(((), c.publish(b, t, buffer, version, checksum, now)?)))?;
+        let s = self.shared();
+        s.publishes.fetch_add(1, Ordering::Relaxed);
+        s.publish_bytes.fetch_add(size.get(), Ordering::Relaxed);
+        s.notify_published();
+        tracing::debug!(buffer = buffer.0, %version, checksum = format!("{checksum:016x}"),
+            micros = started.elapsed().as_micros() as u64, "published");
+        Ok((SharedReply::Published { version, checksum }, None))
+    }
+
+    fn verify(&self, buffer: BufferId, version: Version) -> Answer {
+        let t = self.tenant;
+        let expected = self.books(|b, c, _| {
+            c.may_read(b, t, buffer)?;
+            Ok((c.checksum_of(buffer, version)?, Vec::new()))
+        })?;
+        let memory = self.memory(buffer, version)?;
+        let device = self.daemon.slots[self.slot].device().clone();
+        let actual = checksum_memory(device.as_ref(), &memory.handle, |_| true)
+            .map_err(|e| device_error(format!("cannot read version {version}: {e}")))?
+            .expect("not cancelled");
+        if actual != expected {
+            report_mismatch(
+                self.daemon,
+                self.slot,
+                buffer,
+                version,
+                expected,
+                actual,
+                "verify",
+            );
+        }
+        Ok((
+            SharedReply::Verified {
+                version,
+                expected,
+                actual,
+            },
+            None,
+        ))
+    }
+}
+
+fn wait_newer(
+    daemon: &Daemon,
+    slot: usize,
+    tenant: TenantId,
+    buffer: BufferId,
+    than: Option<Version>,
+    timeout: Duration,
+) -> Result<Reply, ErrorReply> {
+    let deadline = Instant::now() + timeout;
+    let s = &daemon.shared;
+    let mut generation = s.published.lock().unwrap_or_else(|p| p.into_inner());
+    loop {
+        let current = daemon.slots[slot]
+            .with_shared(|b, books| {
+                books.core.may_read(b, tenant, buffer)?;
+                Ok(books.core.current(buffer))
+            })
+            .map_err(|e| shared_error(&e))?;
+        if current.is_some() && current > than {
+            return Ok(Reply::Shared(SharedReply::Newer(current)));
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || daemon.shutting_down.load(Ordering::Acquire) {
+            return Ok(Reply::Shared(SharedReply::Newer(None)));
+        }
+        // Publishes bump the counter under this lock, so none is missed between check and wait.
+        let seen = *generation;
+        while *generation == seen && !deadline.saturating_duration_since(Instant::now()).is_zero() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            generation = s
+                .wake
+                .wait_timeout(generation, left.min(Duration::from_millis(500)))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            if daemon.shutting_down.load(Ordering::Acquire) {
+                break;
+            }
+        }
+    }
+}
+
+/// Reads a handle through a read-only mapping of the daemon's own and checksums it. `pace` is
+/// told the bytes read after each piece and may stop the read (`false`: `Ok(None)`).
+pub fn checksum_memory(
+    device: &dyn Device,
+    handle: &Handle,
+    mut pace: impl FnMut(u64) -> bool,
+) -> Result<Option<u64>, DeviceError> {
+    const PIECE: usize = 8 << 20;
+    let size = handle.size();
+    let res = device.reserve(size)?;
+    device.map(&res, Bytes::ZERO, handle, Access::ReadOnly)?;
+    let mut buf = vec![0u8; PIECE.min(size.get() as usize)];
+    let mut sum = Checksummer::new();
+    let mut at = 0u64;
+    while at < size.get() {
+        let n = buf.len().min((size.get() - at) as usize);
+        device.read(&res, Bytes(at), &mut buf[..n])?;
+        sum.update(&buf[..n]);
+        at += n as u64;
+        if !pace(n as u64) {
+            return Ok(None);
+        }
+    }
+    Ok(Some(sum.finish()))
+}
+
+/// A mismatch: an event, a counter, and the version marked corrupt in the books.
+pub(super) fn report_mismatch(
+    daemon: &Daemon,
+    slot: usize,
+    buffer: BufferId,
+    version: Version,
+    expected: u64,
+    actual: u64,
+    by: &'static str,
+) {
+    let name = daemon.slots[slot].with_shared(|_, books| {
+        books.core.mark_corrupt(buffer, version);
+        books.core.info(buffer).map(|i| i.name).unwrap_or_default()
+    });
+    daemon
+        .shared
+        .scrub
+        .mismatches
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::error!(
+        buffer = name,
+        gpu = slot,
+        version = version.0,
+        expected = format!("{expected:016x}"),
+        actual = format!("{actual:016x}"),
+        by,
+        "shared buffer corrupted: a published version no longer matches its checksum"
+    );
+}
+
+/// The fd readers get: on the host backend, the memfd reopened read-only through /proc, so that
+/// no reader can map it writable whatever it does.
+fn reader_fd(device: &dyn Device, fd: &OwnedFd) -> Result<OwnedFd, ErrorReply> {
+    use std::os::fd::AsRawFd;
+    if device.info().kind != BackendKind::Host {
+        return fd
+            .try_clone()
+            .map_err(|e| device_error(format!("cannot duplicate an export: {e}")));
+    }
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    std::fs::File::open(&path)
+        .map(OwnedFd::from)
+        .map_err(|e| device_error(format!("cannot reopen {path} read-only: {e}")))
+}
+
+fn device_error(message: String) -> ErrorReply {
+    ErrorReply {
+        code: ErrorCode::Device,
+        reason: None,
+        message,
+    }
+}
+
+fn shared_error(e: &SharedError) -> ErrorReply {
+    let code = match e {
+        _ if e.is_conflict() => ErrorCode::Conflict,
+        SharedError::NoSuchBuffer(_) | SharedError::NoSuchVersion { .. } => ErrorCode::NotFound,
+        SharedError::Forbidden { .. } => ErrorCode::Forbidden,
+        SharedError::Memory { .. } => ErrorCode::Refused,
+        _ => ErrorCode::BadRequest,
+    };
+    ErrorReply {
+        code,
+        reason: Some(e.reason().to_string()),
+        message: e.to_string(),
+    }
+}
