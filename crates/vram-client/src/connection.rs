@@ -318,6 +318,12 @@ impl Client {
         self.shared.call(&Request::Ping).map(drop)
     }
 
+    /// A handle on the connection for shared-buffer calls, usable from other threads.
+    pub(crate) fn caller(&self) -> crate::shared::Caller {
+        let shared = self.shared.clone();
+        crate::shared::Caller::new(move |request| shared.call(request))
+    }
+
     /// The raw connection, for tests that must misbehave on purpose.
     pub fn conn(&self) -> &Conn {
         &self.shared.conn

@@ -3,14 +3,19 @@
 //! [`Client::connect`] registers the process as a tenant; [`Client::grant`] takes a handle of
 //! device memory, imported into this process and ready to map; [`Client::give_back`] returns
 //! handles. The daemon may ask for idle memory back at any time: [`Client::on_reclaim`] installs
-//! what answers it (the caching allocator's trim).
+//! what answers it (the caching allocator's trim). [`Client::create_shared`] and
+//! [`Client::open_shared`] reach shared buffers: one writer at a time under a lease, readers
+//! pinning published versions read-only.
 
 pub mod alloc;
 mod connection;
 mod error;
+mod shared;
 
 pub use connection::{Client, Grant, Observer, ReclaimHandler, TenantOptions};
 pub use error::ClientError;
+pub use shared::{Draft, Pinned, SharedBuffer, WriterLease};
+pub use vram_core::shared::{checksum, Acl, BufferId, BufferInfo, Principal, Version};
 
 use std::path::PathBuf;
 
