@@ -358,7 +358,14 @@ impl Draft<'_> {
         self.publish_with(Some(checksum))
     }
 
-    fn publish_with(self, checksum: Option<u64>) -> Result<u64, ClientError> {
+    /// Publishes but keeps this writer's read-write mapping of the now published version: what a
+    /// buggy or hostile writer could do, for tests of the scrub. Not for real use.
+    #[doc(hidden)]
+    pub fn publish_keeping_mapping(&self) -> Result<u64, ClientError> {
+        self.publish_with(None)
+    }
+
+    fn publish_with(&self, checksum: Option<u64>) -> Result<u64, ClientError> {
         let request = SharedRequest::Publish {
             buffer: self.buffer,
             version: self.version,

@@ -115,9 +115,9 @@ pub struct SharedStatus {
     pub publish_bytes: u64,
     /// Writer conflicts refused (lease held, lease lost, stale base).
     pub conflicts: u64,
-    /// Drafts thrown away unpublished because their lease ran out (a writer died or stopped
-    /// renewing).
-    pub drafts_discarded: u64,
+    /// Leases that ran out unrenewed (a writer died or stopped renewing); their drafts were
+    /// discarded.
+    pub leases_expired: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

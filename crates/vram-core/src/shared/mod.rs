@@ -213,6 +213,7 @@ pub struct SharedBuffers {
     buffers: BTreeMap<BufferId, Buffer>,
     by_name: HashMap<String, BufferId>,
     next_id: u64,
+    leases_expired: u64,
 }
 
 impl SharedBuffers {
@@ -681,7 +682,10 @@ impl SharedBuffers {
 
     /// Aggregates for status and metrics.
     pub fn totals(&self) -> SharedTotals {
-        let mut t = SharedTotals::default();
+        let mut t = SharedTotals {
+            leases_expired: self.leases_expired,
+            ..SharedTotals::default()
+        };
         for b in self.buffers.values() {
             t.buffers += u64::from(!b.deleted);
             t.versions += b.versions.len() as u64;
@@ -747,6 +751,7 @@ impl SharedBuffers {
             return Vec::new();
         }
         let draft = b.lease.take().and_then(|l| l.draft);
+        self.leases_expired += 1;
         draft
             .and_then(|v| self.free_if_unused(broker, id, v))
             .into_iter()
@@ -795,6 +800,8 @@ pub struct SharedTotals {
     pub bytes: Bytes,
     pub pins: u64,
     pub publishes: u64,
+    /// Leases that ran out unrenewed (their drafts discarded).
+    pub leases_expired: u64,
 }
 
 fn tenant(broker: &Broker, id: TenantId) -> Result<&Tenant, SharedError> {

@@ -27,7 +27,6 @@ fn expire_leases(daemon: &Daemon) {
     for slot in &daemon.slots {
         let memory = slot.with_shared(|broker, books| {
             let freed = books.core.expire(broker, now);
-            daemon.shared.discarded(freed.len());
             books.take(freed)
         });
         drop(memory);
@@ -70,7 +69,11 @@ fn run(daemon: &Daemon) {
                 done += n;
                 daemon.shared.scrub.bytes.fetch_add(n, Ordering::Relaxed);
                 let due = Duration::from_secs_f64(done as f64 / rate as f64);
-                while started.elapsed() < due {
+                loop {
+                    let elapsed = started.elapsed();
+                    if elapsed >= due {
+                        break;
+                    }
                     if stopping(daemon) {
                         return false;
                     }
@@ -78,7 +81,7 @@ fn run(daemon: &Daemon) {
                         expire_leases(daemon);
                         last_expiry = Instant::now();
                     }
-                    std::thread::sleep((due - started.elapsed()).min(TICK));
+                    std::thread::sleep((due - elapsed).min(TICK));
                 }
                 !stopping(daemon)
             };

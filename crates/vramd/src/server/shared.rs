@@ -71,7 +71,6 @@ pub struct SharedServer {
     publishes: AtomicU64,
     publish_bytes: AtomicU64,
     conflicts: AtomicU64,
-    drafts_discarded: AtomicU64,
     pub(super) scrub: ScrubCounters,
 }
 
@@ -95,7 +94,6 @@ impl Default for SharedServer {
             publishes: AtomicU64::new(0),
             publish_bytes: AtomicU64::new(0),
             conflicts: AtomicU64::new(0),
-            drafts_discarded: AtomicU64::new(0),
             scrub: ScrubCounters::default(),
         }
     }
@@ -109,10 +107,6 @@ impl SharedServer {
 
     pub(super) fn scrub_rate(&self) -> u64 {
         self.scrub_rate.load(Ordering::Relaxed)
-    }
-
-    pub(super) fn discarded(&self, n: usize) {
-        self.drafts_discarded.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     fn notify_published(&self) {
@@ -159,7 +153,11 @@ pub fn status(daemon: &Daemon) -> SharedStatus {
         publishes: load(&s.publishes),
         publish_bytes: load(&s.publish_bytes),
         conflicts: load(&s.conflicts),
-        drafts_discarded: load(&s.drafts_discarded),
+        leases_expired: daemon
+            .slots
+            .iter()
+            .map(|slot| slot.with_shared(|_, books| books.core.totals().leases_expired))
+            .sum(),
     }
 }
 
@@ -175,32 +173,55 @@ pub fn serve(
         Ok(w) => w,
         Err(e) => return conn.send(id, &Reply::Error(e), &[]).is_ok(),
     };
-    if let SharedRequest::WaitNewer {
-        buffer,
-        than,
-        timeout_ms,
-    } = request
-    {
-        // Waits on its own thread so the connection's other requests (a lease renewal) go on.
-        let (daemon, conn) = (daemon.clone(), conn.clone());
-        let spawned = std::thread::Builder::new()
-            .name("vramd-shared-wait".into())
-            .spawn(move || {
-                let timeout = Duration::from_millis(u64::from(timeout_ms));
-                let reply = wait_newer(&daemon, slot, tenant, buffer, than, timeout);
-                let _ = conn.send(id, &reply.unwrap_or_else(Reply::Error), &[]);
-            });
-        return spawned.is_ok();
+    // Waits and reads of a whole version run on their own thread, so the connection's other
+    // requests (the writer's lease renewals) go on meanwhile.
+    let slow = matches!(
+        request,
+        SharedRequest::WaitNewer { .. }
+            | SharedRequest::Publish { .. }
+            | SharedRequest::Verify { .. }
+    );
+    if !slow {
+        return answer(daemon, conn, slot, tenant, id, request);
     }
-    let op = Op {
-        daemon,
-        slot,
-        tenant,
+    let (daemon, conn) = (daemon.clone(), conn.clone());
+    std::thread::Builder::new()
+        .name("vramd-shared".into())
+        .spawn(move || {
+            answer(&daemon, &conn, slot, tenant, id, request);
+        })
+        .is_ok()
+}
+
+fn answer(
+    daemon: &Arc<Daemon>,
+    conn: &Conn,
+    slot: usize,
+    tenant: TenantId,
+    id: u64,
+    request: SharedRequest,
+) -> bool {
+    let answered = match request {
+        SharedRequest::WaitNewer {
+            buffer,
+            than,
+            timeout_ms,
+        } => {
+            let timeout = Duration::from_millis(u64::from(timeout_ms));
+            wait_newer(daemon, slot, tenant, buffer, than, timeout).map(|r| (r, None))
+        }
+        request => Op {
+            daemon,
+            slot,
+            tenant,
+        }
+        .run(request)
+        .map(|(r, fd)| (Reply::Shared(r), fd)),
     };
-    match op.run(request) {
+    match answered {
         Ok((reply, fd)) => {
             let fds: Vec<_> = fd.iter().map(|m| m.as_fd()).collect();
-            conn.send(id, &Reply::Shared(reply), &fds).is_ok()
+            conn.send(id, &reply, &fds).is_ok()
         }
         Err(e) => conn.send(id, &Reply::Error(e), &[]).is_ok(),
     }
@@ -321,7 +342,7 @@ impl Op<'_> {
                 plain(SharedReply::Done)
             }
             SharedRequest::Verify { buffer, version } => self.verify(buffer, version),
-            SharedRequest::WaitNewer { .. } => unreachable!("served on its own thread"),
+            SharedRequest::WaitNewer { .. } => unreachable!("answered by wait_newer"),
         }
     }
 
