@@ -1,0 +1,245 @@
+//! The metrics endpoint of a real daemon, scraped while tenant processes take, cache and return
+//! memory, checked figure by figure against `vramd status --json`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::Command;
+use std::time::Duration;
+
+use common::{wait_until, Daemon, VRAMD};
+use vram_proto::{StatusReport, TenantStatus};
+
+/// No priority reserve, so that the last free bytes go to whoever asks and reclaim is simple to
+/// provoke; metrics on any free loopback port.
+const CONFIG: &str = r#"
+capacity = "4 GiB"
+priority_reserve = "0"
+metrics = "127.0.0.1:0"
+[pool]
+max = "64 MiB"
+"#;
+
+/// The address the daemon logged it serves metrics on.
+fn metrics_addr(d: &Daemon) -> SocketAddr {
+    const MARK: &str = "serving metrics at http://";
+    let mut addr = None;
+    let found = wait_until(Duration::from_secs(10), || {
+        let log = d.log();
+        addr = log.split_once(MARK).and_then(|(_, rest)| {
+            rest.split_once("/metrics")
+                .and_then(|(a, _)| a.parse().ok())
+        });
+        addr.is_some()
+    });
+    assert!(found, "no metrics address in the log:\n{}", d.log());
+    addr.unwrap()
+}
+
+/// A plain HTTP/1.1 GET: status code and body.
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").expect("an HTTP response");
+    let code = head.split(' ').nth(1).and_then(|c| c.parse().ok()).unwrap();
+    (code, body.to_string())
+}
+
+/// Series (name and labels, as written) to value.
+fn scrape(addr: SocketAddr) -> BTreeMap<String, f64> {
+    let (code, body) = get(addr, "/metrics");
+    assert_eq!(code, 200, "{body}");
+    body.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| {
+            let (series, value) = l.rsplit_once(' ').unwrap();
+            (series.to_string(), value.parse().unwrap())
+        })
+        .collect()
+}
+
+/// What `vramd status --json` prints.
+fn status_json(d: &Daemon) -> StatusReport {
+    let out = Command::new(VRAMD)
+        .args(["status", "--json", "--socket"])
+        .arg(&d.socket)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn tenant_series(name: &str, t: &TenantStatus) -> String {
+    format!(
+        "vramd_{name}{{tenant=\"{}\",class=\"{}\",gpu=\"{}\"}}",
+        t.name, t.class, t.gpu
+    )
+}
+
+/// Every per-device and per-tenant figure of the status is in the scrape, with the same value.
+fn assert_matches(m: &BTreeMap<String, f64>, s: &StatusReport) {
+    let get = |k: &str| {
+        *m.get(k)
+            .unwrap_or_else(|| panic!("no series {k} in the scrape: {m:#?}"))
+    };
+    for d in &s.devices {
+        let l = format!("{{gpu=\"{}\",uuid=\"{}\"}}", d.index, d.uuid);
+        for (name, v) in [
+            ("device_capacity_bytes", d.capacity),
+            ("device_held_bytes", d.held),
+            ("device_pooled_bytes", d.pooled),
+            ("device_reserved_bytes", d.reserved),
+            ("device_free_bytes", d.free),
+            ("device_used_bytes", d.device_used),
+        ] {
+            assert_eq!(get(&format!("vramd_{name}{l}")), v.get() as f64, "{name}");
+        }
+    }
+    for t in &s.tenants {
+        for (name, v) in [
+            ("tenant_guarantee_bytes", t.guarantee.get()),
+            ("tenant_limit_bytes", t.limit.get()),
+            ("tenant_held_bytes", t.held.get()),
+            ("tenant_in_use_bytes", t.in_use.get()),
+            ("tenant_cached_bytes", t.cached.get()),
+            ("tenant_handles", t.handles),
+            ("tenant_grants_total", t.grants),
+            ("tenant_returns_total", t.returns),
+        ] {
+            assert_eq!(get(&tenant_series(name, t)), v as f64, "{} {name}", t.name);
+        }
+        for (reason, n) in &t.refusals {
+            let k = format!(
+                "vramd_tenant_refusals_total{{tenant=\"{}\",class=\"{}\",gpu=\"{}\",reason=\"{reason}\"}}",
+                t.name, t.class, t.gpu
+            );
+            assert_eq!(get(&k), *n as f64, "{k}");
+        }
+        // Every grant since it connected was timed.
+        let count = tenant_series("tenant_grant_duration_seconds_count", t);
+        assert_eq!(get(&count), t.grants as f64, "{count}");
+    }
+    assert_eq!(get("vramd_tenants"), s.tenants.len() as f64);
+    assert_eq!(
+        get("vramd_protocol_errors_total"),
+        s.daemon.protocol_errors as f64
+    );
+}
+
+fn tenant<'a>(s: &'a StatusReport, name: &str) -> &'a TenantStatus {
+    s.tenants.iter().find(|t| t.name == name).unwrap()
+}
+
+#[test]
+fn scraped_figures_match_status_while_tenants_take_and_return() {
+    let d = Daemon::start(CONFIG);
+    let addr = metrics_addr(&d);
+    assert_eq!(get(addr, "/healthz"), (200, "ok\n".to_string()));
+    assert_eq!(get(addr, "/nothing").0, 404);
+
+    let mut alpha = d.tenant("alpha", &["--limit", "4GiB"]);
+    let mut beta = d.tenant("beta", &["--limit", "1GiB", "--guarantee", "256MiB"]);
+    let mut churn = d.tenant("churn", &["--limit", "64MiB"]);
+    churn.send("cycles 400 2MiB");
+
+    // Scrapes while `churn` takes and returns: every scrape parses, and its figures lie between
+    // the status read before and the one read after.
+    for _ in 0..5 {
+        let before = d.status();
+        let m = scrape(addr);
+        let after = d.status();
+        let (b, a) = (tenant(&before, "churn"), tenant(&after, "churn"));
+        let scraped = m[&tenant_series("tenant_grants_total", a)];
+        assert!(
+            (b.grants as f64..=a.grants as f64).contains(&scraped),
+            "{} <= {scraped} <= {}",
+            b.grants,
+            a.grants
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(churn.next()["errors"], 0);
+
+    // alpha holds 3.5 GiB; beta fills the device and is refused (nothing is idle to reclaim).
+    assert_eq!(alpha.cmd("take 3584MiB 256MiB")["event"], "took");
+    let took = beta.cmd("take 1GiB 256MiB");
+    let reason = took["refused"]["reason"]
+        .as_str()
+        .expect("refused")
+        .to_string();
+    assert_eq!(beta.cmd("give 256MiB")["event"], "gave");
+    let s = status_json(&d);
+    assert_eq!(tenant(&s, "beta").refusals[&reason], 1, "{took}");
+    assert_matches(&scrape(addr), &s);
+
+    // alpha marks 1 GiB idle; beta grows into it: the daemon asks alpha, and alpha gives it back.
+    assert_eq!(alpha.cmd("cache 1GiB")["bytes"], 1u64 << 30);
+    let took = beta.cmd("take 768MiB 256MiB");
+    assert!(took["refused"].is_null(), "{took}");
+    let m = scrape(addr);
+    assert!(m["vramd_reclaim_requests_total"] >= 1.0, "{m:#?}");
+    assert!(m["vramd_reclaim_answers_total"] >= 1.0, "{m:#?}");
+    assert!(m["vramd_reclaim_returned_bytes_total"] >= (256u64 << 20) as f64);
+    assert!(m["vramd_reclaim_outcomes_total{outcome=\"satisfied\"}"] >= 1.0);
+    let s = status_json(&d);
+    assert!(tenant(&s, "alpha").returns >= 1);
+    assert_matches(&scrape(addr), &s);
+
+    // /status is the same document as `vramd status --json`, less what moves by itself.
+    let (code, body) = get(addr, "/status");
+    assert_eq!(code, 200);
+    let mut http: StatusReport = serde_json::from_str(&body).unwrap();
+    let mut cli = status_json(&d);
+    for r in [&mut http, &mut cli] {
+        r.daemon.uptime_seconds = 0.0;
+        r.daemon.connections = 0;
+    }
+    assert_eq!(http, cli);
+
+    // A tenant that leaves takes its series with it.
+    alpha.exit();
+    churn.exit();
+    let m = scrape(addr);
+    assert!(!m.keys().any(|k| k.contains("tenant=\"alpha\"")), "{m:#?}");
+    assert_eq!(m["vramd_tenants"], 1.0);
+    assert_matches(&m, &status_json(&d));
+    beta.exit();
+    d.stop();
+}
+
+#[test]
+fn metrics_off_serves_nothing_and_a_taken_address_is_an_error() {
+    let d = Daemon::start(&CONFIG.replace("127.0.0.1:0", "off"));
+    assert!(!d.log().contains("serving metrics"), "{}", d.log());
+    d.stop();
+
+    // An address asked for explicitly must be served: a daemon that cannot bind it refuses to start.
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(VRAMD)
+        .args([
+            "serve",
+            "--backend",
+            "host",
+            "--capacity",
+            "1GiB",
+            "--socket",
+        ])
+        .arg(dir.path().join("s.sock"))
+        .arg("--metrics")
+        .arg(busy.local_addr().unwrap().to_string())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("cannot listen for metrics"), "{err}");
+}

@@ -1,0 +1,166 @@
+//! `vramd top` in a real pseudo-terminal, its screen read back through a terminal emulator
+//! (vt100): it shows the daemon's tenants, sorts on keys, and quits on q.
+
+mod common;
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{self, Receiver};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, VRAMD};
+use rustix::fs::{Mode, OFlags};
+use rustix::pty::{grantpt, openpt, ptsname, unlockpt, OpenptFlags};
+use rustix::termios::{tcsetwinsize, Winsize};
+
+const ROWS: u16 = 30;
+const COLS: u16 = 160;
+
+/// A program on the slave side of a fresh pty; the test reads the master into a vt100 screen.
+struct Screen {
+    child: Child,
+    keys: File,
+    output: Receiver<Vec<u8>>,
+    parser: vt100::Parser,
+}
+
+impl Screen {
+    fn spawn(args: &[&std::ffi::OsStr]) -> Screen {
+        let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY).unwrap();
+        grantpt(&master).unwrap();
+        unlockpt(&master).unwrap();
+        let name = ptsname(&master, Vec::new()).unwrap();
+        let slave = rustix::fs::open(
+            name.as_c_str(),
+            OFlags::RDWR | OFlags::NOCTTY,
+            Mode::empty(),
+        )
+        .unwrap();
+        let size = Winsize {
+            ws_row: ROWS,
+            ws_col: COLS,
+            ws_xpixel: 0,
+            ws_ypixel: 0,
+        };
+        tcsetwinsize(&slave, size).unwrap();
+        let child = Command::new(VRAMD)
+            .args(args)
+            .env("TERM", "xterm-256color")
+            .stdin(Stdio::from(slave.try_clone().unwrap()))
+            .stdout(Stdio::from(slave.try_clone().unwrap()))
+            .stderr(Stdio::from(slave))
+            .spawn()
+            .unwrap();
+        let mut reader = File::from(master);
+        let keys = reader.try_clone().unwrap();
+        let (tx, output) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            // Ends with EIO once the program has exited and closed the slave.
+            while let Ok(n @ 1..) = reader.read(&mut buf) {
+                if tx.send(buf[..n].to_vec()).is_err() {
+                    break;
+                }
+            }
+        });
+        Screen {
+            child,
+            keys,
+            output,
+            parser: vt100::Parser::new(ROWS, COLS, 0),
+        }
+    }
+
+    fn text(&self) -> String {
+        self.parser.screen().contents()
+    }
+
+    /// Reads output until the screen satisfies `cond` (10 s at most).
+    fn wait_for(&mut self, what: &str, cond: impl Fn(&str) -> bool) -> String {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = self.text();
+            if cond(&text) {
+                return text;
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.output.recv_timeout(left) {
+                Ok(bytes) => self.parser.process(&bytes),
+                Err(_) => panic!("the screen never showed {what}:\n{text}"),
+            }
+        }
+    }
+
+    fn press(&mut self, key: &str) {
+        self.keys.write_all(key.as_bytes()).unwrap();
+    }
+}
+
+impl Drop for Screen {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether `first` appears on a line above `second`.
+fn above(text: &str, first: &str, second: &str) -> bool {
+    let line = |name: &str| text.lines().position(|l| l.contains(name));
+    matches!((line(first), line(second)), (Some(a), Some(b)) if a < b)
+}
+
+#[test]
+fn top_shows_tenants_sorts_on_keys_and_quits_on_q() {
+    let d = Daemon::start("capacity = \"4 GiB\"\nmetrics = \"off\"\n");
+    let mut small = d.tenant("small-one", &["--limit", "1GiB"]);
+    let mut large = d.tenant("large-one", &["--limit", "2GiB", "--guarantee", "1GiB"]);
+    assert_eq!(small.cmd("take 256MiB")["event"], "took");
+    assert_eq!(large.cmd("take 1GiB")["event"], "took");
+    assert_eq!(large.cmd("cache 512MiB")["event"], "cached");
+
+    let socket = d.socket.as_os_str();
+    let mut top = Screen::spawn(&[
+        "top".as_ref(),
+        "--socket".as_ref(),
+        socket,
+        "--interval".as_ref(),
+        "0.2".as_ref(),
+    ]);
+    // Largest holder first.
+    let s = top.wait_for("both tenants, by held", |s| {
+        above(s, "large-one", "small-one") && s.contains("HELD▼")
+    });
+    assert!(s.contains("held 1.2 GiB of 4 GiB"), "{s}");
+    assert!(s.contains("2 tenant(s)"), "{s}");
+
+    top.press("r");
+    top.wait_for("the order reversed", |s| {
+        above(s, "small-one", "large-one") && s.contains("HELD▲")
+    });
+    // Column 6, CACHED: only large-one has idle memory.
+    top.press("6");
+    top.wait_for("sorted by cached", |s| {
+        above(s, "large-one", "small-one") && s.contains("CACHED▼")
+    });
+    // A new grant shows at the next poll.
+    assert_eq!(small.cmd("take 512MiB")["event"], "took");
+    top.wait_for("small-one's new holding", |s| {
+        s.lines()
+            .any(|l| l.contains("small-one") && l.contains("768 MiB"))
+    });
+
+    top.press("q");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(s) = top.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "top did not quit on q");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert!(status.success(), "top exited with {status}");
+    small.exit();
+    large.exit();
+    d.stop();
+}
