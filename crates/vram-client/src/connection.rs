@@ -1,23 +1,21 @@
-//! The connection to the daemon: a reader thread that routes replies to the threads waiting for
-//! them, and the daemon's reclaim requests to a worker that answers them.
+//! The tenant's and the tools' API over a [`Transport`]: registering, grants, returns, status, and
+//! the worker that answers the daemon's reclaim requests.
 
-use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender};
+use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::thread;
-use std::time::Duration;
 
 use vram_core::Bytes;
 use vram_device::{Device, Handle};
 use vram_proto::{
-    Conn, ErrorCode, ErrorReply, GrantId, Hello, ProtoError, Received, Reply, Request, Role,
-    StatusReport, Welcome,
+    Conn, ErrorCode, ErrorReply, GrantId, Hello, ProtoError, Reply, Request, Role, StatusReport,
+    Welcome,
 };
 
+use crate::transport::Transport;
 use crate::ClientError;
 
 /// How a process asks to be admitted. Unset fields take the daemon's defaults for the class.
@@ -58,70 +56,9 @@ impl Grant {
 /// Answers the daemon's request for `Bytes` of idle memory; returns how much it gave back.
 pub type ReclaimHandler = Box<dyn Fn(&Client, Bytes) -> Bytes + Send + Sync>;
 
-type Waiters = Mutex<HashMap<u64, SyncSender<Result<Received<Reply>, String>>>>;
-
-struct Shared {
-    conn: Conn,
-    next_id: AtomicU64,
-    waiters: Waiters,
-    dead: AtomicBool,
-    dead_reason: Mutex<String>,
-    /// The error the daemon sent unasked (id 0) before it closed the connection: a refused uid, a
-    /// frame it could not trust. Calls that fail on the lost connection report it.
-    last_word: Mutex<Option<ErrorReply>>,
-}
-
-impl Shared {
-    fn call(&self, request: &Request) -> Result<Received<Reply>, ClientError> {
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::sync_channel(1);
-        self.waiters.lock().expect("waiters").insert(id, tx);
-        if self.dead.load(Ordering::Acquire) {
-            self.waiters.lock().expect("waiters").remove(&id);
-            return Err(self.lost(self.dead_reason.lock().expect("reason").clone()));
-        }
-        if let Err(e) = self.conn.send(id, request, &[]) {
-            if matches!(e, ProtoError::Io(_)) {
-                // The daemon may have closed the connection with its last word still unread: give
-                // the reader the moment it needs to get to it.
-                let _ = rx.recv_timeout(Duration::from_secs(1));
-            }
-            self.waiters.lock().expect("waiters").remove(&id);
-            return Err(match self.last_word.lock().expect("last word").clone() {
-                Some(last) => ClientError::Daemon(last),
-                None => e.into(),
-            });
-        }
-        match rx.recv() {
-            Ok(Ok(r)) => match r.msg {
-                Reply::Error(e) => Err(ClientError::Daemon(e)),
-                _ => Ok(r),
-            },
-            Ok(Err(reason)) => Err(self.lost(reason)),
-            Err(_) => Err(self.lost("reader stopped".into())),
-        }
-    }
-
-    /// The connection is gone: the daemon's last word if it sent one, else `reason`.
-    fn lost(&self, reason: String) -> ClientError {
-        match self.last_word.lock().expect("last word").clone() {
-            Some(e) => ClientError::Daemon(e),
-            None => ClientError::Lost(reason),
-        }
-    }
-
-    fn fail_all(&self, reason: String) {
-        *self.dead_reason.lock().expect("reason") = reason.clone();
-        self.dead.store(true, Ordering::Release);
-        for (_, tx) in self.waiters.lock().expect("waiters").drain() {
-            let _ = tx.try_send(Err(reason.clone()));
-        }
-    }
-}
-
 /// A registered tenant's connection to vramd. Cheap to share across threads (`&Client`).
 pub struct Client {
-    shared: Arc<Shared>,
+    shared: Arc<Transport>,
     welcome: Welcome,
     device: Arc<dyn Device>,
     reclaim: Arc<Mutex<Option<ReclaimHandler>>>,
@@ -144,56 +81,14 @@ fn connect_stream(path: &Path) -> Result<UnixStream, ClientError> {
     })
 }
 
-fn start_reader(shared: Arc<Shared>, reclaims: Option<SyncSender<(u64, Bytes)>>) {
-    thread::Builder::new()
-        .name("vram-client-reader".into())
-        .spawn(move || loop {
-            match shared.conn.recv::<Reply>() {
-                Ok(r) if r.id == 0 => match (r.msg, &reclaims) {
-                    (Reply::Reclaim { ask, bytes, .. }, Some(tx)) => {
-                        // A full queue means a reclaim is already pending; this one can wait for it.
-                        let _ = tx.try_send((ask, bytes));
-                    }
-                    (Reply::Error(e), _) => {
-                        *shared.last_word.lock().expect("last word") = Some(e);
-                    }
-                    _ => {}
-                },
-                Ok(r) => {
-                    let waiter = shared.waiters.lock().expect("waiters").remove(&r.id);
-                    if let Some(tx) = waiter {
-                        let _ = tx.try_send(Ok(r));
-                    }
-                }
-                // A reply this client cannot read leaves a caller waiting forever: give up on all.
-                Err(e) => {
-                    let reason = match e {
-                        ProtoError::Closed => "vramd closed the connection".to_string(),
-                        e => e.to_string(),
-                    };
-                    shared.fail_all(reason);
-                    return;
-                }
-            }
-        })
-        .expect("spawn reader thread");
-}
-
 impl Client {
     /// Connects to the daemon at `socket` (or [`crate::default_socket`]) and registers as a tenant.
     pub fn connect(socket: Option<&Path>, opts: &TenantOptions) -> Result<Client, ClientError> {
         let path: PathBuf = socket.map_or_else(crate::default_socket, Path::to_path_buf);
         let stream = connect_stream(&path)?;
-        let shared = Arc::new(Shared {
-            conn: Conn::new(stream),
-            next_id: AtomicU64::new(1),
-            waiters: Mutex::new(HashMap::new()),
-            dead: AtomicBool::new(false),
-            dead_reason: Mutex::new(String::new()),
-            last_word: Mutex::new(None),
-        });
         let (reclaim_tx, reclaim_rx) = mpsc::sync_channel(1);
-        start_reader(shared.clone(), Some(reclaim_tx));
+        let shared = Transport::new(stream, Some(reclaim_tx));
+        shared.start_idle_reader();
         let hello = Hello {
             role: Role::Tenant {
                 name: opts.name.clone(),
@@ -326,12 +221,12 @@ impl Client {
 
     /// The raw connection, for tests that must misbehave on purpose.
     pub fn conn(&self) -> &Conn {
-        &self.shared.conn
+        self.shared.conn()
     }
 
     /// The connection's socket fd, for tests that pass it on.
     pub fn socket_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.shared.conn.stream().as_fd()
+        self.shared.conn().stream().as_fd()
     }
 }
 
@@ -339,29 +234,26 @@ impl Drop for Client {
     fn drop(&mut self) {
         // Closing the socket ends the reader thread, which ends the reclaim worker.
         if self.owner {
-            let _ = self.shared.conn.stream().shutdown(std::net::Shutdown::Both);
+            let _ = self
+                .shared
+                .conn()
+                .stream()
+                .shutdown(std::net::Shutdown::Both);
         }
     }
 }
 
 /// A read-only connection for tools: status without registering as a tenant.
 pub struct Observer {
-    shared: Arc<Shared>,
+    shared: Arc<Transport>,
 }
 
 impl Observer {
     pub fn connect(socket: Option<&Path>) -> Result<Observer, ClientError> {
         let path: PathBuf = socket.map_or_else(crate::default_socket, Path::to_path_buf);
         let stream = connect_stream(&path)?;
-        let shared = Arc::new(Shared {
-            conn: Conn::new(stream),
-            next_id: AtomicU64::new(1),
-            waiters: Mutex::new(HashMap::new()),
-            dead: AtomicBool::new(false),
-            dead_reason: Mutex::new(String::new()),
-            last_word: Mutex::new(None),
-        });
-        start_reader(shared.clone(), None);
+        // A tool only ever waits for replies to its own calls: it needs no idle reader.
+        let shared = Transport::new(stream, None);
         Ok(Observer { shared })
     }
 
@@ -372,11 +264,15 @@ impl Observer {
 
 impl Drop for Observer {
     fn drop(&mut self) {
-        let _ = self.shared.conn.stream().shutdown(std::net::Shutdown::Both);
+        let _ = self
+            .shared
+            .conn()
+            .stream()
+            .shutdown(std::net::Shutdown::Both);
     }
 }
 
-fn status_call(shared: &Shared) -> Result<StatusReport, ClientError> {
+fn status_call(shared: &Transport) -> Result<StatusReport, ClientError> {
     match shared.call(&Request::Status)?.msg {
         Reply::Status(s) => Ok(*s),
         other => Err(unexpected("Status", &other)),

@@ -11,6 +11,7 @@ pub mod alloc;
 mod connection;
 mod error;
 mod shared;
+mod transport;
 
 pub use connection::{Client, Grant, Observer, ReclaimHandler, TenantOptions};
 pub use error::ClientError;

@@ -132,6 +132,20 @@ impl Conn {
         Ok(())
     }
 
+    /// Whether a whole frame (or a header [`Conn::recv`] would refuse) is already buffered, so that
+    /// `recv` answers without waiting on the socket. Blocks while another thread is in `recv`.
+    pub fn has_frame(&self) -> bool {
+        let rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+        let have = &rx.buf[rx.start..rx.end];
+        let Some(header) = have.first_chunk::<HEADER_LEN>() else {
+            return false;
+        };
+        match FrameHeader::decode(header) {
+            Ok(h) => have.len() >= HEADER_LEN + h.len as usize,
+            Err(_) => true,
+        }
+    }
+
     /// Receives one frame. Blocks until a frame starts; once it has, the rest must arrive within
     /// the stall timeout. A frame of another protocol version is read whole and reported as
     /// [`ProtoError::Version`], so the caller can still answer it.
@@ -283,6 +297,20 @@ mod tests {
         let mut got = Vec::new();
         f.read_to_end(&mut got).unwrap();
         assert_eq!(got, vec![2; 4]);
+    }
+
+    #[test]
+    fn has_frame_says_whether_recv_would_wait() {
+        let (a, b) = pair();
+        assert!(!b.has_frame());
+        a.send(1, &Request::Ping, &[]).unwrap();
+        a.send(2, &Request::Ping, &[]).unwrap();
+        // Both frames arrive in one read; the second stays buffered.
+        std::thread::sleep(Duration::from_millis(20));
+        assert_eq!(b.recv::<Request>().unwrap().id, 1);
+        assert!(b.has_frame());
+        assert_eq!(b.recv::<Request>().unwrap().id, 2);
+        assert!(!b.has_frame());
     }
 
     #[test]

@@ -49,3 +49,44 @@ fn sixty_four_tenants_cycle_concurrently_without_error() {
     assert_eq!(d.status().devices[0].held, Bytes::ZERO);
     d.stop();
 }
+
+/// One connection, many threads: each waits for its own replies while others read theirs.
+#[test]
+fn threads_share_one_tenant_connection() {
+    const THREADS: usize = 8;
+    const ROUNDS: usize = 300;
+    let d = Daemon::start("capacity = \"1 GiB\"\n");
+    let client = vram_client::Client::connect(
+        Some(&d.socket),
+        &vram_client::TenantOptions::named("threaded"),
+    )
+    .unwrap();
+    std::thread::scope(|s| {
+        for _ in 0..THREADS {
+            s.spawn(|| {
+                for _ in 0..ROUNDS {
+                    let g = client.grant(Bytes::mib(2)).unwrap();
+                    assert_eq!(g.size(), Bytes::mib(2));
+                    client.give_back(vec![g]).unwrap();
+                    client.ping().unwrap();
+                }
+            });
+        }
+    });
+    let s = client.status().unwrap();
+    let t = &s.tenants[0];
+    assert_eq!(
+        (t.grants, t.returns, t.held),
+        (
+            (THREADS * ROUNDS) as u64,
+            (THREADS * ROUNDS) as u64,
+            Bytes::ZERO
+        )
+    );
+    drop(client);
+    assert!(wait_until(Duration::from_secs(5), || d
+        .status()
+        .tenants
+        .is_empty()));
+    d.stop();
+}
