@@ -397,3 +397,27 @@ fn no_context(size: Bytes) {
     }
     println!("current context after: {current:?}; exported fd {fd}");
 }
+
+#[test]
+fn events_complete_and_recycle() {
+    let Some(dev) = gpu() else { return };
+    let pool = vram_device::cuda::EventPool::new(&dev);
+    assert!(!pool
+        .is_capturing(vram_device::cuda::DEFAULT_STREAM)
+        .unwrap());
+    let mut ids = Vec::new();
+    for _ in 0..100 {
+        ids.push(pool.record(vram_device::cuda::DEFAULT_STREAM).unwrap());
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !ids.iter().all(|id| pool.is_complete(*id)) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "events never completed"
+        );
+    }
+    // Recycled: a new record reuses a slot with a new generation; old ids stay complete.
+    let again = pool.record(vram_device::cuda::DEFAULT_STREAM).unwrap();
+    assert!(!ids.contains(&again));
+    assert!(pool.is_complete(ids[0]));
+}

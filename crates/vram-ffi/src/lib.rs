@@ -12,7 +12,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
-use vram_client::alloc::{CachingAllocator, DaemonSource, HostEvents, MappedBacking};
+use vram_client::alloc::{
+    CachingAllocator, CudaEvents, DaemonSource, HostEvents, MappedBacking, StreamEvents,
+};
 use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, StreamId};
 use vram_core::Bytes;
@@ -68,12 +70,15 @@ fn connect() -> Result<Tenant, String> {
     let opts = options_from_env()?;
     let client = Arc::new(Client::connect(None, &opts).map_err(|e| format!("vramd: {e}"))?);
     let w = client.welcome().clone();
-    if w.device.backend != "host" {
-        return Err(format!(
-            "vramd: this build's C allocator supports the host backend only; the daemon serves `{}`",
-            w.device.backend
-        ));
-    }
+    let events: Box<dyn StreamEvents> = match w.device.backend.as_str() {
+        "host" => Box::new(HostEvents),
+        "cuda" => {
+            let dev = vram_device::CudaDevice::open(&w.device.uuid)
+                .map_err(|e| format!("vramd: cannot open GPU {}: {e}", w.device.uuid))?;
+            Box::new(CudaEvents::new(&dev))
+        }
+        other => return Err(format!("vramd: unknown device backend `{other}`")),
+    };
     let config = AllocConfig {
         granularity: w.device.granularity,
         ..AllocConfig::default()
@@ -81,7 +86,7 @@ fn connect() -> Result<Tenant, String> {
     let device = client.device().clone();
     let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::new(client.clone()))
         .map_err(|e| format!("vramd: cannot reserve address space: {e}"))?;
-    let alloc = CachingAllocator::new(config, backing, Box::new(HostEvents));
+    let alloc = CachingAllocator::new(config, backing, events);
     client.on_reclaim(Box::new(|_, _| match TENANT.get() {
         Some(Ok(t)) => t.alloc.trim(),
         _ => Bytes::ZERO,

@@ -43,6 +43,39 @@ impl StreamEvents for HostEvents {
     }
 }
 
+/// CUDA: a fence is an event recorded on the freeing stream.
+pub struct CudaEvents {
+    pool: vram_device::cuda::EventPool,
+}
+
+/// A fence that never completes: for a block freed while its stream is captured into a CUDA
+/// graph, whose replays may still use it. It stays reusable on that stream alone.
+const NEVER: Fence = Fence(u64::MAX);
+
+impl CudaEvents {
+    pub fn new(device: &vram_device::CudaDevice) -> CudaEvents {
+        CudaEvents {
+            pool: vram_device::cuda::EventPool::new(device),
+        }
+    }
+}
+
+impl Fences for CudaEvents {
+    fn is_complete(&self, fence: Fence) -> bool {
+        fence != NEVER && self.pool.is_complete(fence.0)
+    }
+}
+
+impl StreamEvents for CudaEvents {
+    fn record(&self, stream: StreamId) -> Fence {
+        // No event may be recorded into a capture; an error leaves the block with its stream.
+        match self.pool.is_capturing(stream.0) {
+            Ok(false) => self.pool.record(stream.0).map_or(NEVER, Fence),
+            _ => NEVER,
+        }
+    }
+}
+
 /// Why a free was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum FreeError {

@@ -45,6 +45,11 @@ const SYMBOLS: &[&str] = &[
     "cuMemcpyHtoD_v2",
     "cuMemcpyDtoH_v2",
     "cuMemsetD8_v2",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuEventDestroy_v2",
+    "cuStreamIsCapturing",
 ];
 
 /// Loads and initialises the driver once per process; every later call gets the same answer.
@@ -155,6 +160,10 @@ impl Drop for Entered {
 }
 
 pub(crate) fn log_failure(call: &'static str, r: CUresult) {
+    // At process exit the driver may be torn down before our statics: nothing is left to release.
+    if r == CUresult::CUDA_ERROR_DEINITIALIZED {
+        return;
+    }
     if let Err(e) = check(call, r) {
         tracing::error!(error = %e, "CUDA clean-up failed");
     }

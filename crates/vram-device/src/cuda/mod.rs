@@ -10,6 +10,9 @@
 //! memory and visible to every process that maps it.
 
 mod driver;
+mod events;
+
+pub use events::{EventPool, DEFAULT_STREAM};
 
 use std::ffi::{c_char, c_void, CStr};
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -167,6 +170,10 @@ impl CudaDevice {
             sys::cuMemGetInfo_v2(&mut free, &mut total)
         })?;
         Ok((Bytes(free as u64), Bytes(total as u64)))
+    }
+
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.ctx
     }
 
     fn granularity(&self) -> Bytes {

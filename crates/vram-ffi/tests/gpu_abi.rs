@@ -1,0 +1,100 @@
+//! libvram.so's allocator on a real GPU: a daemon on the cuda backend (in process), allocations
+//! from several threads on two streams, bytes written and read on the device, everything back with
+//! the daemon after a trim. Skips without a GPU unless `VRAMD_REQUIRE_GPU=1`.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+use std::time::Duration;
+
+use vram_core::Bytes;
+use vram_device::cuda::{self, CudaDevice};
+use vram_device::Device;
+use vramd::config::{Config, PoolConfig};
+use vramd::server::{ServeOptions, Server};
+
+fn gpu() -> Option<CudaDevice> {
+    let reason = match cuda::probe() {
+        Ok(found) if found.is_empty() => "the driver sees no GPU".to_owned(),
+        Ok(_) => match CudaDevice::open("0") {
+            Ok(dev) => return Some(dev),
+            Err(e) => e.to_string(),
+        },
+        Err(e) => e.to_string(),
+    };
+    if std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1") {
+        panic!("no GPU: {reason} (VRAMD_REQUIRE_GPU=1)");
+    }
+    println!("skipping: no GPU: {reason}");
+    None
+}
+
+/// The per-thread default stream's handle (`CU_STREAM_PER_THREAD`): a valid stream without setup.
+const PER_THREAD_STREAM: usize = 2;
+
+#[test]
+fn threads_allocate_write_and_free_on_the_gpu() {
+    let Some(dev) = gpu() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("vramd.sock");
+    let config = Config::default();
+    let dev: Arc<dyn Device> = Arc::new(dev);
+    let server = Server::bind(ServeOptions {
+        socket: socket.clone(),
+        socket_mode: 0o600,
+        allowed_uids: None,
+        devices: vec![dev],
+        policy: Box::new(move |d: &dyn Device| {
+            config.policy(Bytes::gib(64).min(d.info().capacity))
+        }),
+        pool: PoolConfig::default(),
+        reclaim_timeout: Duration::from_millis(250),
+    })
+    .unwrap();
+    let shutdown = server.shutdown_handle();
+    let daemon = server.daemon().clone();
+    let serving = std::thread::spawn(move || server.run().unwrap());
+    std::env::set_var("VRAMD_SOCKET", &socket);
+    std::env::set_var("VRAMD_TENANT", "gpu-abi");
+
+    std::thread::scope(|s| {
+        for t in 0..4usize {
+            s.spawn(move || {
+                let stream = if t % 2 == 0 { 0 } else { PER_THREAD_STREAM } as *mut c_void;
+                let tenant = vram::tenant().expect("tenant");
+                for i in 0..200usize {
+                    let size = 1
+                        + (i * 7919 + t * 104_729) % (if i % 10 == 0 { 64 << 20 } else { 1 << 20 });
+                    let p = vram::vram_alloc(size as isize, 0, stream);
+                    assert!(!p.is_null(), "{:?}", vram::last_error());
+                    let data = vec![(i ^ t) as u8; size.min(4096)];
+                    tenant.alloc.with_backing(|b| {
+                        let off = Bytes(p as u64 - b.base());
+                        b.device().write(b.reservation(), off, &data).unwrap();
+                        let mut back = vec![0; data.len()];
+                        b.device().read(b.reservation(), off, &mut back).unwrap();
+                        assert_eq!(back, data, "bytes at {p:?}");
+                    });
+                    vram::vram_free(p, size as isize, 0, stream);
+                }
+            });
+        }
+    });
+    assert!(vram::vram_trim() >= 0, "{:?}", vram::last_error());
+    let tenant = vram::tenant().unwrap();
+    let stats = tenant.alloc.stats();
+    println!("MEASURED gpu abi stats: {stats:?}");
+    assert_eq!(stats.core.held, Bytes::ZERO, "trim left memory held");
+    let held = daemon
+        .status()
+        .tenants
+        .iter()
+        .map(|t| t.held)
+        .sum::<Bytes>();
+    assert_eq!(
+        held,
+        Bytes::ZERO,
+        "the daemon still counts memory for the tenant"
+    );
+    shutdown.trigger();
+    serving.join().unwrap();
+}
