@@ -145,6 +145,9 @@ fn scraped_figures_match_status_while_tenants_take_and_return() {
     let addr = metrics_addr(&d);
     assert_eq!(get(addr, "/healthz"), (200, "ok\n".to_string()));
     assert_eq!(get(addr, "/nothing").0, 404);
+    let m = scrape(addr);
+    assert_eq!(m["vramd_reclaim_outcomes_total{outcome=\"short\"}"], 0.0);
+    assert_eq!(m["vramd_tenants"], 0.0);
 
     let mut alpha = d.tenant("alpha", &["--limit", "4GiB"]);
     let mut beta = d.tenant("beta", &["--limit", "1GiB", "--guarantee", "256MiB"]);

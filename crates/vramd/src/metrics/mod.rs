@@ -86,6 +86,8 @@ fn grant_histogram() -> Histogram {
 /// Whether a grant that waited on a reclaim got its memory.
 pub type OutcomeLabels = [(&'static str, &'static str); 1];
 
+const OUTCOMES: [&str; 2] = ["satisfied", "short"];
+
 /// What the grant and reclaim paths record. Clones share the same series.
 #[derive(Debug, Clone)]
 pub struct Instruments {
@@ -98,12 +100,17 @@ pub struct Instruments {
 
 impl Default for Instruments {
     fn default() -> Self {
+        let reclaim_outcomes: Family<OutcomeLabels, Counter> = Family::default();
+        // Both outcomes exist from the start, at 0, so that rates over them are defined.
+        for outcome in OUTCOMES {
+            reclaim_outcomes.get_or_create_owned(&[("outcome", outcome)]);
+        }
         Instruments {
             grant_seconds: Family::new_with_constructor(grant_histogram),
             reclaim_requests: Counter::default(),
             reclaim_answers: Counter::default(),
             reclaim_returned_bytes: Counter::default(),
-            reclaim_outcomes: Family::default(),
+            reclaim_outcomes,
         }
     }
 }
@@ -132,7 +139,7 @@ impl Instruments {
 
     /// A grant that waited on reclaim requests got its memory (`satisfied`) or did not.
     pub fn reclaim_settled(&self, satisfied: bool) {
-        let outcome = if satisfied { "satisfied" } else { "short" };
+        let outcome = OUTCOMES[usize::from(!satisfied)];
         self.reclaim_outcomes
             .get_or_create(&[("outcome", outcome)])
             .inc();
