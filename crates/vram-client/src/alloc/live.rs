@@ -70,6 +70,11 @@ impl LiveTable {
         self.shard(offset).remove(&offset);
     }
 
+    /// Whether the block at `offset` waits in a thread cache.
+    pub(super) fn is_cached(&self, offset: u64) -> bool {
+        self.shard(offset).get(&offset).is_some_and(|e| e.cached)
+    }
+
     pub(super) fn len_of(&self, offset: u64) -> Option<u64> {
         self.shard(offset)
             .get(&offset)

@@ -13,7 +13,9 @@ mod thread_cache;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use vram_core::alloc::{AllocConfig, AllocError, AllocStats, Allocator, Fence, Fences, StreamId};
+use vram_core::alloc::{
+    AllocConfig, AllocError, AllocStats, Allocator, BlockState, Fence, Fences, Segment, StreamId,
+};
 use vram_core::Bytes;
 
 pub use backing::{DaemonSource, HandleSource, LocalSource, MappedBacking};
@@ -211,6 +213,28 @@ impl<S: HandleSource> CachingAllocator<S> {
             cached: core.cached + Bytes(in_caches),
             fast_allocs: self.fast_allocs.load(Ordering::Relaxed),
         }
+    }
+
+    /// Starts the peaks over from the current values (PyTorch's `reset_peak_memory_stats`).
+    pub fn reset_peaks(&self) {
+        self.core().reset_peaks();
+    }
+
+    /// The mapped memory as segments of blocks, at their addresses in this process. A block
+    /// waiting in a thread cache shows as free.
+    pub fn segments(&self) -> Vec<Segment> {
+        let mut segments = self.core().segments();
+        for s in &mut segments {
+            for b in &mut s.blocks {
+                if b.state == BlockState::Allocated && self.live.is_cached(b.offset) {
+                    b.state = BlockState::Free;
+                    b.requested = 0;
+                }
+                b.offset += self.base;
+            }
+            s.offset += self.base;
+        }
+        segments
     }
 
     /// Size of the live block at `ptr` (rounded), if there is one.

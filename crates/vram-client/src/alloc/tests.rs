@@ -197,3 +197,19 @@ proptest! {
         prop_assert_eq!(dev.used(), Bytes::ZERO);
     }
 }
+
+#[test]
+fn segments_show_live_blocks_at_their_addresses_and_thread_cached_ones_as_free() {
+    let (_, a) = host_allocator(Bytes::gib(1));
+    let big = a.alloc(Bytes::mib(3), StreamId(1)).unwrap();
+    let small = a.alloc(Bytes(1000), StreamId(1)).unwrap();
+    a.free(small, StreamId(1)).unwrap();
+    let segments = a.segments();
+    let blocks: Vec<_> = segments.iter().flat_map(|s| &s.blocks).collect();
+    let at = |p: u64| blocks.iter().find(|b| b.offset == p).copied().unwrap();
+    assert_eq!(at(big).state, BlockState::Allocated);
+    assert_eq!(at(big).requested, 3 * Bytes::MIB);
+    assert_eq!(at(small).state, BlockState::Free, "waits in a thread cache");
+    let held: u64 = segments.iter().map(|s| s.len).sum();
+    assert_eq!(held, a.stats().core.held.get());
+}

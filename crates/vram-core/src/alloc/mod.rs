@@ -28,6 +28,7 @@
 mod backing;
 mod freelist;
 mod heap;
+mod layout;
 mod stats;
 mod stream;
 #[cfg(test)]
@@ -36,6 +37,7 @@ mod tests;
 use std::collections::HashMap;
 
 pub use backing::{Backing, BackingCounts, GrantId, ModelBacking, Refused};
+pub use layout::{BlockState, Segment, SegmentBlock};
 pub use stats::AllocStats;
 pub use stream::{AlwaysComplete, Fence, Fences, StreamId};
 
@@ -184,6 +186,18 @@ impl<B: Backing> Allocator<B> {
 
     pub fn stats(&self) -> AllocStats {
         self.stats
+    }
+
+    /// Starts the peaks over from the current values (PyTorch's `reset_peak_memory_stats`).
+    pub fn reset_peaks(&mut self) {
+        self.stats.reset_peaks();
+    }
+
+    /// The mapped memory as segments of blocks, large heap first, each in address order.
+    pub fn segments(&self) -> Vec<Segment> {
+        let mut out = layout::segments(&self.heaps[LARGE], &self.live, false);
+        out.extend(layout::segments(&self.heaps[SMALL], &self.live, true));
+        out
     }
 
     pub fn backing(&self) -> &B {

@@ -26,6 +26,12 @@ pub struct AllocStats {
 }
 
 impl AllocStats {
+    pub(crate) fn reset_peaks(&mut self) {
+        self.allocated_peak = self.allocated;
+        self.requested_peak = self.requested;
+        self.held_peak = self.held;
+    }
+
     pub(crate) fn on_alloc(&mut self, rounded: u64, requested: u64) {
         self.allocs += 1;
         self.allocated += Bytes(rounded);

@@ -155,6 +155,7 @@ fn run_ops(ops: Vec<Op>) {
         assert_eq!(st.held, backing.held());
         assert_eq!(st.allocated.get(), live.values().map(|v| v.0).sum::<u64>());
         assert!(st.held >= st.allocated);
+        check_segments(&a, &live);
     }
     for (start, (_, stream)) in std::mem::take(&mut live) {
         let fence = fences.record(stream);
@@ -170,6 +171,46 @@ fn run_ops(ops: Vec<Op>) {
     assert_eq!(a.stats().held, Bytes::ZERO);
     let c = a.backing().counts();
     assert_eq!((c.maps, c.grants), (c.unmaps, c.releases));
+}
+
+/// Segments tile the held memory exactly, and their allocated blocks are the live blocks.
+fn check_segments(a: &Allocator<ModelBacking>, live: &BTreeMap<u64, (u64, u64)>) {
+    let segs = a.segments();
+    for s in &segs {
+        let mut at = s.offset;
+        for b in &s.blocks {
+            assert_eq!(b.offset, at, "blocks of {s:?} do not tile it");
+            at += b.len;
+        }
+        assert_eq!(at, s.offset + s.len);
+    }
+    let held: u64 = segs.iter().map(|s| s.len).sum();
+    assert_eq!(held, a.stats().held.get());
+    let allocated: Vec<(u64, u64)> = segs
+        .iter()
+        .flat_map(|s| &s.blocks)
+        .filter(|b| b.state == BlockState::Allocated)
+        .map(|b| (b.offset, b.len))
+        .collect();
+    let expected: Vec<(u64, u64)> = live.iter().map(|(&s, &(l, _))| (s, l)).collect();
+    assert_eq!(allocated, expected);
+}
+
+#[test]
+fn reset_peaks_starts_over_from_now() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let big = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    a.alloc(Bytes::mib(1), StreamId(1), &fences).unwrap();
+    a.free(big.offset, StreamId(1), Fence(0), &AlwaysComplete)
+        .unwrap();
+    assert!(a.stats().allocated_peak > a.stats().allocated);
+    a.reset_peaks();
+    let st = a.stats();
+    assert_eq!(
+        (st.allocated_peak, st.requested_peak, st.held_peak),
+        (st.allocated, st.requested, st.held)
+    );
 }
 
 proptest! {
