@@ -120,9 +120,9 @@ impl<'c> SharedBuffer<'c> {
 
     /// Takes the writer lease for `ttl`; a background thread renews it every third of `ttl` until
     /// the lease is dropped (which releases it). A second writer gets a `Conflict`.
-    pub fn lease(&self, ttl: Duration) -> Result<WriterLease<'_, 'c>, ClientError> {
+    pub fn lease(&self, ttl: Duration) -> Result<WriterLease<'c>, ClientError> {
         let ttl_ms = ttl.as_millis().min(u128::from(u32::MAX)) as u32;
-        self.lease_op(LeaseOp::Acquire, ttl_ms)?;
+        lease_op(self.client, self.id(), LeaseOp::Acquire, ttl_ms)?;
         let lost = Arc::new(AtomicBool::new(false));
         let (stop, stopped) = mpsc::channel::<()>();
         let (caller, buffer, flag) = (self.client.caller(), self.id(), lost.clone());
@@ -144,27 +144,16 @@ impl<'c> SharedBuffer<'c> {
             })
             .map_err(|e| ClientError::Lost(format!("cannot start the lease renewer: {e}")))?;
         Ok(WriterLease {
-            buffer: self,
+            client: self.client,
+            buffer: self.id(),
             lost,
             stop: Some(stop),
             renewer: Some(renewer),
         })
     }
 
-    fn lease_op(&self, op: LeaseOp, ttl_ms: u32) -> Result<u64, ClientError> {
-        let request = SharedRequest::Lease {
-            buffer: self.id(),
-            op,
-            ttl_ms,
-        };
-        match self.client.caller().shared(request)?.0 {
-            SharedReply::Lease { ttl_ms } => Ok(ttl_ms),
-            other => Err(unexpected("Lease", &other)),
-        }
-    }
-
     /// Pins the current published version and maps it read-only.
-    pub fn pin(&self) -> Result<Pinned<'_, 'c>, ClientError> {
+    pub fn pin(&self) -> Result<Pinned<'c>, ClientError> {
         let (reply, fds) = self
             .client
             .caller()
@@ -179,7 +168,8 @@ impl<'c> SharedBuffer<'c> {
         };
         // Unpinned on drop, also if mapping it fails.
         let mut pinned = Pinned {
-            buffer: self,
+            client: self.client,
+            buffer: self.id(),
             version,
             checksum,
             mapped: None,
@@ -209,28 +199,46 @@ impl<'c> SharedBuffer<'c> {
     /// Has the daemon re-read `version` (which must still be held) and compare it with its
     /// checksum at publish.
     pub fn verify(&self, version: Version) -> Result<bool, ClientError> {
-        let request = SharedRequest::Verify {
-            buffer: self.id(),
-            version,
-        };
-        match self.client.caller().shared(request)?.0 {
-            SharedReply::Verified {
-                expected, actual, ..
-            } => Ok(expected == actual),
-            other => Err(unexpected("Verify", &other)),
-        }
+        verify(self.client, self.id(), version)
+    }
+}
+
+fn verify(client: &Client, buffer: BufferId, version: Version) -> Result<bool, ClientError> {
+    match client
+        .caller()
+        .shared(SharedRequest::Verify { buffer, version })?
+        .0
+    {
+        SharedReply::Verified {
+            expected, actual, ..
+        } => Ok(expected == actual),
+        other => Err(unexpected("Verify", &other)),
+    }
+}
+
+fn lease_op(
+    client: &Client,
+    buffer: BufferId,
+    op: LeaseOp,
+    ttl_ms: u32,
+) -> Result<u64, ClientError> {
+    let request = SharedRequest::Lease { buffer, op, ttl_ms };
+    match client.caller().shared(request)?.0 {
+        SharedReply::Lease { ttl_ms } => Ok(ttl_ms),
+        other => Err(unexpected("Lease", &other)),
     }
 }
 
 /// The writer lease of one buffer, renewed in the background; released on drop.
-pub struct WriterLease<'b, 'c> {
-    buffer: &'b SharedBuffer<'c>,
+pub struct WriterLease<'c> {
+    client: &'c Client,
+    buffer: BufferId,
     lost: Arc<AtomicBool>,
     stop: Option<mpsc::Sender<()>>,
     renewer: Option<JoinHandle<()>>,
 }
 
-impl WriterLease<'_, '_> {
+impl<'c> WriterLease<'c> {
     /// Whether a background renewal failed (the lease ran out or was taken over).
     pub fn lost(&self) -> bool {
         self.lost.load(Ordering::Acquire)
@@ -238,9 +246,8 @@ impl WriterLease<'_, '_> {
 
     /// Starts the next version from `base` (the version this writer read; `None` before the
     /// first publish), in fresh memory mapped read-write into this process.
-    pub fn begin_write(&self, base: Option<Version>) -> Result<Draft<'_>, ClientError> {
-        let buffer = self.buffer.id();
-        let client = self.buffer.client;
+    pub fn begin_write(&self, base: Option<Version>) -> Result<Draft<'c>, ClientError> {
+        let (buffer, client) = (self.buffer, self.client);
         let (reply, fds) = client
             .caller()
             .shared(SharedRequest::BeginWrite { buffer, base })?;
@@ -259,7 +266,7 @@ impl WriterLease<'_, '_> {
     /// Gives the lease up now (an unpublished draft is discarded).
     pub fn release(mut self) -> Result<(), ClientError> {
         self.stop_renewer();
-        self.buffer.lease_op(LeaseOp::Release, 0).map(drop)
+        lease_op(self.client, self.buffer, LeaseOp::Release, 0).map(drop)
     }
 
     fn stop_renewer(&mut self) {
@@ -270,11 +277,11 @@ impl WriterLease<'_, '_> {
     }
 }
 
-impl Drop for WriterLease<'_, '_> {
+impl Drop for WriterLease<'_> {
     fn drop(&mut self) {
         if self.renewer.is_some() {
             self.stop_renewer();
-            let _ = self.buffer.lease_op(LeaseOp::Release, 0);
+            let _ = lease_op(self.client, self.buffer, LeaseOp::Release, 0);
         }
     }
 }
@@ -379,14 +386,15 @@ impl Draft<'_> {
 }
 
 /// A published version, pinned and mapped read-only until dropped.
-pub struct Pinned<'b, 'c> {
-    buffer: &'b SharedBuffer<'c>,
+pub struct Pinned<'c> {
+    client: &'c Client,
+    buffer: BufferId,
     version: Version,
     checksum: u64,
     mapped: Option<Mapped>,
 }
 
-impl Pinned<'_, '_> {
+impl Pinned<'_> {
     pub fn version(&self) -> Version {
         self.version
     }
@@ -410,16 +418,12 @@ impl Pinned<'_, '_> {
     }
 
     pub fn read(&self, offset: Bytes, out: &mut [u8]) -> Result<(), ClientError> {
-        Ok(self
-            .buffer
-            .client
-            .device()
-            .read(&self.mapped().res, offset, out)?)
+        Ok(self.client.device().read(&self.mapped().res, offset, out)?)
     }
 
     /// A copy of the whole version.
     pub fn to_vec(&self) -> Result<Vec<u8>, ClientError> {
-        self.mapped().read_all(self.buffer.client.device().as_ref())
+        self.mapped().read_all(self.client.device().as_ref())
     }
 
     /// Reads the version back here and compares it with the checksum at publish.
@@ -429,27 +433,26 @@ impl Pinned<'_, '_> {
 
     /// Has the daemon verify this version.
     pub fn verify(&self) -> Result<bool, ClientError> {
-        self.buffer.verify(self.version)
+        verify(self.client, self.buffer, self.version)
     }
 
     /// Writing through a read-only mapping is refused (for tests of that rule).
     pub fn try_write(&self, offset: Bytes, data: &[u8]) -> Result<(), ClientError> {
         Ok(self
-            .buffer
             .client
             .device()
             .write(&self.mapped().res, offset, data)?)
     }
 }
 
-impl Drop for Pinned<'_, '_> {
+impl Drop for Pinned<'_> {
     fn drop(&mut self) {
         drop(self.mapped.take());
         let request = SharedRequest::Unpin {
-            buffer: self.buffer.id(),
+            buffer: self.buffer,
             version: self.version,
         };
-        let _ = self.buffer.client.caller().shared(request);
+        let _ = self.client.caller().shared(request);
     }
 }
 
@@ -460,7 +463,7 @@ fn unexpected(request: &'static str, reply: &SharedReply) -> ClientError {
     }
 }
 
-impl std::fmt::Debug for Pinned<'_, '_> {
+impl std::fmt::Debug for Pinned<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pinned")
             .field("version", &self.version)

@@ -12,6 +12,7 @@
 #ifndef VRAM_H
 #define VRAM_H
 
+#include <stdint.h>
 #include <sys/types.h>
 
 #ifdef __cplusplus
@@ -36,6 +37,64 @@ char *vram_stats_json(void);
 long long vram_trim(void);
 
 void vram_string_free(char *s);
+
+/* How many times the daemon has asked this process for memory back. A caching layer above
+ * libvram (PyTorch's, in its pool mode) polls it, releases its idle segments, then calls
+ * vram_trim. */
+unsigned long long vram_reclaim_requests(void);
+
+/* Starts the peak statistics over from their current values. 0, or -1 on error. */
+int vram_reset_peak(void);
+
+/* The allocator's memory as JSON, for snapshots; free it with vram_string_free. NULL on error.
+ *   {"gpu": N, "segments": [{"address", "size", "small": bool,
+ *     "blocks": [{"address", "size", "requested_size",
+ *                 "state": "allocated" | "pending_free" | "free"}]}]}
+ * A segment is a contiguous mapped range; its blocks tile it in address order. */
+char *vram_snapshot_json(void);
+
+/* Shared buffers: one writer at a time under a lease, readers pinning published versions.
+ *
+ * A writer takes the lease (renewed in the background while the handle is open; a writer that
+ * dies or hangs loses it after ttl_ms), begins a write (fresh memory for the next version, mapped
+ * read-write), fills it and publishes it; the daemon records its checksum. A reader pins the
+ * current version (mapped read-only: a stray write faults) and keeps it until it releases it,
+ * however many versions are published meanwhile. Pointers are host pointers on the host backend.
+ * Functions returning int give -1 on error, pointers NULL; the reason is in vram_last_error()
+ * (a writer conflict names the lease holder and the current version). Versions start at 1; 0
+ * means "none". One handle must not be used from two threads at once. */
+typedef struct VramShared vram_shared_t;
+
+/* Creates a buffer owned by this process, each version `size` bytes (rounded up to the device
+ * granularity). `readers` and `writers` are NULL or comma-separated lists of "tenant:NAME",
+ * "class:NAME" or "*"; the owner may always read and write. */
+vram_shared_t *vram_shared_create(const char *name, uint64_t size, const char *readers,
+                                  const char *writers);
+/* Opens a buffer this process may read or write. */
+vram_shared_t *vram_shared_open(const char *name);
+/* Releases the pins, the draft and the lease taken through `h`, and frees it. */
+void vram_shared_close(vram_shared_t *h);
+
+/* Takes the writer lease (or keeps it, if held). */
+int vram_shared_lease(vram_shared_t *h, uint32_t ttl_ms);
+/* Gives the lease up; an unpublished draft is discarded. */
+int vram_shared_release_lease(vram_shared_t *h);
+/* Fresh memory for the next version, written from version `base` (0 before the first publish;
+ * a base that is no longer current is a conflict). Stores the new version in *version. */
+void *vram_shared_begin_write(vram_shared_t *h, uint64_t base, uint64_t *version);
+/* Publishes the draft; stores the daemon's checksum (XXH3-64) in *checksum if not NULL. */
+int vram_shared_publish(vram_shared_t *h, uint64_t *checksum);
+
+/* Pins the current version; stores its number, checksum and size where not NULL. */
+const void *vram_shared_pin(vram_shared_t *h, uint64_t *version, uint64_t *checksum,
+                            uint64_t *size);
+/* Releases a pin by the pointer vram_shared_pin returned. */
+int vram_shared_release(vram_shared_t *h, const void *ptr);
+/* The daemon re-reads `version`: 1 if it matches its checksum at publish, 0 if not, -1 on error. */
+int vram_shared_verify(vram_shared_t *h, uint64_t version);
+/* Waits up to timeout_ms for a version newer than `than` (0: any): 1 and *version set, 0 on
+ * time-out, -1 on error. */
+int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint64_t *version);
 
 #ifdef __cplusplus
 }

@@ -19,6 +19,9 @@ use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, StreamId};
 use vram_core::Bytes;
 
+mod shared;
+pub use shared::VramShared;
+
 /// The process's tenant: its connection and its allocator.
 pub struct Tenant {
     pub client: Arc<Client>,

@@ -1,6 +1,6 @@
 //! Builds `tests/c/stress.c` against libvram.so with gcc and runs it against a real daemon.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use vram_core::Bytes;
@@ -13,8 +13,8 @@ fn lib_dir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
-#[test]
-fn c_program_uses_the_allocator_from_several_threads() {
+/// Builds `tests/c/{name}.c` against libvram.so into `out`.
+fn build(name: &str, out: &Path) -> PathBuf {
     let lib = lib_dir();
     assert!(
         lib.join("libvram.so").exists(),
@@ -22,12 +22,11 @@ fn c_program_uses_the_allocator_from_several_threads() {
         lib.display()
     );
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = tempfile::tempdir().unwrap();
-    let exe = out.path().join("stress");
+    let exe = out.join(name);
     let cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "gcc".into()))
         .args(["-O1", "-Wall", "-Werror", "-pthread", "-I"])
         .arg(manifest.join("include"))
-        .arg(manifest.join("tests/c/stress.c"))
+        .arg(manifest.join(format!("tests/c/{name}.c")))
         .arg("-o")
         .arg(&exe)
         .arg(format!("-L{}", lib.display()))
@@ -36,6 +35,13 @@ fn c_program_uses_the_allocator_from_several_threads() {
         .status()
         .expect("gcc runs");
     assert!(cc.success(), "gcc failed");
+    exe
+}
+
+#[test]
+fn c_program_uses_the_allocator_from_several_threads() {
+    let out = tempfile::tempdir().unwrap();
+    let exe = build("stress", out.path());
 
     let daemon = common::Daemon::start(Bytes::gib(64));
     let run = Command::new(&exe)
@@ -52,4 +58,24 @@ fn c_program_uses_the_allocator_from_several_threads() {
         "{stdout}"
     );
     assert!(stdout.contains("failures: 0"), "{stdout}");
+}
+
+#[test]
+fn c_program_writes_publishes_pins_and_waits_on_a_shared_buffer() {
+    let out = tempfile::tempdir().unwrap();
+    let exe = build("shared", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(8));
+    let run = Command::new(&exe)
+        .env("VRAMD_SOCKET", &daemon.socket)
+        .env("VRAMD_TENANT", "c-shared")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "shared.c failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("conflict as expected: vramd: shared buffer `c-weights`: the write started from version none but the current version is 1"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("shared: ok, v1 then v2"), "{stdout}");
 }

@@ -69,7 +69,7 @@ fn create<'c>(owner: &'c Client, name: &str, size: Bytes) -> SharedBuffer<'c> {
     owner.create_shared(name, size, acl).unwrap()
 }
 
-fn publish(buf: &SharedBuffer<'_>, lease: &vram_client::WriterLease<'_, '_>, v: u64) -> u64 {
+fn publish(buf: &SharedBuffer<'_>, lease: &vram_client::WriterLease<'_>, v: u64) -> u64 {
     let draft = lease.begin_write(current(buf)).unwrap();
     draft
         .write(Bytes::ZERO, &content(v, draft.size().get() as usize))
@@ -233,7 +233,7 @@ fn a_writer_that_stops_mid_write_loses_its_lease_after_the_ttl() {
     d.stop();
 }
 
-fn wait_lease<'b, 'c>(buf: &'b SharedBuffer<'c>) -> vram_client::WriterLease<'b, 'c> {
+fn wait_lease<'c>(buf: &SharedBuffer<'c>) -> vram_client::WriterLease<'c> {
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
         match buf.lease(Duration::from_secs(2)) {

@@ -1,0 +1,249 @@
+//! Shared buffers behind the C ABI (`vram_shared_*` in `include/vram.h`), on the process's tenant.
+//! A `vram_shared_t` owns what the program took through it: the lease, the draft, the pins; all
+//! go back when it is closed.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::time::Duration;
+
+use vram_client::{Acl, Draft, Pinned, Principal, SharedBuffer, Version, WriterLease};
+use vram_core::Bytes;
+
+use crate::{guarded, tenant};
+
+/// An open shared buffer and what this program holds of it.
+pub struct VramShared {
+    pins: Vec<Pinned<'static>>,
+    draft: Option<Draft<'static>>,
+    lease: Option<WriterLease<'static>>,
+    buffer: SharedBuffer<'static>,
+}
+
+fn text(s: *const c_char, what: &str) -> Result<String, String> {
+    if s.is_null() {
+        return Err(format!("vramd: {what} is NULL"));
+    }
+    // SAFETY: the caller passes a NUL-terminated string (see vram.h), alive for this call.
+    let s = unsafe { CStr::from_ptr(s) };
+    Ok(s.to_string_lossy().into_owned())
+}
+
+/// `"tenant:NAME,class:NAME,*"` into principals; NULL or empty is nobody.
+fn principals(list: *const c_char) -> Result<Vec<Principal>, String> {
+    if list.is_null() {
+        return Ok(Vec::new());
+    }
+    text(list, "access list")?
+        .split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(|p| match p.split_once(':') {
+            _ if p == "*" => Ok(Principal::Anyone),
+            Some(("tenant", n)) => Ok(Principal::Tenant(n.to_string())),
+            Some(("class", c)) => Ok(Principal::Class(c.to_string())),
+            _ => Err(format!(
+                "vramd: `{p}` in an access list is not `tenant:NAME`, `class:NAME` or `*`"
+            )),
+        })
+        .collect()
+}
+
+fn handle<'a>(h: *mut VramShared) -> Result<&'a mut VramShared, String> {
+    if h.is_null() {
+        return Err("vramd: NULL vram_shared_t".into());
+    }
+    // SAFETY: a non-null `h` comes from vram_shared_create/open and is not yet closed (vram.h);
+    // the caller does not use one handle from two threads at once.
+    Ok(unsafe { &mut *h })
+}
+
+fn put(out: *mut u64, value: u64) {
+    if !out.is_null() {
+        // SAFETY: a non-null out-pointer points to a writable uint64_t (vram.h).
+        unsafe { out.write(value) };
+    }
+}
+
+fn opened(buffer: SharedBuffer<'static>) -> *mut VramShared {
+    Box::into_raw(Box::new(VramShared {
+        pins: Vec::new(),
+        draft: None,
+        lease: None,
+        buffer,
+    }))
+}
+
+fn err(e: impl std::fmt::Display) -> String {
+    format!("vramd: {e}")
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_create(
+    name: *const c_char,
+    size: u64,
+    readers: *const c_char,
+    writers: *const c_char,
+) -> *mut VramShared {
+    guarded(std::ptr::null_mut(), || {
+        let client = &*tenant()?.client;
+        let acl = Acl {
+            readers: principals(readers)?,
+            writers: principals(writers)?,
+        };
+        let name = text(name, "name")?;
+        let buffer = client.create_shared(&name, Bytes(size), acl).map_err(err)?;
+        Ok(opened(buffer))
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_open(name: *const c_char) -> *mut VramShared {
+    guarded(std::ptr::null_mut(), || {
+        let client = &*tenant()?.client;
+        let buffer = client.open_shared(&text(name, "name")?).map_err(err)?;
+        Ok(opened(buffer))
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_close(h: *mut VramShared) {
+    guarded((), || {
+        if h.is_null() {
+            return Ok(());
+        }
+        // SAFETY: `h` came from Box::into_raw in `opened` and is closed once (vram.h).
+        drop(unsafe { Box::from_raw(h) });
+        Ok(())
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_lease(h: *mut VramShared, ttl_ms: u32) -> c_int {
+    guarded(-1, || {
+        let s = handle(h)?;
+        if s.lease.is_none() {
+            let ttl = Duration::from_millis(u64::from(ttl_ms));
+            s.lease = Some(s.buffer.lease(ttl).map_err(err)?);
+        }
+        Ok(0)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_release_lease(h: *mut VramShared) -> c_int {
+    guarded(-1, || {
+        let s = handle(h)?;
+        s.draft = None;
+        match s.lease.take() {
+            Some(l) => l.release().map_err(err).map(|()| 0),
+            None => Ok(0),
+        }
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_begin_write(
+    h: *mut VramShared,
+    base: u64,
+    version: *mut u64,
+) -> *mut c_void {
+    guarded(std::ptr::null_mut(), || {
+        let s = handle(h)?;
+        let lease = s
+            .lease
+            .as_ref()
+            .ok_or("vramd: begin_write without the lease (call vram_shared_lease first)")?;
+        let base = (base != 0).then_some(Version(base));
+        let draft = lease.begin_write(base).map_err(err)?;
+        put(version, draft.version().0);
+        let ptr = draft.ptr() as *mut c_void;
+        s.draft = Some(draft);
+        Ok(ptr)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_publish(h: *mut VramShared, checksum: *mut u64) -> c_int {
+    guarded(-1, || {
+        let s = handle(h)?;
+        let draft = s
+            .draft
+            .take()
+            .ok_or("vramd: nothing to publish (call vram_shared_begin_write first)")?;
+        put(checksum, draft.publish().map_err(err)?);
+        Ok(0)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_pin(
+    h: *mut VramShared,
+    version: *mut u64,
+    checksum: *mut u64,
+    size: *mut u64,
+) -> *const c_void {
+    guarded(std::ptr::null(), || {
+        let s = handle(h)?;
+        let pinned = s.buffer.pin().map_err(err)?;
+        put(version, pinned.version().0);
+        put(checksum, pinned.checksum());
+        put(size, pinned.size().get());
+        let ptr = pinned.ptr() as *const c_void;
+        s.pins.push(pinned);
+        Ok(ptr)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_release(h: *mut VramShared, ptr: *const c_void) -> c_int {
+    guarded(-1, || {
+        let s = handle(h)?;
+        let at = s
+            .pins
+            .iter()
+            .position(|p| p.ptr() == ptr as usize)
+            .ok_or_else(|| format!("vramd: {ptr:?} is not a pinned version of this buffer"))?;
+        drop(s.pins.swap_remove(at));
+        Ok(0)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_verify(h: *mut VramShared, version: u64) -> c_int {
+    guarded(-1, || {
+        let s = handle(h)?;
+        let ok = s.buffer.verify(Version(version)).map_err(err)?;
+        Ok(c_int::from(ok))
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_shared_wait(
+    h: *mut VramShared,
+    than: u64,
+    timeout_ms: u32,
+    version: *mut u64,
+) -> c_int {
+    guarded(-1, || {
+        let s = handle(h)?;
+        let than = (than != 0).then_some(Version(than));
+        let timeout = Duration::from_millis(u64::from(timeout_ms));
+        match s.buffer.wait_newer(than, timeout).map_err(err)? {
+            Some(v) => {
+                put(version, v.0);
+                Ok(1)
+            }
+            None => Ok(0),
+        }
+    })
+}
