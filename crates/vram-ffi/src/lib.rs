@@ -9,6 +9,7 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -90,9 +91,12 @@ fn connect() -> Result<Tenant, String> {
     let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::new(client.clone()))
         .map_err(|e| format!("vramd: cannot reserve address space: {e}"))?;
     let alloc = CachingAllocator::new(config, backing, events);
-    client.on_reclaim(Box::new(|_, _| match TENANT.get() {
-        Some(Ok(t)) => t.alloc.trim(),
-        _ => Bytes::ZERO,
+    client.on_reclaim(Box::new(|_, _| {
+        RECLAIM_REQUESTS.fetch_add(1, Ordering::Relaxed);
+        match TENANT.get() {
+            Some(Ok(t)) => t.alloc.trim(),
+            _ => Bytes::ZERO,
+        }
     }));
     Ok(Tenant {
         client,
@@ -245,4 +249,53 @@ pub fn last_error() -> Option<String> {
     }
     // SAFETY: `p` points into this thread's LAST_ERROR CString, alive until the next call here.
     Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
+/// Reclaim requests the daemon has made of this process.
+static RECLAIM_REQUESTS: AtomicU64 = AtomicU64::new(0);
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_reclaim_requests() -> u64 {
+    RECLAIM_REQUESTS.load(Ordering::Relaxed)
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_reset_peak() -> c_int {
+    guarded(-1, || {
+        tenant()?.alloc.reset_peaks();
+        Ok(0)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_snapshot_json() -> *mut c_char {
+    guarded(std::ptr::null_mut(), || {
+        let t = tenant()?;
+        let segments: Vec<_> = t
+            .alloc
+            .segments()
+            .into_iter()
+            .map(|s| {
+                let blocks: Vec<_> = s
+                    .blocks
+                    .iter()
+                    .map(|b| {
+                        serde_json::json!({
+                            "address": b.offset, "size": b.len, "requested_size": b.requested,
+                            "state": b.state,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "address": s.offset, "size": s.len, "small": s.small, "blocks": blocks,
+                })
+            })
+            .collect();
+        let v = serde_json::json!({ "gpu": t.gpu, "segments": segments });
+        let s = CString::new(v.to_string()).map_err(|e| e.to_string())?;
+        Ok(s.into_raw())
+    })
 }
