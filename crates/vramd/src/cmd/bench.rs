@@ -186,7 +186,7 @@ fn start_own_daemon(args: &Args, dir: &Path, socket: &Path) -> anyhow::Result<st
     let config = format!(
         "[pool]\nmax = \"{pool_max}\"\nsizes = [{}]\ninitial = {}\n",
         sizes.join(", "),
-        (2 * args.tenants).max(4)
+        (4 * args.tenants).max(8)
     );
     let config_path = dir.join("bench.toml");
     std::fs::write(&config_path, config)?;

@@ -34,6 +34,9 @@ struct PoolState {
     pooled: Bytes,
     /// Room the pool may fill: the broker's free memory, updated by the daemon.
     room: Bytes,
+    /// The refill thread waits for work: only then does it need waking (a wake-up per grant would
+    /// cost the grant's round trip a context switch on a small machine).
+    sleeping: bool,
 }
 
 pub struct Pool {
@@ -69,6 +72,7 @@ impl Pool {
                 sizes,
                 pooled: Bytes::ZERO,
                 room: Bytes::ZERO,
+                sleeping: false,
             }),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -97,10 +101,10 @@ impl Pool {
     /// Tells the pool how much it may hold without standing in a grant's way.
     pub fn set_room(&self, room: Bytes) {
         let mut s = self.lock();
-        let grew = room > s.room;
+        let wake = room > s.room && s.sleeping;
         s.room = room;
         drop(s);
-        if grew {
+        if wake {
             self.wake.notify_all();
         }
     }
@@ -121,9 +125,14 @@ impl Pool {
             });
             entry.last_demand = Instant::now();
             if let Some(r) = entry.ready.pop() {
+                // Refill in batches: wake the refill thread once half the target is gone.
+                let low = entry.ready.len() <= entry.target / 2;
                 s.pooled -= size;
+                let wake = low && s.sleeping;
                 drop(s);
-                self.wake.notify_all();
+                if wake {
+                    self.wake.notify_all();
+                }
                 return Ok(r);
             }
             // A miss: keep more of this size ready from now on.
@@ -210,10 +219,13 @@ impl Pool {
                     .map(|(size, _)| *size)
                     .min();
                 if want.is_none() {
-                    let _unused = self
+                    s.sleeping = true;
+                    let mut s = self
                         .wake
                         .wait_timeout(s, Duration::from_secs(1))
-                        .unwrap_or_else(|p| p.into_inner());
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                    s.sleeping = false;
                     continue;
                 }
                 want
@@ -229,11 +241,14 @@ impl Pool {
                 }
                 Err(e) => {
                     tracing::debug!(%size, "pool refill stopped: {e}");
-                    let s = self.lock();
-                    let _unused = self
+                    let mut s = self.lock();
+                    s.sleeping = true;
+                    let mut s = self
                         .wake
                         .wait_timeout(s, Duration::from_millis(200))
-                        .unwrap_or_else(|p| p.into_inner());
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                    s.sleeping = false;
                 }
             }
         }

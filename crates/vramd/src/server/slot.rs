@@ -20,6 +20,8 @@ struct State {
     conn_of: HashMap<TenantId, u64>,
     /// Shared buffers, charged to their owners through `broker` (see `shared.rs`).
     shared: Books,
+    /// Grants waiting on `Slot::returned`: only then is memory coming back signalled.
+    waiting: usize,
 }
 
 pub struct Slot {
@@ -57,6 +59,7 @@ impl Slot {
                 next_grant: 1,
                 conn_of: HashMap::new(),
                 shared: Books::default(),
+                waiting: 0,
             }),
             returned: Condvar::new(),
             pool,
@@ -82,7 +85,9 @@ impl Slot {
         let s = &mut *s;
         let r = f(&mut s.broker, &mut s.shared);
         self.pool.set_room(s.broker.free());
-        self.returned.notify_all();
+        if s.waiting > 0 {
+            self.returned.notify_all();
+        }
         r
     }
 
@@ -153,6 +158,7 @@ impl Slot {
                 s = self.lock();
                 let asked = Instant::now();
                 let deadline = asked + timeout;
+                s.waiting += 1;
                 while s.broker.check_grant(tenant, size).is_err() {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
@@ -164,6 +170,7 @@ impl Slot {
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
                 }
+                s.waiting -= 1;
                 let satisfied = s.broker.check_grant(tenant, size).is_ok();
                 reclaim.settled(satisfied, asked.elapsed());
             }
@@ -221,10 +228,13 @@ impl Slot {
         s.broker.release(tenant, bytes);
         let held = s.broker.tenant(tenant).map_or(Bytes::ZERO, |t| t.held);
         self.pool.set_room(s.broker.free());
+        let wake = s.waiting > 0;
         drop(s);
         // Released, never pooled again: whoever kept an import of it reaches nobody else's data.
         drop(handles);
-        self.returned.notify_all();
+        if wake {
+            self.returned.notify_all();
+        }
         Ok((bytes, held))
     }
 
@@ -252,11 +262,14 @@ impl Slot {
         let shared = st.shared.disconnect(&mut st.broker, tenant);
         let state = st.broker.disconnect(tenant);
         self.pool.set_room(s.broker.free());
+        let wake = s.waiting > 0;
         drop(s);
         let n = handles.len();
         drop(handles);
         drop(shared);
-        self.returned.notify_all();
+        if wake {
+            self.returned.notify_all();
+        }
         state.map(|t| (t, n))
     }
 
