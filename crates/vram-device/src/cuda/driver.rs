@@ -101,11 +101,14 @@ fn describe(r: CUresult) -> String {
     format!("{r:?} ({}): {text}", r as u32)
 }
 
-/// A device's primary context, retained for as long as anything made through it lives.
+/// A device's primary context, retained for as long as anything made through it lives — or no
+/// context at all, for a process (the daemon) that only creates, exports and releases memory: the
+/// driver allows those without one, and a context costs about 0.5 GiB of device memory.
 #[derive(Debug)]
 pub(crate) struct Context {
     pub device: sys::CUdevice,
-    ctx: sys::CUcontext,
+    /// `None`: context-free; calls that need a context fail with the driver's error.
+    ctx: Option<sys::CUcontext>,
 }
 
 // SAFETY: a CUcontext is an opaque driver handle that the driver lets any thread make current and
@@ -122,22 +125,40 @@ impl Context {
         check("cuDevicePrimaryCtxRetain", unsafe {
             sys::cuDevicePrimaryCtxRetain(&mut ctx, device)
         })?;
-        Ok(Arc::new(Context { device, ctx }))
+        Ok(Arc::new(Context {
+            device,
+            ctx: Some(ctx),
+        }))
+    }
+
+    /// No context: [`Context::enter`] does nothing.
+    pub fn none(device: sys::CUdevice) -> Arc<Self> {
+        Arc::new(Context { device, ctx: None })
     }
 
     /// Makes this context current on the calling thread until the guard drops, then restores
     /// whatever the thread had (an application's own context stays untouched).
     pub fn enter(&self) -> Result<Entered> {
+        let Some(ctx) = self.ctx else {
+            return Ok(Entered {
+                pushed: false,
+                _thread: PhantomData,
+            });
+        };
         // SAFETY: `ctx` is retained for as long as `self` lives.
-        check("cuCtxPushCurrent", unsafe {
-            sys::cuCtxPushCurrent_v2(self.ctx)
-        })?;
-        Ok(Entered(PhantomData))
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(ctx) })?;
+        Ok(Entered {
+            pushed: true,
+            _thread: PhantomData,
+        })
     }
 }
 
 impl Drop for Context {
     fn drop(&mut self) {
+        if self.ctx.is_none() {
+            return;
+        }
         // SAFETY: balances the retain in `Context::retain`; nothing made through this context
         // is left, since each of them holds an Arc to it.
         let r = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.device) };
@@ -147,10 +168,16 @@ impl Drop for Context {
 
 /// The context pushed by [`Context::enter`]; popped on drop, on the same thread (the raw pointer
 /// makes the guard neither Send nor Sync).
-pub(crate) struct Entered(PhantomData<*const ()>);
+pub(crate) struct Entered {
+    pushed: bool,
+    _thread: PhantomData<*const ()>,
+}
 
 impl Drop for Entered {
     fn drop(&mut self) {
+        if !self.pushed {
+            return;
+        }
         let mut ctx = std::ptr::null_mut();
         // SAFETY: pops the context that `Context::enter` pushed on this thread; the guard cannot
         // leave the thread, and guards drop in reverse order of their pushes.

@@ -137,6 +137,18 @@ impl CudaDevice {
     /// Opens the GPU named by `which`: its ordinal (`"0"`) or its UUID (`"GPU-5f0c..."`, the
     /// `GPU-` prefix optional, any case).
     pub fn open(which: &str) -> Result<Self> {
+        Self::open_with(which, true)
+    }
+
+    /// Opens the GPU without a CUDA context of its own, for a process that only creates, exports,
+    /// imports, reserves, maps and releases memory (measured on an H200: the driver allows all of
+    /// these without a context). Copies, fills, events and `memory()` need a context and fail.
+    /// Saves the context's device memory (about 0.5 GiB on an H200).
+    pub fn open_without_context(which: &str) -> Result<Self> {
+        Self::open_with(which, false)
+    }
+
+    fn open_with(which: &str, with_context: bool) -> Result<Self> {
         let devices = probe()?;
         let wanted = which.trim().to_ascii_lowercase();
         let wanted = wanted.strip_prefix("gpu-").unwrap_or(&wanted);
@@ -153,7 +165,11 @@ impl CudaDevice {
                 found: devices.iter().map(|d| d.uuid.clone()).collect(),
             });
         };
-        let ctx = Context::retain(device(ordinal as i32)?)?;
+        let ctx = if with_context {
+            Context::retain(device(ordinal as i32)?)?
+        } else {
+            Context::none(device(ordinal as i32)?)
+        };
         Ok(CudaDevice {
             info: devices[ordinal].clone(),
             ctx,

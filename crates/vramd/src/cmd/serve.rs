@@ -154,7 +154,7 @@ fn open_devices(
         infos
             .iter()
             .map(|i| {
-                let d = CudaDevice::open(&i.uuid)
+                let d = CudaDevice::open_without_context(&i.uuid)
                     .with_context(|| format!("cannot open GPU {}", i.uuid))?;
                 Ok(Arc::new(d) as Arc<dyn Device>)
             })

@@ -12,7 +12,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use vram_core::Bytes;
-use vram_device::{Access, BackendKind, Device, DeviceError, Handle};
+use vram_device::{Device, DeviceError, Handle};
 
 use crate::config::PoolConfig;
 
@@ -29,7 +29,15 @@ struct SizeState {
     last_demand: Instant,
 }
 
+/// The `tenant` for [`Pool::take`] that no recycled handle belongs to: fresh memory only.
+pub const FRESH_ONLY: u64 = u64::MAX;
+
+/// Handles one tenant may leave for its own next grants.
+const RECYCLE_PER_TENANT: usize = 8;
+
 struct PoolState {
+    /// Handles given back, by the tenant (id) they may go back to.
+    recycled: HashMap<u64, Vec<Ready>>,
     sizes: HashMap<Bytes, SizeState>,
     pooled: Bytes,
     /// Room the pool may fill: the broker's free memory, updated by the daemon.
@@ -72,6 +80,7 @@ impl Pool {
                 sizes,
                 pooled: Bytes::ZERO,
                 room: Bytes::ZERO,
+                recycled: HashMap::new(),
                 sleeping: false,
             }),
             wake: Condvar::new(),
@@ -113,9 +122,13 @@ impl Pool {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A ready handle of `size`, or a new one made now. On the device running out, pooled memory
-    /// is given up and the create tried once more.
-    pub fn take(&self, size: Bytes) -> Result<Ready, DeviceError> {
+    /// A ready handle of `size` for `tenant`: one it gave back itself, else a fresh pooled one,
+    /// else a new one made now. On the device running out, pooled memory is given up and the
+    /// create tried once more.
+    pub fn take(&self, tenant: u64, size: Bytes) -> Result<Ready, DeviceError> {
+        if let Some(r) = self.take_recycled(tenant, size) {
+            return Ok(r);
+        }
         {
             let mut s = self.lock();
             let entry = s.sizes.entry(size).or_insert_with(|| SizeState {
@@ -146,24 +159,50 @@ impl Pool {
         }
     }
 
+    /// New memory, exported. It reads as zeros: memfds by construction; on an H200 the driver
+    /// zeroes what `cuMemCreate` returns, even memory another process just released (measured:
+    /// `freshness_experiment` in vram-device's GPU tests, and every tenant test checks its grants
+    /// arrive zeroed). The daemon has no CUDA context to scrub with, by design (docs/benchmarks.md).
     fn make(&self, size: Bytes) -> Result<Ready, DeviceError> {
         let handle = self.device.create(size)?;
-        if self.device.info().kind == BackendKind::Cuda {
-            self.scrub(&handle)?;
-        }
         let fd = self.device.export(&handle)?;
         Ok(Ready { handle, fd })
     }
 
-    /// Zeroes new GPU memory before any tenant sees it: the driver may hand back physical pages
-    /// another process released, with their bytes (memfds are zero by construction).
-    fn scrub(&self, handle: &Handle) -> Result<(), DeviceError> {
-        let size = handle.size();
-        let res = self.device.reserve(size)?;
-        self.device
-            .map(&res, Bytes::ZERO, handle, Access::ReadWrite)?;
-        self.device.fill(&res, Bytes::ZERO, size, 0)?;
-        self.device.unmap(&res, Bytes::ZERO, size)
+    /// Keeps a handle `tenant` gave back, for that tenant's next grant of the same size: it saves
+    /// a create and an export, and hands the tenant nothing it has not seen. Another tenant never
+    /// gets it. Returns the handle if there is no room to keep it.
+    pub fn recycle(&self, tenant: u64, ready: Ready) -> Option<Ready> {
+        let size = ready.handle.size();
+        let mut s = self.lock();
+        let room = s.room.min(self.config.max);
+        let bin = s.recycled.entry(tenant).or_default();
+        if bin.len() >= RECYCLE_PER_TENANT || s.pooled + size > room {
+            return Some(ready);
+        }
+        s.recycled.entry(tenant).or_default().push(ready);
+        s.pooled += size;
+        None
+    }
+
+    /// Drops what `tenant` left to recycle (it is gone).
+    pub fn forget(&self, tenant: u64) {
+        let bin = {
+            let mut s = self.lock();
+            let bin = s.recycled.remove(&tenant).unwrap_or_default();
+            s.pooled -= bin.iter().map(|r| r.handle.size()).sum();
+            bin
+        };
+        drop(bin);
+    }
+
+    fn take_recycled(&self, tenant: u64, size: Bytes) -> Option<Ready> {
+        let mut s = self.lock();
+        let bin = s.recycled.get_mut(&tenant)?;
+        let i = bin.iter().position(|r| r.handle.size() == size)?;
+        let r = bin.swap_remove(i);
+        s.pooled -= size;
+        Some(r)
     }
 
     /// Releases pooled handles until `need` could be created; whether anything was released.
@@ -172,9 +211,11 @@ impl Pool {
         let mut victims = Vec::new();
         {
             let mut s = self.lock();
-            for st in s.sizes.values_mut() {
+            let state = &mut *s;
+            let bins = state.sizes.values_mut().map(|st| &mut st.ready);
+            for bin in bins.chain(state.recycled.values_mut()) {
                 while freed < need {
-                    let Some(r) = st.ready.pop() else { break };
+                    let Some(r) = bin.pop() else { break };
                     freed += r.handle.size();
                     victims.push(r);
                 }
@@ -191,10 +232,9 @@ impl Pool {
         let victims: Vec<Ready> = {
             let mut s = self.lock();
             s.pooled = Bytes::ZERO;
-            s.sizes
-                .values_mut()
-                .flat_map(|st| st.ready.drain(..))
-                .collect()
+            let mut all: Vec<Ready> = s.recycled.drain().flat_map(|(_, bin)| bin).collect();
+            all.extend(s.sizes.values_mut().flat_map(|st| st.ready.drain(..)));
+            all
         };
         drop(victims);
     }
@@ -283,10 +323,10 @@ mod tests {
         }
         assert_eq!(pool.pooled(), Bytes::mib(4));
         // A take is served from the pool.
-        let a = pool.take(Bytes::mib(2)).unwrap();
+        let a = pool.take(1, Bytes::mib(2)).unwrap();
         // A size the pool never held, larger than what is free: pooled memory gives way.
         pool.set_room(Bytes::ZERO);
-        let b = pool.take(Bytes::mib(6)).unwrap();
+        let b = pool.take(1, Bytes::mib(6)).unwrap();
         assert_eq!(dev.used(), Bytes::mib(8));
         drop((a, b));
         pool.stop();

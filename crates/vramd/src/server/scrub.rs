@@ -63,7 +63,13 @@ fn run(daemon: &Daemon) {
         let started = Instant::now();
         let mut done = 0u64;
         for (slot, p, memory) in targets {
-            let device = daemon.slots[slot].device().clone();
+            let device = match daemon.slots[slot].reader() {
+                Ok(d) => d,
+                Err(e) => {
+                    tracing::warn!(gpu = slot, "scrub cannot read shared memory: {e}");
+                    continue;
+                }
+            };
             // Keeps to the rate: after each piece, sleeps until the bytes so far are on schedule.
             let pace = |n: u64| {
                 done += n;

@@ -365,9 +365,13 @@ impl Op<'_> {
             .with_shared(|_, books| books.core.info(buffer).map(|i| i.size))
             .ok_or_else(|| device_error(format!("buffer #{} vanished", buffer.0)))
             .and_then(|size| {
-                let ready = slot.pool().take(size).map_err(|e| {
-                    device_error(format!("the device could not create {size}: {e}"))
-                })?;
+                // Never recycled memory: readers will see every byte of it.
+                let ready = slot
+                    .pool()
+                    .take(super::pool::FRESH_ONLY, size)
+                    .map_err(|e| {
+                        device_error(format!("the device could not create {size}: {e}"))
+                    })?;
                 let reader_fd = reader_fd(slot.device().as_ref(), &ready.fd)?;
                 Ok(Arc::new(Memory {
                     handle: ready.handle,
@@ -408,7 +412,9 @@ impl Op<'_> {
         let size =
             self.books(|b, c, now| Ok((c.check_draft(b, t, buffer, version, now)?, Vec::new())))?;
         let memory = self.memory(buffer, version)?;
-        let device = self.daemon.slots[self.slot].device().clone();
+        let device = self.daemon.slots[self.slot]
+            .reader()
+            .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
         let checksum = checksum_memory(device.as_ref(), &memory.handle, |_| true)
             .map_err(|e| {
                 device_error(format!("cannot read version {version} to checksum it: {e}"))
@@ -441,7 +447,9 @@ impl Op<'_> {
             Ok((c.checksum_of(buffer, version)?, Vec::new()))
         })?;
         let memory = self.memory(buffer, version)?;
-        let device = self.daemon.slots[self.slot].device().clone();
+        let device = self.daemon.slots[self.slot]
+            .reader()
+            .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
         let actual = checksum_memory(device.as_ref(), &memory.handle, |_| true)
             .map_err(|e| device_error(format!("cannot read version {version}: {e}")))?
             .expect("not cancelled");

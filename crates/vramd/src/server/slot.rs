@@ -1,7 +1,7 @@
 //! One device: its broker, the grants it has handed out, and its pool.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use vram_core::broker::{Broker, GrantError, Policy, ReclaimAsk, Tenant, TenantId, TenantRequest};
@@ -31,6 +31,9 @@ pub struct Slot {
     /// Signalled whenever memory comes back, for grants waiting on a reclaim.
     returned: Condvar,
     pool: Arc<Pool>,
+    /// A view of the device that can read memory (shared-buffer checksums): on cuda the daemon
+    /// has no context of its own, so one is opened the first time a buffer must be read.
+    reader: OnceLock<Result<Arc<dyn Device>, String>>,
 }
 
 /// What a grant needs from the caller: a way to send reclaim requests to other tenants, and to
@@ -63,6 +66,7 @@ impl Slot {
             }),
             returned: Condvar::new(),
             pool,
+            reader: OnceLock::new(),
         })
     }
 
@@ -76,6 +80,24 @@ impl Slot {
 
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.device
+    }
+
+    /// The device, able to read memory back (see `reader`).
+    pub fn reader(&self) -> Result<Arc<dyn Device>, vram_device::DeviceError> {
+        let r = self.reader.get_or_init(|| match self.device.info().kind {
+            BackendKind::Host => Ok(self.device.clone()),
+            BackendKind::Cuda => {
+                tracing::info!(
+                    gpu = self.index,
+                    "opening a CUDA context to checksum shared buffers"
+                );
+                vram_device::CudaDevice::open(&self.device.info().uuid)
+                    .map(|d| Arc::new(d) as Arc<dyn Device>)
+                    .map_err(|e| e.to_string())
+            }
+        });
+        r.clone()
+            .map_err(vram_device::DeviceError::DriverUnavailable)
     }
 
     /// Runs `f` on the shared-buffer books under the slot's lock (bookkeeping only: no device
@@ -178,7 +200,7 @@ impl Slot {
         s.broker.grant(tenant, size).map_err(|e| refused(&e))?;
         self.pool.set_room(s.broker.free());
         drop(s);
-        let ready = match self.pool.take(size) {
+        let ready = match self.pool.take(tenant.0, size) {
             Ok(r) => r,
             Err(e) => {
                 let mut s = self.lock();
@@ -230,8 +252,13 @@ impl Slot {
         self.pool.set_room(s.broker.free());
         let wake = s.waiting > 0;
         drop(s);
-        // Released, never pooled again: whoever kept an import of it reaches nobody else's data.
-        drop(handles);
+        // Kept for this tenant's own next grants, or released; never given to anyone else, so an
+        // import it kept reaches nobody else's data.
+        for handle in handles {
+            if let Ok(fd) = self.device.export(&handle) {
+                drop(self.pool.recycle(tenant.0, Ready { handle, fd }));
+            }
+        }
         if wake {
             self.returned.notify_all();
         }
@@ -267,6 +294,7 @@ impl Slot {
         let n = handles.len();
         drop(handles);
         drop(shared);
+        self.pool.forget(tenant.0);
         if wake {
             self.returned.notify_all();
         }
