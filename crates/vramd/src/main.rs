@@ -35,6 +35,8 @@ enum Command {
     /// Replay PyTorch memory snapshots through vramd's allocator: fragmentation, driver calls and
     /// their modelled H200 cost.
     Replay(cmd::replay::Args),
+    /// Start a program as a tenant (PyTorch programs get vramd's allocator, unchanged).
+    Run(cmd::run::Args),
     /// A scripted tenant process (used by `demo` and the tests).
     #[command(hide = true)]
     Tenant(cmd::tenant::Args),
@@ -50,6 +52,7 @@ fn main() -> std::process::ExitCode {
         Command::Demo(a) => cmd::demo::run(a),
         Command::Bench(a) => cmd::bench::run(a),
         Command::Replay(a) => cmd::replay::run(a),
+        Command::Run(a) => cmd::run::run(a),
         Command::Tenant(a) => cmd::tenant::run(a),
     };
     match result {

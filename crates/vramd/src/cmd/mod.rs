@@ -4,6 +4,7 @@ pub mod bench;
 mod child;
 pub mod demo;
 pub mod replay;
+pub mod run;
 pub mod serve;
 pub mod status;
 pub mod tenant;

@@ -1,0 +1,223 @@
+//! `vramd run`: starts a program as a tenant, unchanged.
+//!
+//! The program gets the tenant's settings as `VRAMD_*` variables, which libvram.so reads when it
+//! first connects. For Python, a private directory goes first on `PYTHONPATH`, holding the
+//! `vramd_torch` package and a `sitecustomize` that installs vramd's allocator into PyTorch right
+//! after `torch` is imported, before any CUDA allocation (see `python/vramd_torch/`). The
+//! program's exit status is ours; SIGTERM, SIGHUP and SIGQUIT sent to us are passed on, and SIGINT
+//! too unless it came from our terminal, which delivers it to the program itself.
+
+use std::ffi::{OsStr, OsString};
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::{bail, Context};
+use vram_core::Bytes;
+
+use super::SocketArg;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// The tenant's name [default: pid-<pid of the program>].
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// Memory the daemon keeps for the tenant (e.g. 20GiB).
+    #[arg(long)]
+    pub guarantee: Option<Bytes>,
+    /// The most the tenant may hold.
+    #[arg(long)]
+    pub limit: Option<Bytes>,
+    /// Priority class, as named in the daemon's configuration.
+    #[arg(long)]
+    pub priority: Option<String>,
+    /// Daemon device index.
+    #[arg(long)]
+    pub gpu: Option<u32>,
+    /// How PyTorch takes vramd's allocator: `pool` keeps PyTorch's caching allocator on top of
+    /// vramd's segments (every PyTorch feature works); `full` gives vramd every tensor (its own
+    /// fragmentation handling; PyTorch's statistics answered from vramd's).
+    #[arg(long, value_enum, default_value_t = TorchMode::Pool)]
+    pub torch_mode: TorchMode,
+    /// The program and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    pub command: Vec<OsString>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum TorchMode {
+    Pool,
+    Full,
+}
+
+impl TorchMode {
+    fn as_str(self) -> &'static str {
+        match self {
+            TorchMode::Pool => "pool",
+            TorchMode::Full => "full",
+        }
+    }
+}
+
+/// The Python files `vramd run` puts on `PYTHONPATH`, relative to that directory.
+const PYTHON_FILES: &[(&str, &str)] = &[
+    (
+        "sitecustomize.py",
+        include_str!("../../python/sitecustomize.py"),
+    ),
+    (
+        "vramd_torch/__init__.py",
+        include_str!("../../python/vramd_torch/__init__.py"),
+    ),
+    (
+        "vramd_torch/_lib.py",
+        include_str!("../../python/vramd_torch/_lib.py"),
+    ),
+    (
+        "vramd_torch/_full.py",
+        include_str!("../../python/vramd_torch/_full.py"),
+    ),
+    (
+        "vramd_torch/_pool.py",
+        include_str!("../../python/vramd_torch/_pool.py"),
+    ),
+    (
+        "vramd_torch/_hook.py",
+        include_str!("../../python/vramd_torch/_hook.py"),
+    ),
+];
+
+/// Signals passed on to the program.
+const FORWARDED: [i32; 4] = [
+    signal_hook::consts::SIGINT,
+    signal_hook::consts::SIGTERM,
+    signal_hook::consts::SIGHUP,
+    signal_hook::consts::SIGQUIT,
+];
+
+pub fn run(args: Args) -> anyhow::Result<ExitCode> {
+    let lib = find_library()?;
+    let python = tempfile::Builder::new()
+        .prefix("vramd-run-")
+        .tempdir()
+        .context("cannot create the directory for vramd's Python helpers")?;
+    write_python_files(python.path())?;
+
+    let mut cmd = Command::new(&args.command[0]);
+    cmd.args(&args.command[1..])
+        .env("VRAMD_SOCKET", args.socket.path())
+        .env("VRAMD_LIB", &lib)
+        .env("VRAMD_TORCH_MODE", args.torch_mode.as_str())
+        .env("PYTHONPATH", python_path(python.path()));
+    let settings = [
+        ("VRAMD_TENANT", args.tenant.clone()),
+        (
+            "VRAMD_GUARANTEE",
+            args.guarantee.map(|b| b.get().to_string()),
+        ),
+        ("VRAMD_LIMIT", args.limit.map(|b| b.get().to_string())),
+        ("VRAMD_PRIORITY", args.priority.clone()),
+        ("VRAMD_GPU", args.gpu.map(|g| g.to_string())),
+    ];
+    for (name, value) in settings {
+        if let Some(v) = value {
+            cmd.env(name, v);
+        }
+    }
+
+    // Installed before the program starts, so that no signal meant for it is lost.
+    let mut signals =
+        signal_hook::iterator::Signals::new(FORWARDED).context("cannot install signal handlers")?;
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("cannot start `{}`", Path::new(&args.command[0]).display()))?;
+    let pid = rustix::process::Pid::from_child(&child);
+    let handle = signals.handle();
+    let terminal = std::io::stdin().is_terminal();
+    let forwarder = std::thread::Builder::new()
+        .name("vramd-run-signals".into())
+        .spawn(move || {
+            for sig in signals.forever() {
+                if sig == signal_hook::consts::SIGINT && terminal {
+                    continue;
+                }
+                if let Some(s) = rustix::process::Signal::from_named_raw(sig) {
+                    let _ = rustix::process::kill_process(pid, s);
+                }
+            }
+        })?;
+    let status = child.wait().context("cannot wait for the program")?;
+    handle.close();
+    let _ = forwarder.join();
+    drop(python);
+    Ok(exit_code(status))
+}
+
+/// `VRAMD_LIB`, else libvram.so next to this executable.
+fn find_library() -> anyhow::Result<PathBuf> {
+    if let Some(p) = std::env::var_os("VRAMD_LIB").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("VRAMD_LIB is {}, which is not a file", p.display());
+        }
+        return Ok(p);
+    }
+    let exe = std::env::current_exe().context("cannot locate the vramd executable")?;
+    let dir = exe.parent().unwrap_or(Path::new("."));
+    let lib = dir.join("libvram.so");
+    if !lib.is_file() {
+        bail!(
+            "libvram.so is not next to {} (build it with `cargo build --release -p vram-ffi`), \
+             and VRAMD_LIB is not set",
+            exe.display()
+        );
+    }
+    Ok(lib)
+}
+
+fn write_python_files(dir: &Path) -> anyhow::Result<()> {
+    for (rel, text) in PYTHON_FILES {
+        let path = dir.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Our directory first, then whatever `PYTHONPATH` was.
+fn python_path(ours: &Path) -> OsString {
+    let mut p = OsString::from(ours);
+    if let Some(old) = std::env::var_os("PYTHONPATH").filter(|v| !v.is_empty()) {
+        p.push(OsStr::new(":"));
+        p.push(old);
+    }
+    p
+}
+
+/// The program's exit code; killed by signal N, 128 + N as shells report it.
+fn exit_code(status: std::process::ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => ExitCode::from(c.clamp(0, 255) as u8),
+        (None, Some(sig)) => ExitCode::from((128 + sig).clamp(0, 255) as u8),
+        (None, None) => ExitCode::FAILURE,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn our_directory_comes_first_on_the_python_path() {
+        std::env::set_var("PYTHONPATH", "/a:/b");
+        assert_eq!(
+            python_path(Path::new("/ours")),
+            OsString::from("/ours:/a:/b")
+        );
+    }
+}

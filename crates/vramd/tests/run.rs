@@ -1,0 +1,154 @@
+//! `vramd run`: the program gets the tenant's settings, its exit status is ours, signals reach
+//! it, and a Python program that imports torch gets vramd's allocator installed (a stand-in
+//! `torch` package here, since PyTorch and a GPU are not needed to check the wiring).
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::Duration;
+
+use common::{Daemon, VRAMD};
+
+const CONFIG: &str = "capacity = \"8 GiB\"\n";
+
+/// libvram.so as `vramd run` looks for it (built by `cargo build -p vram-ffi`), if it is there.
+fn library() -> Option<PathBuf> {
+    let lib = Path::new(VRAMD).parent()?.join("libvram.so");
+    lib.is_file().then_some(lib)
+}
+
+fn vramd_run(d: &Daemon, flags: &[&str], program: &[&str], env: &[(&str, &Path)]) -> Output {
+    let mut cmd = Command::new(VRAMD);
+    cmd.arg("run")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(flags)
+        .arg("--")
+        .args(program);
+    if library().is_none() {
+        // Any file will do for the checks that do not load it.
+        cmd.env("VRAMD_LIB", VRAMD);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdin(Stdio::null()).output().unwrap()
+}
+
+#[test]
+fn the_program_gets_the_tenant_settings_and_its_exit_status_is_ours() {
+    let d = Daemon::start(CONFIG);
+    let script = "import os, sys; \
+        print(*(os.environ.get(k) for k in ('VRAMD_TENANT', 'VRAMD_LIMIT', 'VRAMD_GUARANTEE', \
+        'VRAMD_PRIORITY', 'VRAMD_GPU', 'VRAMD_TORCH_MODE'))); \
+        import vramd_torch; print(vramd_torch.installed()); sys.exit(7)";
+    let out = vramd_run(
+        &d,
+        &[
+            "--tenant",
+            "t1",
+            "--limit",
+            "2GiB",
+            "--guarantee",
+            "1GiB",
+            "--gpu",
+            "0",
+            "--torch-mode",
+            "full",
+        ],
+        &["python3", "-c", script],
+        &[],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(7),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        stdout.lines().next(),
+        Some(format!("t1 {} {} None 0 full", 2u64 << 30, 1u64 << 30).as_str())
+    );
+    assert_eq!(
+        stdout.lines().nth(1),
+        Some("None"),
+        "no torch imported, nothing installed"
+    );
+}
+
+#[test]
+fn a_missing_program_is_an_error_and_signals_reach_the_program() {
+    let d = Daemon::start(CONFIG);
+    let out = vramd_run(&d, &[], &["/nonexistent/program"], &[]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot start"));
+
+    let mut child = Command::new(VRAMD)
+        .arg("run")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["--", "sleep", "30"])
+        .env("VRAMD_LIB", library().unwrap_or_else(|| VRAMD.into()))
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let pid = rustix::process::Pid::from_child(&child);
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(128 + 15),
+        "the program was terminated by our SIGTERM"
+    );
+}
+
+/// A stand-in `torch`: just what `vramd_torch.install(mode="pool")` touches before CUDA starts.
+const FAKE_TORCH: &str = r#"
+import types, sys
+cuda = types.ModuleType("torch.cuda")
+memory = types.ModuleType("torch.cuda.memory")
+cuda.memory = memory
+cuda.is_initialized = lambda: False
+def _lazy_init():
+    pass
+cuda._lazy_init = _lazy_init
+sys.modules["torch.cuda"] = cuda
+sys.modules["torch.cuda.memory"] = memory
+"#;
+
+#[test]
+fn importing_torch_installs_the_allocator_and_mem_get_info_shows_the_tenant_view() {
+    let Some(lib) = library() else {
+        eprintln!("skipped: libvram.so is not next to vramd (cargo build -p vram-ffi)");
+        return;
+    };
+    let d = Daemon::start(CONFIG);
+    let fake = tempfile::tempdir().unwrap();
+    std::fs::create_dir(fake.path().join("torch")).unwrap();
+    std::fs::write(fake.path().join("torch/__init__.py"), FAKE_TORCH).unwrap();
+    let script = "import sys; sys.path.append(sys.argv[1]); import torch, vramd_torch; \
+        print(vramd_torch.installed()); print(*torch.cuda.mem_get_info()); \
+        print(torch.cuda._lazy_init is not sys.modules['torch.cuda']._lazy_init or 'patched')";
+    let out = vramd_run(
+        &d,
+        &["--tenant", "py", "--limit", "1GiB"],
+        &["python3", "-c", script, fake.path().to_str().unwrap()],
+        &[("VRAMD_LIB", &lib)],
+    );
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines[0], "pool");
+    assert_eq!(
+        lines[1],
+        format!("{0} {0}", 1u64 << 30),
+        "free = limit - held, total = limit"
+    );
+}
