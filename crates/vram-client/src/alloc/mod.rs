@@ -112,7 +112,6 @@ pub struct CachingAllocator<S: HandleSource> {
     live: LiveTable,
     caches: ThreadCaches,
     events: Box<dyn StreamEvents>,
-    fast_allocs: AtomicU64,
 }
 
 impl<S: HandleSource> CachingAllocator<S> {
@@ -133,7 +132,6 @@ impl<S: HandleSource> CachingAllocator<S> {
             live: LiveTable::default(),
             caches: ThreadCaches::default(),
             events,
-            fast_allocs: AtomicU64::new(0),
         }
     }
 
@@ -152,7 +150,6 @@ impl<S: HandleSource> CachingAllocator<S> {
         if len <= CACHE_LIMIT {
             if let Some(offset) = self.caches.pop(self.id, len, stream) {
                 self.live.reuse(offset, size.get());
-                self.fast_allocs.fetch_add(1, Ordering::Relaxed);
                 return Ok(self.base + offset);
             }
         }
@@ -211,7 +208,7 @@ impl<S: HandleSource> CachingAllocator<S> {
             core,
             in_use: core.allocated.saturating_sub(Bytes(in_caches)),
             cached: core.cached + Bytes(in_caches),
-            fast_allocs: self.fast_allocs.load(Ordering::Relaxed),
+            fast_allocs: self.caches.hits(),
         }
     }
 

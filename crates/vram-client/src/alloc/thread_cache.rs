@@ -22,6 +22,8 @@ struct Cache {
     /// Index: length / 512 - 1. Each entry: (offset, stream).
     bins: Vec<Vec<(u64, StreamId)>>,
     bytes: u64,
+    /// Allocations this thread served from its cache.
+    hits: u64,
 }
 
 type Shared = Arc<Mutex<Cache>>;
@@ -44,20 +46,16 @@ fn class(len: u64) -> usize {
 impl ThreadCaches {
     fn with_mine<R>(&self, id: u64, f: impl FnOnce(&mut Cache) -> R) -> R {
         MINE.with(|mine| {
-            let mut mine = mine.borrow_mut();
-            let shared = match mine.iter().find(|(i, _)| *i == id) {
-                Some((_, s)) => s.clone(),
-                None => {
-                    let s: Shared = Arc::default();
-                    self.all
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(s.clone());
-                    mine.push((id, s.clone()));
-                    s
-                }
-            };
-            drop(mine);
+            if let Some((_, shared)) = mine.borrow().iter().find(|(i, _)| *i == id) {
+                let mut cache = shared.lock().unwrap_or_else(|p| p.into_inner());
+                return f(&mut cache);
+            }
+            let shared: Shared = Arc::default();
+            self.all
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(shared.clone());
+            mine.borrow_mut().push((id, shared.clone()));
             let mut cache = shared.lock().unwrap_or_else(|p| p.into_inner());
             f(&mut cache)
         })
@@ -70,6 +68,7 @@ impl ThreadCaches {
             let i = bin.iter().rposition(|(_, s)| *s == stream)?;
             let (offset, _) = bin.swap_remove(i);
             c.bytes -= len;
+            c.hits += 1;
             Some(offset)
         })
     }
@@ -111,9 +110,18 @@ impl ThreadCaches {
 
     /// Bytes waiting in all thread caches.
     pub(super) fn bytes(&self) -> u64 {
+        self.sum(|c| c.bytes)
+    }
+
+    /// Allocations served from thread caches (of threads still running).
+    pub(super) fn hits(&self) -> u64 {
+        self.sum(|c| c.hits)
+    }
+
+    fn sum(&self, f: impl Fn(&Cache) -> u64) -> u64 {
         let all = self.all.lock().unwrap_or_else(|p| p.into_inner());
         all.iter()
-            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).bytes)
+            .map(|s| f(&s.lock().unwrap_or_else(|p| p.into_inner())))
             .sum()
     }
 
