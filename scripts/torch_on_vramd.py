@@ -1,0 +1,645 @@
+#!/usr/bin/env python3
+"""PyTorch on vramd, measured on one GPU (issue 5's "must hold" list). Writes results.json,
+results.md and tenants.png (or .svg) under --out.
+
+    python3 scripts/torch_on_vramd.py --out /tmp/torch_on_vramd [--bin .gpu/bin] [--runs 3]
+
+It starts its own daemon (`vramd serve --backend cuda`, capped at --capacity) on a private
+socket, and runs every workload as a child process: under `vramd run --torch-mode pool|full`,
+and as plain PyTorch for comparison. Each check is recorded as pass/fail with its error; nothing
+aborts the whole script. Binaries: --bin or VRAMD_BIN (vramd and libvram.so side by side).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+HERE = os.path.abspath(__file__)
+MODES = ("pool", "full")
+GIB = 2**30
+
+
+# ---------------------------------------------------------------- workers (child processes)
+
+def _torch():
+    import torch
+
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch
+
+
+def _check(results, name, fn):
+    t = time.time()
+    try:
+        detail = fn()
+        results[name] = {"ok": True, "detail": detail, "s": round(time.time() - t, 2)}
+    except BaseException as e:  # a check never takes the others down
+        results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
+                         "trace": traceback.format_exc()[-3000:]}
+
+
+def worker_compat(args):
+    torch = _torch()
+    import vramd_torch
+
+    dev = torch.device("cuda")
+    r = {}
+    lib_stats = vramd_torch.stats
+
+    def mem_get_info():
+        free, total = torch.cuda.mem_get_info()
+        s = lib_stats()
+        assert total == s["limit"], f"total {total} != limit {s['limit']}"
+        assert free == s["limit"] - s["stats"]["core"]["held"], (free, s)
+        return {"free": free, "total": total}
+
+    def stats_functions():
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        x = torch.empty(64 * 2**20, dtype=torch.uint8, device=dev)
+        a = torch.cuda.memory_allocated()
+        assert a - base >= 64 * 2**20, (base, a)
+        assert torch.cuda.max_memory_allocated() >= a
+        assert torch.cuda.memory_reserved() >= a
+        st = torch.cuda.memory_stats()
+        for k in ("allocated_bytes.all.current", "allocated_bytes.all.peak",
+                  "reserved_bytes.all.current", "active_bytes.all.current",
+                  "num_alloc_retries", "num_ooms"):
+            assert k in st, f"memory_stats has no {k}"
+        summary = torch.cuda.memory_summary()
+        assert isinstance(summary, str) and summary
+        del x
+        torch.cuda.reset_peak_memory_stats()
+        peak = torch.cuda.max_memory_allocated()
+        assert peak < a, f"peak {peak} not reset below {a}"
+        return {"allocated": a, "peak_after_reset": peak}
+
+    def snapshot():
+        x = torch.empty(32 * 2**20, dtype=torch.uint8, device=dev)
+        snap = torch.cuda.memory._snapshot()
+        blocks = [b for s in snap["segments"] for b in s["blocks"]]
+        hit = [b for b in blocks if b["address"] == x.data_ptr()]
+        assert hit and hit[0]["state"] == "active_allocated", "live tensor not in the snapshot"
+        for s in snap["segments"]:
+            assert sum(b["size"] for b in s["blocks"]) == s["total_size"]
+        del x
+        return {"segments": len(snap["segments"]), "blocks": len(blocks)}
+
+    def cuda_graph():
+        static_in = torch.randn(1024, 1024, device=dev)
+        w = torch.randn(1024, 1024, device=dev)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                (static_in @ w).relu().sum()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            tmp = (static_in @ w).relu()
+            static_out = tmp * 2 + 1
+        # Eager allocations after capture must not land on the graph's memory.
+        noise = [torch.full((1024, 1024), 7.0, device=dev) for _ in range(8)]
+        for i in range(3):
+            static_in.copy_(torch.randn(1024, 1024, device=dev))
+            g.replay()
+            want = (static_in @ w).relu() * 2 + 1
+            torch.cuda.synchronize()
+            assert torch.allclose(static_out, want, rtol=1e-4, atol=1e-3), f"replay {i} wrong"
+        assert all(bool((n == 7.0).all()) for n in noise), "a replay overwrote eager tensors"
+        return "3 replays correct"
+
+    def compile_reduce_overhead():
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(),
+                                    torch.nn.Linear(512, 512)).to(dev)
+        f = torch.compile(model, mode="reduce-overhead")
+        x = torch.randn(64, 512, device=dev)
+        with torch.no_grad():
+            for _ in range(4):
+                y = f(x)
+            ref = model(x)
+        torch.cuda.synchronize()
+        assert torch.allclose(y, ref, rtol=1e-3, atol=1e-3)
+        return "compiled and replayed"
+
+    def record_stream():
+        side = torch.cuda.Stream()
+        held0 = lib_stats()["stats"]["core"]["held"]
+        for i in range(50):
+            x = torch.full((4 * 2**20,), float(i), device=dev)
+            with torch.cuda.stream(side):
+                y = x * 2
+            x.record_stream(side)
+            y.record_stream(torch.cuda.current_stream())
+            torch.cuda.current_stream().wait_stream(side)
+            assert float(y[-1]) == 2.0 * i
+            del x, y
+        torch.cuda.synchronize()
+        grown = lib_stats()["stats"]["core"]["held"] - held0
+        # 50 iterations x 32 MiB; a working reuse stays far below that.
+        assert grown < 20 * 16 * 2**20, f"held grew {grown / GIB:.2f} GiB: freed blocks not reused"
+        return {"held_growth_mib": grown // 2**20}
+
+    def backward_counted():
+        model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(dev)
+        x = torch.randn(512, 2048, device=dev)
+        torch.cuda.synchronize()
+        before = lib_stats()["stats"]["core"]["allocs"]
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        after = lib_stats()["stats"]["core"]["allocs"]
+        free, total = torch.cuda.mem_get_info()
+        # With vramd's counters: every backward allocation of the autograd threads is a vramd
+        # allocation (full mode) or inside a vramd segment (pool mode: PyTorch's reserved memory
+        # must all be held from vramd).
+        s = lib_stats()["stats"]["core"]
+        if vramd_torch.installed() == "pool":
+            assert torch.cuda.memory_reserved() <= s["held"], (
+                f"PyTorch reserves {torch.cuda.memory_reserved()} but vramd holds {s['held']}: "
+                "some segments escaped the tenant")
+        else:
+            assert after > before, "backward made no allocation through vramd"
+        return {"vramd_allocs_in_step": after - before, "held": s["held"]}
+
+    def oom_is_catchable():
+        limit = lib_stats()["limit"]
+        try:
+            torch.empty(limit + GIB, dtype=torch.uint8, device=dev)
+        except torch.OutOfMemoryError as e:
+            msg = str(e)
+            s = lib_stats()
+            assert s["tenant"] in msg, f"message does not name the tenant: {msg[:300]}"
+            y = torch.ones(1024, device=dev)  # goes on
+            return {"message": msg[:300], "after": float(y.sum())}
+        raise AssertionError("no OutOfMemoryError past the limit")
+
+    _check(r, "mem_get_info", mem_get_info)
+    _check(r, "stats_functions", stats_functions)
+    _check(r, "_snapshot", snapshot)
+    _check(r, "cuda_graph", cuda_graph)
+    _check(r, "compile_reduce_overhead", compile_reduce_overhead)
+    _check(r, "record_stream_two_streams", record_stream)
+    _check(r, "backward_counted", backward_counted)
+    _check(r, "oom_catchable", oom_is_catchable)
+    print("RESULT " + json.dumps(r), flush=True)
+
+
+def _model(torch, name, dev):
+    if name == "resnet50":
+        import torchvision
+
+        m = torchvision.models.resnet50(weights=None, num_classes=1000)
+        def batch(g):
+            x = torch.randn(args_batch(name), 3, 224, 224, generator=g)
+            y = torch.randint(0, 1000, (args_batch(name),), generator=g)
+            return x, y
+        def loss(m, x, y):
+            return torch.nn.functional.cross_entropy(m(x), y)
+    else:
+        import transformers
+
+        cfg = transformers.BertConfig()  # bert-base: 12 layers, 768 hidden
+        m = transformers.BertForMaskedLM(cfg)
+        def batch(g):
+            ids = torch.randint(0, cfg.vocab_size, (args_batch(name), 128), generator=g)
+            return ids, ids.clone()
+        def loss(m, x, y):
+            return m(input_ids=x, labels=y).loss
+    return m.to(dev), batch, loss
+
+
+def args_batch(name):
+    return 32 if name == "resnet50" else 16
+
+
+def worker_train(args):
+    torch = _torch()
+    torch.manual_seed(args.seed)
+    dev = torch.device("cuda")
+    m, batch, loss_fn = _model(torch, args.model, dev)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    data = [batch(g) for _ in range(args.steps)]
+    losses, times = [], []
+    for x, y in data:
+        x, y = x.to(dev), y.to(dev)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(m, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t)
+    out = {"losses": losses, "times": times, "peak_reserved": torch.cuda.max_memory_reserved()}
+    try:
+        import vramd_torch
+
+        if vramd_torch.installed():
+            out["vramd_held_peak"] = vramd_torch.stats()["stats"]["core"]["held_peak"]
+    except ImportError:
+        pass
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def worker_tenant(args):
+    """trainer: keeps a base, needs `--step-gib` more each step. borrower: grows by 1 GiB chunks
+    until refused, holds, and exits after --life seconds. Reports held memory over time."""
+    torch = _torch()
+    dev = torch.device("cuda")
+    t0 = args.t0
+    events = []
+
+    def held():
+        try:
+            import vramd_torch
+
+            if vramd_torch.installed():
+                return vramd_torch.stats()["stats"]["core"]["held"]
+        except ImportError:
+            pass
+        return torch.cuda.memory_reserved()
+
+    def note(kind, **kw):
+        events.append({"t": round(time.time() - t0, 3), "kind": kind, "held": held(), **kw})
+
+    chunks, ooms = [], 0
+    end = time.time() + args.life
+    if args.role == "trainer":
+        base = torch.empty(int(args.base_gib * GIB), dtype=torch.uint8, device=dev)
+        while time.time() < end:
+            try:
+                tmp = torch.empty(int(args.step_gib * GIB), dtype=torch.uint8, device=dev)
+                tmp.fill_(1)
+                torch.cuda.synchronize()
+                del tmp
+                note("step")
+            except torch.OutOfMemoryError as e:
+                ooms += 1
+                note("oom", error=str(e)[:300])
+            time.sleep(0.1)
+        del base
+    else:
+        while time.time() < end:
+            try:
+                chunks.append(torch.empty(GIB, dtype=torch.uint8, device=dev))
+                note("grow", chunks=len(chunks))
+            except torch.OutOfMemoryError as e:
+                ooms += 1
+                note("oom", chunks=len(chunks), error=str(e)[:300])
+                torch.cuda.empty_cache()
+                time.sleep(0.3)
+            time.sleep(0.05)
+    print("RESULT " + json.dumps({"role": args.role, "ooms": ooms, "events": events}), flush=True)
+
+
+# ---------------------------------------------------------------- driver
+
+class Run:
+    def __init__(self, opts):
+        self.o = opts
+        self.bin = os.path.abspath(opts.bin)
+        self.vramd = os.path.join(self.bin, "vramd")
+        self.socket = os.path.join(opts.out, "vramd.sock")
+        self.daemon = None
+        self.results = {"started": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+    def start_daemon(self):
+        cfg = os.path.join(self.o.out, "vramd.toml")
+        with open(cfg, "w") as f:
+            f.write(f'capacity = "{self.o.capacity}"\nreclaim_timeout_ms = 250\n'
+                    '[classes.train]\npriority = 100\n[classes.borrow]\npriority = 1\n')
+        log = open(os.path.join(self.o.out, "vramd.log"), "w")
+        self.daemon = subprocess.Popen(
+            [self.vramd, "serve", "--backend", "cuda", "--socket", self.socket, "--config", cfg],
+            stdout=log, stderr=log)
+        for _ in range(300):
+            if os.path.exists(self.socket):
+                r = subprocess.run([self.vramd, "status", "--socket", self.socket],
+                                   capture_output=True, text=True)
+                if r.returncode == 0:
+                    self.results["daemon_status_at_start"] = r.stdout
+                    return
+            if self.daemon.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError("the daemon did not come up; see vramd.log")
+
+    def stop_daemon(self):
+        if self.daemon and self.daemon.poll() is None:
+            self.daemon.terminate()
+            try:
+                self.daemon.wait(15)
+            except subprocess.TimeoutExpired:
+                self.daemon.kill()
+
+    def cmd(self, mode, worker_args, tenant=None, flags=()):
+        py = [sys.executable, HERE, "--worker"] + worker_args
+        if mode == "plain" or mode == "expandable":
+            return py
+        c = [self.vramd, "run", "--socket", self.socket, "--torch-mode", mode]
+        if tenant:
+            c += ["--tenant", tenant]
+        return c + list(flags) + ["--"] + py
+
+    def child(self, mode, worker_args, timeout=300, **kw):
+        env = dict(os.environ, CUBLAS_WORKSPACE_CONFIG=":4096:8")
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        if mode == "expandable":
+            env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        c = self.cmd(mode, worker_args, **kw)
+        r = subprocess.run(c, capture_output=True, text=True, timeout=timeout, env=env)
+        for line in r.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[7:]), r
+        raise RuntimeError(f"exit {r.returncode}: {r.stderr[-2000:]}")
+
+    def compat(self):
+        out = {}
+        for mode in MODES:
+            try:
+                res, r = self.child(mode, ["compat"], tenant=f"compat-{mode}",
+                                    flags=["--limit", "16GiB"], timeout=400)
+                out[mode] = res
+                out[mode + "_stderr"] = r.stderr[-3000:]
+            except BaseException as e:
+                out[mode] = {"_run": {"ok": False, "error": str(e)[:2000]}}
+        self.results["compat"] = out
+
+    def training(self):
+        out = {}
+        for model in self.o.models:
+            per = {}
+            wa = ["train", "--model", model, "--steps", str(self.o.steps), "--seed", "1234"]
+            plan = [("plain", self.o.runs), ("expandable", 1)] + [(m, self.o.runs) for m in MODES]
+            for mode, runs in plan:
+                rs = []
+                for i in range(runs):
+                    try:
+                        res, _ = self.child(mode, wa, tenant=f"{model}-{mode}-{i}",
+                                            flags=["--limit", "64GiB"])
+                        rs.append(res)
+                    except BaseException as e:
+                        rs.append({"error": str(e)[:2000]})
+                per[mode] = rs
+            out[model] = summarize_training(per, self.o.warmup)
+        self.results["training"] = out
+
+    def tenants(self, mode):
+        """Trainer (guarantee) and two borrowers whose limits together exceed what is left."""
+        t0 = time.time() + 2
+        life = self.o.tenant_seconds
+        common = ["--t0", str(t0)]
+        specs = [
+            ("trainer", ["tenant", "--role", "trainer", "--base-gib", "12", "--step-gib", "4",
+                         "--life", str(life)] + common,
+             ["--priority", "train", "--guarantee", "20GiB", "--limit", "24GiB"]),
+            ("borrower-a", ["tenant", "--role", "borrower", "--life", str(life * 0.4)] + common,
+             ["--priority", "borrow", "--limit", "24GiB"]),
+            ("borrower-b", ["tenant", "--role", "borrower", "--life", str(life)] + common,
+             ["--priority", "borrow", "--limit", "24GiB"]),
+        ]
+        procs = []
+        env = dict(os.environ)
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        for name, wa, flags in specs:
+            c = self.cmd(mode if mode != "plain" else "plain", wa, tenant=name, flags=flags)
+            procs.append((name, subprocess.Popen(c, stdout=subprocess.PIPE,
+                                                 stderr=subprocess.PIPE, text=True, env=env)))
+        out = {}
+        for name, p in procs:
+            try:
+                so, se = p.communicate(timeout=life + 120)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                so, se = p.communicate()
+            res = None
+            for line in so.splitlines():
+                if line.startswith("RESULT "):
+                    res = json.loads(line[7:])
+            out[name] = {"exit": p.returncode, "result": res, "stderr": se[-1500:]}
+        return out
+
+    def three_tenants(self):
+        out = {}
+        for mode in ["pool", "plain"]:
+            try:
+                out[mode] = self.tenants(mode)
+            except BaseException as e:
+                out[mode] = {"error": str(e)[:2000]}
+        self.results["three_tenants"] = out
+        try:
+            self.results["plot"] = plot(out, self.o.out)
+        except BaseException as e:
+            self.results["plot"] = f"failed: {e}"
+
+
+def summarize_training(per, warmup):
+    def thr(r):
+        t = r["times"][warmup:]
+        return len(t) / sum(t) if t else None
+
+    ok = {m: [r for r in rs if "losses" in r] for m, rs in per.items()}
+    summary = {"runs": per, "modes": {}}
+    ref = ok.get("plain") or []
+    base_thr = statistics.median([thr(r) for r in ref]) if ref else None
+    for mode, rs in ok.items():
+        if not rs:
+            summary["modes"][mode] = {"error": [r.get("error") for r in per[mode]]}
+            continue
+        med = statistics.median([thr(r) for r in rs])
+        same = bool(ref) and all(r["losses"] == ref[0]["losses"] for r in rs)
+        first_diff = None
+        if ref and not same:
+            for r in rs:
+                for i, (a, b) in enumerate(zip(r["losses"], ref[0]["losses"])):
+                    if a != b:
+                        first_diff = {"step": i, "this": a, "plain": b}
+                        break
+                if first_diff:
+                    break
+        peak = max(r.get("vramd_held_peak", r["peak_reserved"]) for r in rs)
+        summary["modes"][mode] = {
+            "steps_per_s_median": med,
+            "throughput_ratio": (med / base_thr) if base_thr else None,
+            "losses_identical_to_plain": same,
+            "first_loss_difference": first_diff,
+            "peak_device_bytes": peak,
+            "peak_reserved_by_torch": max(r["peak_reserved"] for r in rs),
+        }
+    return summary
+
+
+def plot(three, outdir):
+    series = {}
+    for mode, tenants in three.items():
+        if not isinstance(tenants, dict) or "error" in tenants:
+            continue
+        for name, t in tenants.items():
+            ev = (t.get("result") or {}).get("events") or []
+            series[(mode, name)] = ([e["t"] for e in ev], [e["held"] / GIB for e in ev],
+                                    [e["t"] for e in ev if e["kind"] == "oom"])
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        modes = sorted({m for m, _ in series})
+        fig, axes = plt.subplots(len(modes), 1, figsize=(9, 3.5 * len(modes)), squeeze=False)
+        for ax, mode in zip(axes[:, 0], modes):
+            for (m, name), (ts, hs, ooms) in sorted(series.items()):
+                if m != mode:
+                    continue
+                line, = ax.step(ts, hs, where="post", label=name)
+                ax.plot(ooms, [0] * len(ooms), "x", color=line.get_color())
+            ax.set_title("under vramd (pool mode)" if mode == "pool" else "plain PyTorch")
+            ax.set_xlabel("s")
+            ax.set_ylabel("held (GiB); x = OOM")
+            ax.legend()
+        fig.tight_layout()
+        path = os.path.join(outdir, "tenants.png")
+        fig.savefig(path, dpi=110)
+        return path
+    except ImportError:
+        return svg(series, outdir)
+
+
+def svg(series, outdir):
+    w, h, pad = 900, 300, 40
+    tmax = max([max(ts) for ts, _, _ in series.values() if ts] + [1])
+    hmax = max([max(hs) for _, hs, _ in series.values() if hs] + [1])
+    colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{2 * h}">']
+    for row, mode in enumerate(["pool", "plain"]):
+        y0 = row * h
+        parts.append(f'<text x="{pad}" y="{y0 + 20}">{mode}: held GiB over time</text>')
+        for i, ((m, name), (ts, hs, _)) in enumerate(sorted(series.items())):
+            if m != mode or not ts:
+                continue
+            pts = " ".join(f"{pad + t / tmax * (w - 2 * pad):.1f},"
+                           f"{y0 + h - pad - v / hmax * (h - 2 * pad):.1f}" for t, v in zip(ts, hs))
+            c = colors[i % len(colors)]
+            parts.append(f'<polyline fill="none" stroke="{c}" points="{pts}"/>')
+            parts.append(f'<text x="{w - 200}" y="{y0 + 40 + 15 * (i % 3)}" fill="{c}">{name}</text>')
+    parts.append("</svg>")
+    path = os.path.join(outdir, "tenants.svg")
+    with open(path, "w") as f:
+        f.write("\n".join(parts))
+    return path
+
+
+def markdown(res):
+    L = ["# PyTorch on vramd", "", f"Run {res.get('started')}.", ""]
+    compat = res.get("compat", {})
+    if compat:
+        L += ["## Compatibility", "", "| check | " + " | ".join(MODES) + " |",
+              "|---|" + "---|" * len(MODES)]
+        names = sorted({k for m in MODES for k in (compat.get(m) or {})})
+        for n in names:
+            cells = []
+            for m in MODES:
+                c = (compat.get(m) or {}).get(n)
+                cells.append("—" if c is None else ("pass" if c["ok"] else
+                             "FAIL: " + c["error"].replace("|", "/").replace("\n", " ")[:120]))
+            L.append(f"| {n} | " + " | ".join(cells) + " |")
+        L.append("")
+    for model, s in (res.get("training") or {}).items():
+        L += [f"## {model} training", "",
+              "| allocator | steps/s (median) | ratio to plain | losses identical | peak device memory |",
+              "|---|---|---|---|---|"]
+        for mode, v in s["modes"].items():
+            if "error" in v:
+                L.append(f"| {mode} | error: {str(v['error'])[:150]} | | | |")
+                continue
+            ratio = v["throughput_ratio"]
+            L.append(f"| {mode} | {v['steps_per_s_median']:.2f} | "
+                     f"{'' if ratio is None else f'{ratio:.3f}'} | "
+                     f"{v['losses_identical_to_plain']} | {v['peak_device_bytes'] / GIB:.2f} GiB |")
+        L.append("")
+    three = res.get("three_tenants") or {}
+    if three:
+        L += ["## Three tenants", "", "| run | tenant | exit | OOMs caught | peak held |",
+              "|---|---|---|---|---|"]
+        for mode, tenants in three.items():
+            if "error" in tenants:
+                L.append(f"| {mode} | error: {tenants['error'][:150]} | | | |")
+                continue
+            for name, t in tenants.items():
+                r = t.get("result") or {}
+                ev = r.get("events") or []
+                peak = max([e["held"] for e in ev] + [0]) / GIB
+                L.append(f"| {mode} | {name} | {t['exit']} | {r.get('ooms', '?')} | {peak:.1f} GiB |")
+        L += ["", f"Plot: {os.path.basename(str(res.get('plot')))}", ""]
+    return "\n".join(L)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--worker", nargs=argparse.REMAINDER)
+    p.add_argument("--out", default="torch_on_vramd_results")
+    p.add_argument("--bin", default=os.environ.get("VRAMD_BIN", ".gpu/bin"))
+    p.add_argument("--capacity", default="60 GiB", help="what the test daemon serves")
+    p.add_argument("--runs", type=int, default=2, help="runs per allocator, for the medians")
+    p.add_argument("--steps", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--models", nargs="+", default=["resnet50", "bert"])
+    p.add_argument("--tenant-seconds", type=float, default=12)
+    p.add_argument("--skip", nargs="*", default=[], choices=["compat", "training", "tenants"])
+    o = p.parse_args()
+    if o.worker:
+        w = argparse.ArgumentParser()
+        w.add_argument("kind")
+        w.add_argument("--model")
+        w.add_argument("--steps", type=int)
+        w.add_argument("--seed", type=int)
+        w.add_argument("--role")
+        w.add_argument("--base-gib", type=float, default=0)
+        w.add_argument("--step-gib", type=float, default=0)
+        w.add_argument("--life", type=float, default=10)
+        w.add_argument("--t0", type=float, default=0)
+        a = w.parse_args(o.worker)
+        {"compat": worker_compat, "train": worker_train, "tenant": worker_tenant}[a.kind](a)
+        return
+    os.makedirs(o.out, exist_ok=True)
+    run = Run(o)
+    start = time.time()
+    try:
+        run.start_daemon()
+        for part, fn in [("compat", run.compat), ("training", run.training),
+                         ("tenants", run.three_tenants)]:
+            if part in o.skip:
+                continue
+            t = time.time()
+            try:
+                fn()
+            except BaseException as e:
+                run.results[part + "_error"] = traceback.format_exc()[-3000:]
+                if isinstance(e, KeyboardInterrupt):
+                    break
+            run.results.setdefault("seconds", {})[part] = round(time.time() - t, 1)
+            with open(os.path.join(o.out, "results.json"), "w") as f:
+                json.dump(run.results, f, indent=1)
+    except BaseException:
+        run.results["error"] = traceback.format_exc()[-3000:]
+    finally:
+        run.stop_daemon()
+        run.results["total_seconds"] = round(time.time() - start, 1)
+        with open(os.path.join(o.out, "results.json"), "w") as f:
+            json.dump(run.results, f, indent=1)
+        with open(os.path.join(o.out, "results.md"), "w") as f:
+            f.write(markdown(run.results))
+    print(markdown(run.results))
+
+
+if __name__ == "__main__":
+    main()
