@@ -13,14 +13,37 @@ fn lib_dir() -> PathBuf {
     exe.parent().unwrap().parent().unwrap().to_path_buf()
 }
 
-/// Builds `tests/c/{name}.c` against libvram.so into `out`.
-fn build(name: &str, out: &Path) -> PathBuf {
-    let lib = lib_dir();
+/// libvram.so, built for this test's profile. `cargo test` builds the library as an rlib only,
+/// so the shared object is built here once if it is missing.
+fn ensure_lib(lib: &Path) {
+    static BUILT: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    if *built || lib.join("libvram.so").exists() {
+        *built = true;
+        return;
+    }
+    let release = lib.file_name().is_some_and(|n| n == "release");
+    let mut cargo = Command::new(env!("CARGO"));
+    cargo.args(["build", "-p", "vram-ffi", "--lib"]);
+    if release {
+        cargo.arg("--release");
+    }
+    // The target directory is the one above `debug/` or `release/`.
+    cargo.env("CARGO_TARGET_DIR", lib.parent().unwrap());
+    let status = cargo.status().expect("cargo runs");
+    assert!(status.success(), "building libvram.so failed");
     assert!(
         lib.join("libvram.so").exists(),
         "libvram.so not in {}",
         lib.display()
     );
+    *built = true;
+}
+
+/// Builds `tests/c/{name}.c` against libvram.so into `out`.
+fn build(name: &str, out: &Path) -> PathBuf {
+    let lib = lib_dir();
+    ensure_lib(&lib);
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let exe = out.join(name);
     let cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "gcc".into()))
