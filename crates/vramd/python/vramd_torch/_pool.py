@@ -17,6 +17,8 @@ import time
 from . import _lib
 
 _state = None
+# Set while `_start` runs: it calls into CUDA itself, which re-enters the `_lazy_init` wrapper.
+_starting = False
 
 
 class _State:
@@ -73,9 +75,14 @@ def install():
     original = torch.cuda._lazy_init
 
     def _lazy_init():
+        global _starting
         original()
-        if _state is None:
-            _start(torch)
+        if _state is None and not _starting:
+            _starting = True
+            try:
+                _start(torch)
+            finally:
+                _starting = False
 
     for name, module in list(sys.modules.items()):
         if (name == "torch.cuda" or name.startswith("torch.cuda.")) and getattr(
