@@ -21,6 +21,8 @@ import traceback
 
 HERE = os.path.abspath(__file__)
 MODES = ("pool", "full")
+# The three-tenant scenario runs in vramd run's default mode (VRAMD_TENANT_MODE to change it).
+TENANT_MODE = os.environ.get("VRAMD_TENANT_MODE", "full")
 GIB = 2**30
 
 
@@ -431,7 +433,7 @@ class Run:
 
     def three_tenants(self):
         out = {}
-        for mode in ["pool", "plain"]:
+        for mode in [TENANT_MODE, "plain"]:
             try:
                 out[mode] = self.tenants(mode)
             except BaseException as e:
@@ -502,7 +504,7 @@ def plot(three, outdir):
                     continue
                 line, = ax.step(ts, hs, where="post", label=name)
                 ax.plot(ooms, [0] * len(ooms), "x", color=line.get_color())
-            ax.set_title("under vramd (pool mode)" if mode == "pool" else "plain PyTorch")
+            ax.set_title(f"under vramd ({mode} mode)" if mode != "plain" else "plain PyTorch")
             ax.set_xlabel("s")
             ax.set_ylabel("held (GiB); x = OOM")
             ax.legend()
@@ -520,7 +522,7 @@ def svg(series, outdir):
     hmax = max([max(hs) for _, hs, _ in series.values() if hs] + [1])
     colors = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{2 * h}">']
-    for row, mode in enumerate(["pool", "plain"]):
+    for row, mode in enumerate([TENANT_MODE, "plain"]):
         y0 = row * h
         parts.append(f'<text x="{pad}" y="{y0 + 20}">{mode}: held GiB over time</text>')
         for i, ((m, name), (ts, hs, _)) in enumerate(sorted(series.items())):

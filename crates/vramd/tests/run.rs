@@ -13,8 +13,24 @@ use common::{Daemon, VRAMD};
 const CONFIG: &str = "capacity = \"8 GiB\"\n";
 
 /// libvram.so as `vramd run` looks for it (built by `cargo build -p vram-ffi`), if it is there.
+/// libvram.so next to the vramd binary, built here if `cargo test` has not built it.
 fn library() -> Option<PathBuf> {
-    let lib = Path::new(VRAMD).parent()?.join("libvram.so");
+    static BUILT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = Path::new(VRAMD).parent()?;
+    let lib = dir.join("libvram.so");
+    if !lib.is_file() {
+        let mut cargo = Command::new(env!("CARGO"));
+        cargo.args(["build", "-p", "vram-ffi", "--lib"]);
+        if dir.file_name().is_some_and(|n| n == "release") {
+            cargo.arg("--release");
+        }
+        cargo.env("CARGO_TARGET_DIR", dir.parent()?);
+        assert!(
+            cargo.status().expect("cargo runs").success(),
+            "building libvram.so failed"
+        );
+    }
     lib.is_file().then_some(lib)
 }
 
@@ -134,7 +150,7 @@ fn importing_torch_installs_the_allocator_and_mem_get_info_shows_the_tenant_view
         print(torch.cuda._lazy_init is not sys.modules['torch.cuda']._lazy_init or 'patched')";
     let out = vramd_run(
         &d,
-        &["--tenant", "py", "--limit", "1GiB"],
+        &["--tenant", "py", "--limit", "1GiB", "--torch-mode", "pool"],
         &["python3", "-c", script, fake.path().to_str().unwrap()],
         &[("VRAMD_LIB", &lib)],
     );

@@ -38,7 +38,7 @@ def install(mode=None):
     """Makes vramd PyTorch's CUDA allocator in this process. Call before the first CUDA
     allocation (in full mode, before CUDA is initialised)."""
     global _installed
-    mode = mode or os.environ.get("VRAMD_TORCH_MODE") or "pool"
+    mode = mode or os.environ.get("VRAMD_TORCH_MODE") or "full"
     if mode not in MODES:
         raise ValueError(f"vramd: unknown torch mode `{mode}` (pool or full)")
     with _lock:

@@ -39,7 +39,7 @@ pub struct Args {
     /// How PyTorch takes vramd's allocator: `pool` keeps PyTorch's caching allocator on top of
     /// vramd's segments (every PyTorch feature works); `full` gives vramd every tensor (its own
     /// fragmentation handling; PyTorch's statistics answered from vramd's).
-    #[arg(long, value_enum, default_value_t = TorchMode::Pool)]
+    #[arg(long, value_enum, default_value_t = TorchMode::Full)]
     pub torch_mode: TorchMode,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
