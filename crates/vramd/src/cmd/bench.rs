@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use serde::Serialize;
 use vram_client::{Client, TenantOptions};
 use vram_core::Bytes;
-use vram_device::Access;
+use vram_device::{Access, Reservation};
 
 use super::child::{start_daemon, stop_daemon};
 use crate::config::BackendChoice;
@@ -111,8 +111,12 @@ struct SizeResult {
     round_trip: Spread,
     /// Request, reply with the fd, and import.
     grant: Spread,
-    /// Reserve, map and unmap (zero without `--map`).
+    /// Map with read-write access into a reservation made once per tenant (zero without `--map`).
     map: Spread,
+    /// Grant, import and map: how long until a tenant can use new memory.
+    usable: Spread,
+    /// Unmap (zero without `--map`).
+    unmap: Spread,
     /// The return request and its reply.
     give_back: Spread,
 }
@@ -133,6 +137,7 @@ struct Report {
 struct Sample {
     grant: u64,
     map: u64,
+    unmap: u64,
     give_back: u64,
 }
 
@@ -282,9 +287,11 @@ fn measure(args: &Args, socket: &Path, size: Bytes) -> anyhow::Result<(String, S
         tenants: args.tenants,
         round_trips: samples.len(),
         ops_per_second: samples.len() as f64 / busy.as_secs_f64(),
-        round_trip: spread(|s| s.grant + s.map + s.give_back),
+        round_trip: spread(|s| s.grant + s.map + s.unmap + s.give_back),
         grant: spread(|s| s.grant),
         map: spread(|s| s.map),
+        usable: spread(|s| s.grant + s.map),
+        unmap: spread(|s| s.unmap),
         give_back: spread(|s| s.give_back),
     };
     Ok((backend, result))
@@ -302,39 +309,49 @@ fn tenant_loop(
     let client = Client::connect(Some(socket), &TenantOptions::named(name))
         .with_context(|| format!("cannot connect to {}", socket.display()))?;
     let backend = client.welcome().device.backend.clone();
+    // One reservation for the whole run, as a tenant's allocator keeps one.
+    let res = if args.map {
+        let granularity = client.welcome().device.granularity;
+        let len = size.round_up(granularity).unwrap_or(size);
+        Some(client.device().reserve(len)?)
+    } else {
+        None
+    };
     for _ in 0..args.warmup {
-        round_trip(&client, size, args.map)?;
+        round_trip(&client, size, res.as_ref())?;
     }
     let mut samples = Vec::with_capacity(args.iterations as usize);
     let started = Instant::now();
     for _ in 0..args.iterations {
-        samples.push(round_trip(&client, size, args.map)?);
+        samples.push(round_trip(&client, size, res.as_ref())?);
         done.fetch_add(1, Ordering::Relaxed);
     }
     Ok((backend, samples, started.elapsed()))
 }
 
-fn round_trip(client: &Client, size: Bytes, map: bool) -> anyhow::Result<Sample> {
+fn round_trip(client: &Client, size: Bytes, res: Option<&Reservation>) -> anyhow::Result<Sample> {
     let t0 = Instant::now();
     let grant = client
         .grant(size)
         .with_context(|| format!("grant of {size}"))?;
     let t1 = Instant::now();
-    if map {
-        let dev = client.device();
-        let res = dev.reserve(grant.size())?;
-        dev.map(&res, Bytes::ZERO, &grant.handle, Access::ReadWrite)?;
-        // Dropping the reservation unmaps it.
-        drop(res);
+    let dev = client.device();
+    if let Some(res) = res {
+        dev.map(res, Bytes::ZERO, &grant.handle, Access::ReadWrite)?;
     }
     let t2 = Instant::now();
-    client.give_back(vec![grant]).context("give back")?;
+    if let Some(res) = res {
+        dev.unmap(res, Bytes::ZERO, grant.size())?;
+    }
     let t3 = Instant::now();
+    client.give_back(vec![grant]).context("give back")?;
+    let t4 = Instant::now();
     let ns = |a: Instant, b: Instant| (b - a).as_nanos() as u64;
     Ok(Sample {
         grant: ns(t0, t1),
         map: ns(t1, t2),
-        give_back: ns(t2, t3),
+        unmap: ns(t2, t3),
+        give_back: ns(t3, t4),
     })
 }
 
@@ -379,15 +396,24 @@ fn render(r: &Report) -> String {
         );
         let _ = writeln!(
             out,
-            "{:>9}   phases p50 / p99: grant+import {:.1} / {:.1} µs, map {:.1} / {:.1} µs, return {:.1} / {:.1} µs",
+            "{:>9}   phases p50 / p99: grant+import {:.1} / {:.1} µs, map {:.1} / {:.1} µs, unmap {:.1} / {:.1} µs, return {:.1} / {:.1} µs",
             "",
             s.grant.p50_us,
             s.grant.p99_us,
             s.map.p50_us,
             s.map.p99_us,
+            s.unmap.p50_us,
+            s.unmap.p99_us,
             s.give_back.p50_us,
             s.give_back.p99_us
         );
+        if r.map {
+            let _ = writeln!(
+                out,
+                "{:>9}   usable (grant+import+map) p50 {:.1} µs, p99 {:.1} µs",
+                "", s.usable.p50_us, s.usable.p99_us
+            );
+        }
     }
     out
 }
