@@ -122,3 +122,55 @@ fn tenants_share_nothing_but_see_their_own_writes() {
     assert_eq!(d.status().devices[0].held, Bytes::ZERO);
     d.stop();
 }
+
+/// Several GPUs behind one daemon, each with its own pool and books. Needs two GPUs: skips with a
+/// message on one, unless `VRAMD_REQUIRE_GPUS=2`.
+#[test]
+fn each_gpu_has_its_own_books() {
+    let Some(_dev) = gpu() else { return };
+    let found = cuda::probe().map(|d| d.len()).unwrap_or(0);
+    if found < 2 {
+        if std::env::var("VRAMD_REQUIRE_GPUS").as_deref() == Ok("2") {
+            panic!("{found} GPU(s) found; VRAMD_REQUIRE_GPUS=2");
+        }
+        println!("skipping: {found} GPU(s); this test needs 2");
+        return;
+    }
+    let d = Daemon::start_on("cuda", CONFIG);
+    let s = d.status();
+    assert!(s.devices.len() >= 2, "{:?}", s.devices);
+    assert_ne!(s.devices[0].uuid, s.devices[1].uuid);
+    let mut a = d.tenant("on-gpu0", &["--gpu", "0", "--limit", "8GiB"]);
+    let mut b = d.tenant("on-gpu1", &["--gpu", "1", "--limit", "6GiB"]);
+    let ta = a.cmd("take 4GiB 512MiB");
+    let tb = b.cmd("take 6GiB 512MiB");
+    assert!(ta["refused"].is_null() && ta["dirty"] == 0, "{ta}");
+    assert!(tb["refused"].is_null() && tb["dirty"] == 0, "{tb}");
+    // Each limit applies on its own GPU.
+    let over = b.cmd("take 1GiB 512MiB");
+    assert_eq!(over["refused"]["reason"], "over_limit", "{over}");
+    let s = d.status();
+    println!(
+        "MEASURED two GPUs: held {} on {} and {} on {}",
+        s.devices[0].held, s.devices[0].uuid, s.devices[1].held, s.devices[1].uuid
+    );
+    assert_eq!(s.devices[0].held, Bytes::gib(4));
+    assert_eq!(s.devices[1].held, Bytes::gib(6));
+    let on1: Vec<_> = s
+        .tenants
+        .iter()
+        .filter(|t| t.gpu == 1)
+        .map(|t| t.name.clone())
+        .collect();
+    assert_eq!(on1, vec!["on-gpu1".to_string()]);
+    assert_eq!(a.cmd("verify")["ok"], true);
+    assert_eq!(b.cmd("verify")["ok"], true);
+    a.exit();
+    b.exit();
+    let s = d.status();
+    assert_eq!(
+        (s.devices[0].held, s.devices[1].held),
+        (Bytes::ZERO, Bytes::ZERO)
+    );
+    d.stop();
+}
