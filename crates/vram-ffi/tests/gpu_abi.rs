@@ -7,25 +7,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use vram_core::Bytes;
-use vram_device::cuda::{self, CudaDevice};
+use vram_device::cuda::CudaDevice;
 use vram_device::Device;
 use vramd::config::{Config, PoolConfig};
 use vramd::server::{ServeOptions, Server};
 
+/// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {
-    let reason = match cuda::probe() {
-        Ok(found) if found.is_empty() => "the driver sees no GPU".to_owned(),
-        Ok(_) => match CudaDevice::open("0") {
-            Ok(dev) => return Some(dev),
-            Err(e) => e.to_string(),
-        },
-        Err(e) => e.to_string(),
-    };
-    if std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("no GPU: {reason} (VRAMD_REQUIRE_GPU=1)");
-    }
-    println!("skipping: no GPU: {reason}");
-    None
+    vram_device::cuda::testing::gpu_or_skip("0")
 }
 
 /// The per-thread default stream's handle (`CU_STREAM_PER_THREAD`): a valid stream without setup.

@@ -9,21 +9,9 @@ use common::{wait_until, Daemon};
 use vram_core::Bytes;
 use vram_device::cuda::{self, CudaDevice};
 
-/// GPU 0, or `None` (after saying why) where there is none.
+/// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {
-    let reason = match cuda::probe() {
-        Ok(found) if found.is_empty() => "the driver sees no GPU".to_owned(),
-        Ok(_) => match CudaDevice::open("0") {
-            Ok(dev) => return Some(dev),
-            Err(e) => e.to_string(),
-        },
-        Err(e) => e.to_string(),
-    };
-    if std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("no GPU: {reason} (VRAMD_REQUIRE_GPU=1)");
-    }
-    println!("skipping: no GPU: {reason}");
-    None
+    vram_device::cuda::testing::gpu_or_skip("0")
 }
 
 fn free_on_gpu(dev: &CudaDevice) -> Bytes {

@@ -11,6 +11,7 @@
 
 mod driver;
 mod events;
+pub mod testing;
 
 pub use events::{EventPool, DEFAULT_STREAM};
 
