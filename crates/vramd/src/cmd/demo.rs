@@ -3,11 +3,9 @@
 //! memory, write and verify patterns, run into their limits; one borrower is SIGKILLed midway and
 //! its memory must be back at once. Exits non-zero if any invariant fails.
 
-use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,6 +17,7 @@ use vram_proto::StatusReport;
 
 use super::child::{start_daemon, stop_daemon};
 use super::status::render;
+use super::tenant::Scripted;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -30,65 +29,14 @@ pub struct Args {
 const CAPACITY: Bytes = Bytes::gib(16);
 const CHUNK: &str = "512MiB";
 
-struct TenantProc {
-    name: &'static str,
-    child: Child,
-    stdin: ChildStdin,
-    lines: Receiver<String>,
-}
-
-impl TenantProc {
-    fn spawn(
-        exe: &Path,
-        socket: &Path,
-        name: &'static str,
-        flags: &[&str],
-    ) -> anyhow::Result<TenantProc> {
-        let mut child = Command::new(exe)
-            .arg("tenant")
-            .arg("--socket")
-            .arg(socket)
-            .args(["--name", name])
-            .args(flags)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .with_context(|| format!("cannot start tenant {name}"))?;
-        let stdin = child.stdin.take().expect("piped");
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        let mut t = TenantProc {
-            name,
-            child,
-            stdin,
-            lines,
-        };
-        let hello = t.next()?;
-        if hello["event"] != "welcome" {
-            bail!("tenant {name} was not admitted: {hello}");
-        }
-        Ok(t)
+/// Starts a scripted tenant and waits until it is admitted.
+fn spawn_tenant(exe: &Path, socket: &Path, name: &str, flags: &[&str]) -> anyhow::Result<Scripted> {
+    let mut t = Scripted::spawn(exe, socket, name, flags)?;
+    let hello = t.next()?;
+    if hello["event"] != "welcome" {
+        bail!("tenant {name} was not admitted: {hello}");
     }
-
-    fn next(&mut self) -> anyhow::Result<Value> {
-        let line = self
-            .lines
-            .recv_timeout(Duration::from_secs(60))
-            .with_context(|| format!("tenant {} did not answer", self.name))?;
-        Ok(serde_json::from_str(&line)?)
-    }
-
-    fn cmd(&mut self, line: &str) -> anyhow::Result<Value> {
-        writeln!(self.stdin, "{line}").with_context(|| format!("tenant {} is gone", self.name))?;
-        self.next()
-    }
+    Ok(t)
 }
 
 /// One line of the final report.
@@ -220,19 +168,19 @@ fn gib(v: &Value, key: &str) -> String {
 }
 
 fn scenario(exe: &Path, socket: &Path) -> anyhow::Result<Report> {
-    let mut trainer = TenantProc::spawn(
+    let mut trainer = spawn_tenant(
         exe,
         socket,
         "trainer",
         &["--class", "high", "--guarantee", "6GiB", "--limit", "10GiB"],
     )?;
-    let mut a = TenantProc::spawn(
+    let mut a = spawn_tenant(
         exe,
         socket,
         "borrower-a",
         &["--class", "normal", "--limit", "5GiB"],
     )?;
-    let mut b = TenantProc::spawn(
+    let mut b = spawn_tenant(
         exe,
         socket,
         "borrower-b",
@@ -383,10 +331,13 @@ fn scenario(exe: &Path, socket: &Path) -> anyhow::Result<Report> {
         let code = t.child.wait()?;
         r.check(code.success(), format!("{} exited cleanly", t.name));
     }
-    // The pool may be refilling (creating ahead) at this moment: give it a moment to settle.
+    // The daemon sees each exit when the socket closes, and the pool may be refilling (creating
+    // ahead) at this moment: give both a moment to settle.
+    let settled =
+        |s: &StatusReport| s.tenants.is_empty() && s.devices[0].device_used == s.devices[0].pooled;
     let mut s = status(socket)?;
     let settle = Instant::now() + Duration::from_secs(2);
-    while s.devices[0].device_used != s.devices[0].pooled && Instant::now() < settle {
+    while !settled(&s) && Instant::now() < settle {
         std::thread::sleep(Duration::from_millis(20));
         s = status(socket)?;
     }
@@ -399,8 +350,8 @@ fn scenario(exe: &Path, socket: &Path) -> anyhow::Result<Report> {
             && s.devices[0].held == Bytes::ZERO
             && s.devices[0].device_used == s.devices[0].pooled,
         format!(
-            "nothing held at the end (held {}, device memory in use {} = pooled {})",
-            s.devices[0].held, s.devices[0].device_used, s.devices[0].pooled
+            "nothing held at the end ({} tenant(s) left, held {}, device memory in use {} = pooled {})",
+            s.tenants.len(), s.devices[0].held, s.devices[0].device_used, s.devices[0].pooled
         ),
     );
     notes.push(format!(

@@ -320,3 +320,88 @@ impl Tenant {
         json!({"event": "cycled", "n": n, "errors": errors.len(), "first_error": errors.first()})
     }
 }
+
+/// A `vramd tenant` process driven from another process: one command per line in, one JSON line
+/// out. `vramd demo` and the multi-process tests drive their tenants with it.
+pub struct Scripted {
+    pub name: String,
+    pub child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Scripted {
+    /// How long an answer may take.
+    pub const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+
+    /// Starts `exe tenant --socket SOCKET --name NAME FLAGS...`; does not wait for its welcome.
+    pub fn spawn(
+        exe: &std::path::Path,
+        socket: &std::path::Path,
+        name: &str,
+        flags: &[&str],
+    ) -> anyhow::Result<Scripted> {
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(exe)
+            .arg("tenant")
+            .arg("--socket")
+            .arg(socket)
+            .args(["--name", name])
+            .args(flags)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .with_context(|| format!("cannot start tenant {name}"))?;
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(Scripted {
+            name: name.to_string(),
+            child,
+            stdin,
+            lines,
+        })
+    }
+
+    /// The next JSON line the tenant printed.
+    pub fn next(&mut self) -> anyhow::Result<serde_json::Value> {
+        let line = self
+            .lines
+            .recv_timeout(Self::ANSWER_TIMEOUT)
+            .with_context(|| format!("tenant {} did not answer", self.name))?;
+        serde_json::from_str(&line)
+            .with_context(|| format!("tenant {} printed `{line}`", self.name))
+    }
+
+    /// Sends a command without waiting for its answer.
+    pub fn send(&mut self, line: &str) -> anyhow::Result<()> {
+        let stdin = self
+            .stdin
+            .as_mut()
+            .with_context(|| format!("tenant {}'s input is closed", self.name))?;
+        writeln!(stdin, "{line}")
+            .and_then(|()| stdin.flush())
+            .with_context(|| format!("tenant {} is gone", self.name))
+    }
+
+    /// Sends a command and returns its answer.
+    pub fn cmd(&mut self, line: &str) -> anyhow::Result<serde_json::Value> {
+        self.send(line)?;
+        self.next()
+    }
+
+    /// Closes the tenant's input (end of commands).
+    pub fn close_input(&mut self) {
+        self.stdin = None;
+    }
+}

@@ -2,15 +2,14 @@
 //! scripted tenant processes (`vramd tenant`) driven line by line.
 #![allow(dead_code)] // each test binary uses part of it
 
-use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::mpsc::{self, Receiver};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 use vram_client::{ClientError, Observer};
 use vram_proto::StatusReport;
+use vramd::cmd::tenant::Scripted;
 
 pub const VRAMD: &str = env!("CARGO_BIN_EXE_vramd");
 
@@ -132,63 +131,35 @@ impl Drop for Daemon {
     }
 }
 
-/// A `vramd tenant` process: one command per line in, one JSON line out.
+/// A `vramd tenant` process: one command per line in, one JSON line out (`Scripted`, with the
+/// test's way of failing: a panic that says what went wrong).
 pub struct Tenant {
-    pub child: Child,
-    stdin: Option<ChildStdin>,
-    lines: Receiver<String>,
-    name: String,
+    inner: Scripted,
 }
 
 impl Tenant {
     /// Starts the process without waiting for anything.
     pub fn spawn(socket: &Path, name: &str, flags: &[&str]) -> Tenant {
-        let mut child = Command::new(VRAMD)
-            .arg("tenant")
-            .arg("--socket")
-            .arg(socket)
-            .args(["--name", name])
-            .args(flags)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().expect("piped");
-        let (tx, lines) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Tenant {
-            child,
-            stdin,
-            lines,
-            name: name.to_string(),
-        }
+        let inner = Scripted::spawn(Path::new(VRAMD), socket, name, flags).unwrap();
+        Tenant { inner }
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.inner.child.id()
+    }
+
+    pub fn child(&mut self) -> &mut Child {
+        &mut self.inner.child
     }
 
     /// The next JSON line (60 s at most).
     pub fn next(&mut self) -> Value {
-        let line = self
-            .lines
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|e| panic!("tenant {} did not answer: {e}", self.name));
-        serde_json::from_str(&line).unwrap()
+        self.inner.next().unwrap()
     }
 
     /// Sends a command without waiting for its answer.
     pub fn send(&mut self, line: &str) {
-        let stdin = self.stdin.as_mut().expect("stdin open");
-        writeln!(stdin, "{line}").unwrap();
-        stdin.flush().unwrap();
+        self.inner.send(line).unwrap()
     }
 
     pub fn cmd(&mut self, line: &str) -> Value {
@@ -200,19 +171,19 @@ impl Tenant {
     pub fn exit(mut self) {
         let bye = self.cmd("exit");
         assert_eq!(bye["event"], "bye", "{bye}");
-        drop(self.stdin.take());
-        let status = self.child.wait().unwrap();
+        self.inner.close_input();
+        let status = self.inner.child.wait().unwrap();
         assert!(
             status.success(),
             "tenant {} exited with {status}",
-            self.name
+            self.inner.name
         );
     }
 
     /// SIGKILL, and reap.
     pub fn kill(mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
+        self.inner.child.kill().unwrap();
+        self.inner.child.wait().unwrap();
     }
 }
 
