@@ -15,7 +15,7 @@
 //!   memory is counted once however many readers map it;
 //! - a writer whose lease expired or was released loses its draft, which no one ever sees.
 
-mod checksum;
+pub mod checksum;
 mod error;
 
 use std::collections::{BTreeMap, HashMap};
