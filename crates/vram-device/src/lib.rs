@@ -18,6 +18,7 @@ use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use vram_core::shared::Checksummer;
 use vram_core::Bytes;
 
 pub mod cuda;
@@ -189,6 +190,47 @@ pub trait Device: Send + Sync + std::fmt::Debug {
 
     /// Sets `len` bytes of mapped memory at `res + offset` to `byte`.
     fn fill(&self, res: &Reservation, offset: Bytes, len: Bytes, byte: u8) -> Result<()>;
+
+    /// Feeds `len` bytes of mapped memory at `res + offset` to `sum` (the shared-buffer checksum,
+    /// `vram_core::shared::checksum`). The default copies them to the host in pieces; the cuda
+    /// backend runs a kernel over them on the GPU.
+    fn feed_checksum(
+        &self,
+        res: &Reservation,
+        offset: Bytes,
+        len: Bytes,
+        sum: &mut Checksummer,
+    ) -> Result<()> {
+        checksum_by_reading(self, res, offset, len, sum)
+    }
+
+    /// The shared-buffer checksum of `len` bytes of mapped memory at `res + offset`, as
+    /// `vram_core::shared::checksum` computes it over the same bytes.
+    fn checksum(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<u64> {
+        let mut sum = Checksummer::new();
+        self.feed_checksum(res, offset, len, &mut sum)?;
+        Ok(sum.finish())
+    }
+}
+
+/// [`Device::feed_checksum`] by copying the bytes to the host, 8 MiB at a time.
+pub fn checksum_by_reading<D: Device + ?Sized>(
+    device: &D,
+    res: &Reservation,
+    offset: Bytes,
+    len: Bytes,
+    sum: &mut Checksummer,
+) -> Result<()> {
+    const PIECE: u64 = 8 << 20;
+    let mut buf = vec![0u8; PIECE.min(len.get()) as usize];
+    let mut at = 0;
+    while at < len.get() {
+        let n = (len.get() - at).min(PIECE) as usize;
+        device.read(res, Bytes(offset.get() + at), &mut buf[..n])?;
+        sum.update(&buf[..n]);
+        at += n as u64;
+    }
+    Ok(())
 }
 
 /// Physical device memory. Released when dropped (the memory itself lives on while any other

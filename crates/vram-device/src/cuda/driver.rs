@@ -50,6 +50,12 @@ const SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventDestroy_v2",
     "cuStreamIsCapturing",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuModuleUnload",
+    "cuLaunchKernel",
+    "cuMemAlloc_v2",
+    "cuMemFree_v2",
 ];
 
 /// Loads and initialises the driver once per process; every later call gets the same answer.

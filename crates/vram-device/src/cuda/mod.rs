@@ -9,6 +9,7 @@
 //! Copies and fills are synchronous: when `write` or `fill` returns, the bytes are in device
 //! memory and visible to every process that maps it.
 
+mod checksum;
 mod driver;
 mod events;
 pub mod testing;
@@ -20,11 +21,12 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, OnceLock, RwLock};
 
 use cudarc::driver::sys::{self, CUresult};
+use vram_core::shared::Checksummer;
 use vram_core::Bytes;
 
 use crate::{
-    check_aligned, check_kind, check_size, Access, BackendKind, Backing, Device, DeviceError,
-    DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
+    check_aligned, check_kind, check_size, checksum_by_reading, Access, BackendKind, Backing,
+    Device, DeviceError, DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
 };
 use driver::{check, log_failure, Context};
 pub(crate) use driver::{Allocation, VaRange};
@@ -132,6 +134,8 @@ pub struct CudaDevice {
     info: DeviceInfo,
     ctx: Arc<Context>,
     usage: Arc<Usage>,
+    /// The checksum kernel, loaded at its first use (or the reason it could not be).
+    checksum: OnceLock<Result<checksum::Kernel, String>>,
 }
 
 impl CudaDevice {
@@ -175,6 +179,7 @@ impl CudaDevice {
             info: devices[ordinal].clone(),
             ctx,
             usage: Arc::default(),
+            checksum: OnceLock::new(),
         })
     }
 
@@ -248,6 +253,16 @@ impl CudaDevice {
     fn synchronize(&self) -> Result<()> {
         // SAFETY: a context is current (the caller entered it).
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn checksum_kernel(&self) -> Result<&checksum::Kernel> {
+        self.checksum
+            .get_or_init(|| checksum::Kernel::load(&self.ctx).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| DeviceError::Driver {
+                call: "loading the checksum kernel",
+                detail: e.clone(),
+            })
     }
 
     fn out_of_memory(&self, asked: Bytes) -> DeviceError {
@@ -469,6 +484,37 @@ impl Device for CudaDevice {
             sys::cuMemsetD8_v2(ptr, byte, len.get() as usize)
         })?;
         self.synchronize()
+    }
+
+    /// Runs the checksum kernel over the whole words of the range, on the GPU; only a partial last
+    /// word (at most 7 bytes) is copied to the host. Needs a context (a device opened with one).
+    fn feed_checksum(
+        &self,
+        res: &Reservation,
+        offset: Bytes,
+        len: Bytes,
+        sum: &mut Checksummer,
+    ) -> Result<()> {
+        let ptr = self.check_copy(res, offset, len.get() as usize)?;
+        if !sum.at_word_boundary() || ptr % 8 != 0 {
+            // The kernel reads aligned words numbered from a word boundary.
+            return checksum_by_reading(self, res, offset, len, sum);
+        }
+        let whole = len.get() / 8 * 8;
+        {
+            let mappings = res.mappings();
+            mappings.check_covered(offset.get(), len.get(), false)?;
+            let kernel = self.checksum_kernel()?;
+            // SAFETY: the range is mapped on this device (checked above) and the read lock keeps
+            // it mapped until the kernel has finished (`sum_words` returns after it).
+            let s = unsafe { kernel.sum_words(ptr, whole / 8, sum.next_word())? };
+            sum.add_words(s, whole);
+        }
+        let mut tail = [0u8; 8];
+        let tail = &mut tail[..(len.get() - whole) as usize];
+        self.read(res, Bytes(offset.get() + whole), tail)?;
+        sum.update(tail);
+        Ok(())
     }
 }
 
