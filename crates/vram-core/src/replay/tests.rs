@@ -115,3 +115,122 @@ fn counts_and_fragmentation_of_a_small_trace() {
         assert!(json.get(key).is_some(), "{key} missing");
     }
 }
+
+/// Diagnosis, run by hand (`cargo test -p vram-core --release replay::tests::diagnose --
+/// --ignored --nocapture`): per trace, the figures; at the moment of peak held, the layout of every
+/// segment (live block sizes in MiB, free ones in brackets) and a histogram of the free regions;
+/// and, for the traces named in `LOG_GROWTH`, one line per allocation that mapped memory (what it
+/// granted, mapped and unmapped).
+#[test]
+#[ignore]
+fn diagnose() {
+    const LOG_GROWTH: &[&str] = &[];
+    let Some(dir) = traces_dir() else {
+        return;
+    };
+    let mut rows = Vec::new();
+    for name in TRACES {
+        let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
+        let trace = parse_snapshot(&bytes).unwrap();
+        let config = AllocConfig::default();
+        let mut a = Allocator::new(config.clone(), ModelBacking::new());
+        let mut blocks: HashMap<u64, u64> = HashMap::new();
+        let log = LOG_GROWTH.contains(&name);
+        let mut peak = 0;
+        let mut at_peak = (0, Vec::new(), crate::alloc::AllocStats::default());
+        for (i, e) in trace.events.iter().enumerate() {
+            let s = StreamId(e.stream);
+            match e.action {
+                Action::Alloc => {
+                    let c0 = a.backing().counts();
+                    let b = a.alloc(Bytes(e.size), s, &AlwaysComplete).unwrap();
+                    let c1 = a.backing().counts();
+                    if log && c1.maps != c0.maps {
+                        let st = a.stats();
+                        eprintln!(
+                            "grow@{i} t={}ms len {:.2} alloc {} held {} +grants {} ({} MiB) +maps {} +unmaps {}",
+                            e.time_us.saturating_sub(trace.events[0].time_us) / 1000,
+                            e.size as f64 / Bytes::MIB as f64,
+                            st.allocated.get() >> 20,
+                            st.held.get() >> 20,
+                            c1.grants - c0.grants,
+                            (c1.granted_bytes - c0.granted_bytes) >> 20,
+                            c1.maps - c0.maps,
+                            c1.unmaps - c0.unmaps
+                        );
+                    }
+                    blocks.insert(e.addr, b.offset);
+                }
+                Action::Free => {
+                    let o = blocks.remove(&e.addr).unwrap();
+                    a.free(o, s, Fence(0), &AlwaysComplete).unwrap();
+                }
+            }
+            a.tick(e.time_us, &AlwaysComplete);
+            if a.backing().held().get() > peak {
+                peak = a.backing().held().get();
+                at_peak = (i, a.segments(), a.stats());
+            }
+        }
+        let r = replay(
+            name,
+            &trace,
+            &config,
+            &CostModel::H200_MEASURED,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        rows.push(format!(
+            "{name:20} frag {:5.2} % driver {:5.2} % grants {} maps {} unmaps {} held {} MiB req {} MiB",
+            r.fragmentation * 100.0,
+            r.modelled_driver_time_share * 100.0,
+            r.grants,
+            r.maps,
+            r.unmaps,
+            r.peak_held >> 20,
+            r.peak_requested >> 20
+        ));
+        let (i, segs, st) = at_peak;
+        eprintln!(
+            "== {name}: peak held {} MiB at event {i}/{}; allocated {} MiB, requested {} MiB",
+            peak >> 20,
+            trace.events.len(),
+            st.allocated.get() >> 20,
+            st.requested.get() >> 20
+        );
+        let mut hist: std::collections::BTreeMap<u64, (u32, u64)> = Default::default();
+        for s in &segs {
+            let mut layout = String::new();
+            for b in &s.blocks {
+                let mib = b.len as f64 / Bytes::MIB as f64;
+                if b.state == crate::alloc::BlockState::Allocated {
+                    layout += &format!("{mib:.2} ");
+                } else {
+                    layout += &format!("[{mib:.2}] ");
+                    let e = hist.entry((b.len * 4).div_ceil(Bytes::MIB)).or_default();
+                    e.0 += 1;
+                    e.1 += b.len;
+                }
+            }
+            if !s.small {
+                eprintln!("segment {:#x} {} MiB: {layout}", s.offset, s.len >> 20);
+            } else {
+                eprintln!("small segment {:#x} {} MiB", s.offset, s.len >> 20);
+            }
+        }
+        let h: Vec<String> = hist
+            .iter()
+            .map(|(q, (n, b))| {
+                format!(
+                    "<={:.2}MiB:{n}x={:.1}",
+                    *q as f64 / 4.0,
+                    *b as f64 / Bytes::MIB as f64
+                )
+            })
+            .collect();
+        eprintln!("free histogram: {}", h.join(" "));
+    }
+    for r in rows {
+        eprintln!("{r}");
+    }
+}
