@@ -11,6 +11,8 @@ use super::shared::{checksum_memory, report_mismatch};
 use super::Daemon;
 
 const TICK: Duration = Duration::from_millis(50);
+/// The scrub checksums a version in pieces of this size, pacing itself to the rate after each.
+const PIECE: u64 = 8 << 20;
 
 pub fn start(daemon: Arc<Daemon>) -> std::io::Result<JoinHandle<()>> {
     std::thread::Builder::new()
@@ -91,7 +93,7 @@ fn run(daemon: &Daemon) {
                 }
                 !stopping(daemon)
             };
-            match checksum_memory(device.as_ref(), &memory.handle, pace) {
+            match checksum_memory(device.as_ref(), &memory.handle, PIECE, pace) {
                 Ok(Some(actual)) => {
                     daemon.shared.scrub.versions.fetch_add(1, Ordering::Relaxed);
                     if actual != p.checksum {

@@ -4,8 +4,9 @@
 //!
 //! The one exception to "the daemon never maps tenant memory": to checksum a version at publish,
 //! to verify it on request and to scrub it, the daemon maps shared-buffer versions read-only and
-//! reads them (`Device::read`: a copy on the host backend, a device-to-host copy on cuda). It never
-//! maps a tenant's private grants.
+//! checksums them (`Device::feed_checksum`: a kernel over device memory on cuda, through the
+//! reader device's context; a copy to the host on the host backend). It never maps a tenant's
+//! private grants.
 
 use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
@@ -415,7 +416,7 @@ impl Op<'_> {
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
-        let checksum = checksum_memory(device.as_ref(), &memory.handle, |_| true)
+        let checksum = checksum_memory(device.as_ref(), &memory.handle, u64::MAX, |_| true)
             .map_err(|e| {
                 device_error(format!("cannot read version {version} to checksum it: {e}"))
             })?
@@ -450,7 +451,7 @@ impl Op<'_> {
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
-        let actual = checksum_memory(device.as_ref(), &memory.handle, |_| true)
+        let actual = checksum_memory(device.as_ref(), &memory.handle, u64::MAX, |_| true)
             .map_err(|e| device_error(format!("cannot read version {version}: {e}")))?
             .expect("not cancelled");
         if actual != expected {
@@ -516,26 +517,25 @@ fn wait_newer(
     }
 }
 
-/// Reads a handle through a read-only mapping of the daemon's own and checksums it. `pace` is
-/// told the bytes read after each piece and may stop the read (`false`: `Ok(None)`).
+/// Maps a handle read-only in the daemon's own range and checksums it in pieces of `piece` bytes
+/// (`Device::feed_checksum`: a kernel on the GPU for the cuda backend, a copy to the host on the
+/// host backend). `pace` is told the bytes done after each piece and may stop (`false`: `Ok(None)`).
 pub fn checksum_memory(
     device: &dyn Device,
     handle: &Handle,
+    piece: u64,
     mut pace: impl FnMut(u64) -> bool,
 ) -> Result<Option<u64>, DeviceError> {
-    const PIECE: usize = 8 << 20;
     let size = handle.size();
     let res = device.reserve(size)?;
     device.map(&res, Bytes::ZERO, handle, Access::ReadOnly)?;
-    let mut buf = vec![0u8; PIECE.min(size.get() as usize)];
     let mut sum = Checksummer::new();
     let mut at = 0u64;
     while at < size.get() {
-        let n = buf.len().min((size.get() - at) as usize);
-        device.read(&res, Bytes(at), &mut buf[..n])?;
-        sum.update(&buf[..n]);
-        at += n as u64;
-        if !pace(n as u64) {
+        let n = piece.max(1).min(size.get() - at);
+        device.feed_checksum(&res, Bytes(at), Bytes(n), &mut sum)?;
+        at += n;
+        if !pace(n) {
             return Ok(None);
         }
     }
