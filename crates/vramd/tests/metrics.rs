@@ -211,6 +211,9 @@ fn scraped_figures_match_status_while_tenants_take_and_return() {
     // A tenant that leaves takes its series with it.
     alpha.exit();
     churn.exit();
+    // The daemon notices a closed socket on its own schedule: wait for it, then scrape.
+    let gone = wait_until(Duration::from_secs(5), || d.status().tenants.len() == 1);
+    assert!(gone, "{:#?}", d.status().tenants);
     let m = scrape(addr);
     assert!(!m.keys().any(|k| k.contains("tenant=\"alpha\"")), "{m:#?}");
     assert_eq!(m["vramd_tenants"], 1.0);
@@ -245,4 +248,112 @@ fn metrics_off_serves_nothing_and_a_taken_address_is_an_error() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot listen for metrics"), "{err}");
+}
+
+/// The shared-buffer series against `vramd status --json`: a publish, a writer conflict, and a
+/// byte flipped behind the daemon's back that the scrub finds.
+#[test]
+fn shared_buffer_series_match_status() {
+    use vram_client::{Acl, Client, ClientError, Principal, TenantOptions};
+    use vram_core::Bytes;
+
+    let d = Daemon::start(&format!("{CONFIG}[shared]\nscrub_rate = \"256 MiB\"\n"));
+    let addr = metrics_addr(&d);
+    let m = scrape(addr);
+    for k in [
+        "vramd_shared_publishes_total",
+        "vramd_shared_conflicts_total",
+        "vramd_shared_leases_expired_total",
+        "vramd_shared_scrub_bytes_total",
+        "vramd_shared_scrub_mismatches_total",
+    ] {
+        assert_eq!(m.get(k), Some(&0.0), "{k}: {m:#?}");
+    }
+    assert_eq!(
+        m["vramd_shared_scrub_rate_bytes_per_second"],
+        (256u64 << 20) as f64
+    );
+
+    let owner = Client::connect(Some(&d.socket), &TenantOptions::named("trainer")).unwrap();
+    let other = Client::connect(Some(&d.socket), &TenantOptions::named("other")).unwrap();
+    let acl = Acl {
+        readers: vec![Principal::Anyone],
+        writers: vec![Principal::Anyone],
+    };
+    let size = Bytes::mib(4);
+    let buf = owner.create_shared("weights", size, acl).unwrap();
+    let lease = buf.lease(Duration::from_secs(10)).unwrap();
+    let draft = lease.begin_write(None).unwrap();
+    draft
+        .write(Bytes::ZERO, &vec![7u8; size.get() as usize])
+        .unwrap();
+    draft.publish_keeping_mapping().unwrap();
+    let pinned = buf.pin().unwrap();
+    // A second writer while the lease is held: a conflict.
+    let theirs = other.open_shared("weights").unwrap();
+    assert!(matches!(
+        theirs.lease(Duration::from_secs(10)),
+        Err(ClientError::Daemon(ref r)) if r.code == vram_proto::ErrorCode::Conflict
+    ));
+    // The writer's mapping outlived its publish: flip one byte of the published version.
+    draft.write(Bytes(12_345), &[8]).unwrap();
+    let found = wait_until(Duration::from_secs(5), || {
+        d.status().shared.scrub.mismatches >= 1
+    });
+    assert!(found, "the scrub never noticed:\n{}", d.log());
+
+    // The scrub goes on (and finds the same version again at each pass): its counters lie
+    // between the status read before the scrape and the one read after.
+    let before = status_json(&d);
+    let m = scrape(addr);
+    let after = status_json(&d);
+    let within = |k: &str, b: u64, a: u64| {
+        let v = m[k];
+        assert!((b as f64..=a as f64).contains(&v), "{k}: {b} <= {v} <= {a}");
+    };
+    within(
+        "vramd_shared_scrub_mismatches_total",
+        before.shared.scrub.mismatches,
+        after.shared.scrub.mismatches,
+    );
+    within(
+        "vramd_shared_scrub_bytes_total",
+        before.shared.scrub.bytes,
+        after.shared.scrub.bytes,
+    );
+    assert!(m["vramd_shared_scrub_mismatches_total"] >= 1.0);
+    let s = &after.shared;
+    assert_eq!(s.publishes, 1);
+    assert_eq!(m["vramd_shared_publishes_total"], s.publishes as f64);
+    assert_eq!(
+        m["vramd_shared_publish_bytes_total"],
+        s.publish_bytes as f64
+    );
+    assert!(s.conflicts >= 1);
+    assert_eq!(m["vramd_shared_conflicts_total"], s.conflicts as f64);
+    assert_eq!(
+        m["vramd_shared_leases_expired_total"],
+        s.leases_expired as f64
+    );
+    let dev = &after.devices[0];
+    let l = format!("{{gpu=\"{}\",uuid=\"{}\"}}", dev.index, dev.uuid);
+    let info = &s.buffers[0].info;
+    assert_eq!(m[&format!("vramd_shared_buffers{l}")], 1.0);
+    assert_eq!(
+        m[&format!("vramd_shared_versions{l}")],
+        info.versions as f64
+    );
+    assert_eq!(
+        m[&format!("vramd_shared_bytes{l}")],
+        info.bytes.get() as f64
+    );
+    assert_eq!(m[&format!("vramd_shared_pins{l}")], info.pins as f64);
+    assert_eq!(m[&format!("vramd_shared_corrupt_versions{l}")], 1.0);
+    assert_eq!(info.corrupt, vec![pinned.version()]);
+
+    drop(pinned);
+    drop(draft);
+    drop(lease);
+    drop(theirs);
+    d.stop();
 }

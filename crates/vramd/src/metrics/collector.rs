@@ -216,7 +216,145 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
         Counter,
         none(r.daemon.protocol_errors),
     )?;
+    encode_shared(r, e)?;
     let mut info = e.encode_descriptor("build", "The daemon's version", None, MetricType::Info)?;
     info.encode_info(&[("version", r.daemon.version.as_str())])?;
     Ok(())
+}
+
+/// The shared buffers: per-GPU gauges of what they hold, and the daemon-wide counters of publish,
+/// conflicts, expired leases and the scrub.
+fn encode_shared(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
+    use MetricType::{Counter, Gauge};
+    let bytes = Some(&Unit::Bytes);
+    let s = &r.shared;
+    // One sample per device, zero where it has no buffer, so that the series exist from the start.
+    let per_gpu = |f: fn(&vram_proto::SharedBufferStatus) -> u64| {
+        r.devices.iter().map(move |d| {
+            let total = s
+                .buffers
+                .iter()
+                .filter(|b| b.gpu == d.index)
+                .map(f)
+                .sum::<u64>();
+            (
+                [("gpu", d.index.to_string()), ("uuid", d.uuid.clone())],
+                total,
+            )
+        })
+    };
+    family(
+        e,
+        "shared_buffers",
+        "Shared buffers (deleted ones still pinned by readers excluded)",
+        None,
+        Gauge,
+        per_gpu(|b| u64::from(!b.info.deleted)),
+    )?;
+    family(
+        e,
+        "shared_versions",
+        "Versions of shared buffers holding memory: current, pinned old ones, drafts",
+        None,
+        Gauge,
+        per_gpu(|b| u64::from(b.info.versions)),
+    )?;
+    family(
+        e,
+        "shared",
+        "Memory held by shared-buffer versions (counted once, however many readers map it)",
+        bytes,
+        Gauge,
+        per_gpu(|b| b.info.bytes.get()),
+    )?;
+    family(
+        e,
+        "shared_pins",
+        "Readers' pins on shared-buffer versions",
+        None,
+        Gauge,
+        per_gpu(|b| b.info.pins),
+    )?;
+    family(
+        e,
+        "shared_corrupt_versions",
+        "Published versions still held whose bytes no longer match their checksum",
+        None,
+        Gauge,
+        per_gpu(|b| b.info.corrupt.len() as u64),
+    )?;
+
+    let none = |v: u64| [([] as [(&str, &str); 0], v)];
+    family(
+        e,
+        "shared_publishes",
+        "Versions published",
+        None,
+        Counter,
+        none(s.publishes),
+    )?;
+    family(
+        e,
+        "shared_publish",
+        "Bytes checksummed at publish",
+        bytes,
+        Counter,
+        none(s.publish_bytes),
+    )?;
+    family(
+        e,
+        "shared_conflicts",
+        "Writer conflicts refused (lease held, lease lost, stale base)",
+        None,
+        Counter,
+        none(s.conflicts),
+    )?;
+    family(
+        e,
+        "shared_leases_expired",
+        "Writer leases that ran out unrenewed (their drafts discarded)",
+        None,
+        Counter,
+        none(s.leases_expired),
+    )?;
+    family(
+        e,
+        "shared_scrub_rate",
+        "The scrub's configured rate, bytes per second (0: off)",
+        Some(&Unit::Other("bytes_per_second".into())),
+        Gauge,
+        none(s.scrub.rate),
+    )?;
+    family(
+        e,
+        "shared_scrub",
+        "Bytes the scrub re-checksummed",
+        bytes,
+        Counter,
+        none(s.scrub.bytes),
+    )?;
+    family(
+        e,
+        "shared_scrub_passes",
+        "Scrub passes over every published version",
+        None,
+        Counter,
+        none(s.scrub.passes),
+    )?;
+    family(
+        e,
+        "shared_scrub_versions",
+        "Versions the scrub re-checksummed",
+        None,
+        Counter,
+        none(s.scrub.versions),
+    )?;
+    family(
+        e,
+        "shared_scrub_mismatches",
+        "Published versions found changed since publish (by the scrub or a verify on request)",
+        None,
+        Counter,
+        none(s.scrub.mismatches),
+    )
 }
