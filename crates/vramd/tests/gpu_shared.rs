@@ -136,7 +136,8 @@ fn publish_latency_and_checksum_throughput_on_the_gpu() {
         assert!(p.verify().unwrap());
         let verify = t.elapsed();
         println!(
-            "MEASURED publish of {size} on the GPU (read back with Device::read, XXH3 on the host): \
+            "MEASURED publish of {size} on the GPU (the daemon maps the draft read-only and \
+             checksums it with a kernel on the GPU, nothing copied to the host): \
              median {median:.2?} ({:.2} GiB/s); verify {verify:.2?}",
             size.get() as f64 / (1u64 << 30) as f64 / median.as_secs_f64()
         );
