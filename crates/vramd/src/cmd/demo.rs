@@ -32,7 +32,7 @@ const CHUNK: &str = "512MiB";
 /// Starts a scripted tenant and waits until it is admitted.
 fn spawn_tenant(exe: &Path, socket: &Path, name: &str, flags: &[&str]) -> anyhow::Result<Scripted> {
     let mut t = Scripted::spawn(exe, socket, name, flags)?;
-    let hello = t.next()?;
+    let hello = t.answer()?;
     if hello["event"] != "welcome" {
         bail!("tenant {name} was not admitted: {hello}");
     }

@@ -374,7 +374,7 @@ impl Scripted {
     }
 
     /// The next JSON line the tenant printed.
-    pub fn next(&mut self) -> anyhow::Result<serde_json::Value> {
+    pub fn answer(&mut self) -> anyhow::Result<serde_json::Value> {
         let line = self
             .lines
             .recv_timeout(Self::ANSWER_TIMEOUT)
@@ -397,7 +397,7 @@ impl Scripted {
     /// Sends a command and returns its answer.
     pub fn cmd(&mut self, line: &str) -> anyhow::Result<serde_json::Value> {
         self.send(line)?;
-        self.next()
+        self.answer()
     }
 
     /// Closes the tenant's input (end of commands).

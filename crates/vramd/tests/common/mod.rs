@@ -154,7 +154,7 @@ impl Tenant {
 
     /// The next JSON line (60 s at most).
     pub fn next(&mut self) -> Value {
-        self.inner.next().unwrap()
+        self.inner.answer().unwrap()
     }
 
     /// Sends a command without waiting for its answer.
