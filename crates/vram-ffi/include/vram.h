@@ -82,7 +82,7 @@ int vram_shared_release_lease(vram_shared_t *h);
 /* Fresh memory for the next version, written from version `base` (0 before the first publish;
  * a base that is no longer current is a conflict). Stores the new version in *version. */
 void *vram_shared_begin_write(vram_shared_t *h, uint64_t base, uint64_t *version);
-/* Publishes the draft; stores the daemon's checksum (XXH3-64) in *checksum if not NULL. */
+/* Publishes the draft; stores the daemon's checksum (vram_core::shared::checksum) in *checksum if not NULL. */
 int vram_shared_publish(vram_shared_t *h, uint64_t *checksum);
 
 /* Pins the current version; stores its number, checksum and size where not NULL. */
