@@ -15,7 +15,8 @@ use std::collections::HashMap;
 pub use cost::CostModel;
 
 use crate::alloc::{
-    AllocConfig, AllocError, Allocator, AlwaysComplete, Fence, ModelBacking, StreamId,
+    AllocConfig, AllocError, Allocator, AlwaysComplete, BackingCounts, Fence, ModelBacking,
+    StreamId,
 };
 use crate::trace::{Action, Trace};
 use crate::Bytes;
@@ -101,35 +102,50 @@ pub fn replay(
     let counts = a.backing().counts();
     let peak_held = a.backing().peak_held().get();
     let peak_requested = stats.requested_peak.get();
-    let wall_us = trace.wall_us();
-    let share = |us: f64| {
-        if wall_us == 0 {
-            0.0
-        } else {
-            us / wall_us as f64
-        }
-    };
-    let modelled = costs.driver_us(&counts);
-    Ok(ReplayResult {
-        trace: name.to_string(),
-        events: total,
-        skipped_frees: trace.skipped_frees,
+    Ok(ReplayResult::new(
+        name,
+        trace,
         peak_requested,
         peak_held,
-        fragmentation: if peak_held == 0 {
-            0.0
-        } else {
-            1.0 - peak_requested as f64 / peak_held as f64
-        },
-        grants: counts.grants,
-        maps: counts.maps,
-        unmaps: counts.unmaps,
-        returns: counts.releases,
-        mapped_bytes: counts.mapped_bytes,
-        wall_us,
-        cost_model: costs.name,
-        modelled_driver_us: modelled,
-        modelled_driver_time_share: share(modelled),
-        design_table_driver_time_share: share(CostModel::DESIGN_TABLE.driver_us(&counts)),
-    })
+        &counts,
+        costs,
+    ))
+}
+
+impl ReplayResult {
+    /// The figures of a replay of `trace` whose backing made the calls in `counts`.
+    pub fn new(
+        name: &str,
+        trace: &Trace,
+        peak_requested: u64,
+        peak_held: u64,
+        counts: &BackingCounts,
+        costs: &CostModel,
+    ) -> ReplayResult {
+        let wall_us = trace.wall_us();
+        let modelled = costs.driver_us(counts);
+        ReplayResult {
+            trace: name.to_string(),
+            events: trace.events.len(),
+            skipped_frees: trace.skipped_frees,
+            peak_requested,
+            peak_held,
+            fragmentation: if peak_held == 0 {
+                0.0
+            } else {
+                1.0 - peak_requested as f64 / peak_held as f64
+            },
+            grants: counts.grants,
+            maps: counts.maps,
+            unmaps: counts.unmaps,
+            returns: counts.releases,
+            mapped_bytes: counts.mapped_bytes,
+            wall_us,
+            cost_model: costs.name,
+            modelled_driver_us: modelled,
+            modelled_driver_time_share: trace.share_of_wall(modelled),
+            design_table_driver_time_share: trace
+                .share_of_wall(CostModel::DESIGN_TABLE.driver_us(counts)),
+        }
+    }
 }

@@ -39,6 +39,14 @@ pub struct Trace {
 
 impl Trace {
     /// Microseconds from the first event to the last.
+    /// `us` as a share of the trace's wall time (0 for a trace without duration).
+    pub fn share_of_wall(&self, us: f64) -> f64 {
+        match self.wall_us() {
+            0 => 0.0,
+            wall => us / wall as f64,
+        }
+    }
+
     pub fn wall_us(&self) -> u64 {
         match (self.events.first(), self.events.last()) {
             (Some(a), Some(b)) => b.time_us.saturating_sub(a.time_us),

@@ -11,7 +11,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use vram_client::alloc::{CachingAllocator, HostEvents, LocalSource, MappedBacking};
 use vram_core::alloc::{AllocConfig, BackingCounts, StreamId};
-use vram_core::replay::CostModel;
+use vram_core::replay::{CostModel, ReplayResult};
 use vram_core::trace::{parse_snapshot, Action, Trace};
 use vram_core::Bytes;
 use vram_device::{CudaDevice, Device, HostDevice};
@@ -36,26 +36,12 @@ pub enum ReplayBackend {
     Cuda,
 }
 
-/// One trace's figures. Sizes in bytes, times in microseconds.
+/// One trace's figures (sizes in bytes, times in microseconds): the core replay's, plus what the
+/// real client path measured.
 #[derive(Debug, Serialize)]
 pub struct Outcome {
-    pub trace: String,
-    pub events: usize,
-    pub skipped_frees: usize,
-    pub peak_requested: u64,
-    pub peak_held: u64,
-    pub fragmentation: f64,
-    pub grants: u64,
-    pub maps: u64,
-    pub unmaps: u64,
-    pub returns: u64,
-    pub mapped_bytes: u64,
-    pub wall_us: u64,
-    pub cost_model: &'static str,
-    pub modelled_driver_us: f64,
-    pub modelled_driver_time_share: f64,
-    /// The same share priced with DESIGN.md's table as written (set-access per MiB).
-    pub design_table_driver_time_share: f64,
+    #[serde(flatten)]
+    pub result: ReplayResult,
     /// Allocations served from a thread cache without the core.
     pub fast_allocs: u64,
     pub backend: &'static str,
@@ -165,45 +151,23 @@ pub fn replay(name: &str, trace: &Trace, backend: ReplayBackend) -> anyhow::Resu
         granted_bytes: s.granted_bytes.get(),
         mapped_bytes: s.mapped_bytes.get(),
     };
-    let wall_us = trace.wall_us();
-    let share = |us: f64| {
-        if wall_us == 0 {
-            0.0
-        } else {
-            us / wall_us as f64
-        }
-    };
-    let model = CostModel::H200_MEASURED;
-    let modelled = model.driver_us(&counts);
-    let peak_held = s.held_peak.get();
+    let measured_us = spent.as_secs_f64() * 1e6;
     Ok(Outcome {
-        trace: name.to_string(),
-        events: trace.events.len(),
-        skipped_frees: trace.skipped_frees,
-        peak_requested,
-        peak_held,
-        fragmentation: if peak_held == 0 {
-            0.0
-        } else {
-            1.0 - peak_requested as f64 / peak_held as f64
-        },
-        grants: s.grants,
-        maps: s.maps,
-        unmaps: s.unmaps,
-        returns: s.returns,
-        mapped_bytes: s.mapped_bytes.get(),
-        wall_us,
-        cost_model: model.name,
-        modelled_driver_us: modelled,
-        modelled_driver_time_share: share(modelled),
-        design_table_driver_time_share: share(CostModel::DESIGN_TABLE.driver_us(&counts)),
+        result: ReplayResult::new(
+            name,
+            trace,
+            peak_requested,
+            s.held_peak.get(),
+            &counts,
+            &CostModel::H200_MEASURED,
+        ),
         fast_allocs: alloc.stats().fast_allocs,
         backend: match backend {
             ReplayBackend::Host => "host",
             ReplayBackend::Cuda => "cuda",
         },
-        measured_allocator_us: spent.as_secs_f64() * 1e6,
-        measured_allocator_time_share: share(spent.as_secs_f64() * 1e6),
+        measured_allocator_us: measured_us,
+        measured_allocator_time_share: trace.share_of_wall(measured_us),
     })
 }
 
@@ -226,20 +190,21 @@ fn table(outcomes: &[Outcome]) -> String {
         "(TABLE)"
     );
     for o in outcomes {
+        let r = &o.result;
         let _ = writeln!(
             out,
             "{:<24} {:>8} {:>12} {:>12} {:>6.2}% {:>7} {:>6} {:>7} {:>7} {:>8.2}% {:>8.2}% {:>8.2}%",
-            o.trace,
-            o.events,
-            Bytes(o.peak_requested).to_string(),
-            Bytes(o.peak_held).to_string(),
-            o.fragmentation * 100.0,
-            o.grants,
-            o.maps,
-            o.unmaps,
-            o.returns,
-            o.modelled_driver_time_share * 100.0,
-            o.design_table_driver_time_share * 100.0,
+            r.trace,
+            r.events,
+            Bytes(r.peak_requested).to_string(),
+            Bytes(r.peak_held).to_string(),
+            r.fragmentation * 100.0,
+            r.grants,
+            r.maps,
+            r.unmaps,
+            r.returns,
+            r.modelled_driver_time_share * 100.0,
+            r.design_table_driver_time_share * 100.0,
             o.measured_allocator_time_share * 100.0
         );
     }
