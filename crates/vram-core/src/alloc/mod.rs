@@ -81,7 +81,7 @@ impl Default for AllocConfig {
             align: Bytes(512),
             min_grow: Bytes::mib(2),
             max_handle: Bytes::mib(64),
-            grow_slack: 0.02,
+            grow_slack: 0.01,
             release_delay_us: 10_000_000,
             keep_fraction: 0.0625,
         }
