@@ -17,6 +17,8 @@
 
 pub mod checksum;
 mod error;
+mod lease;
+mod versions;
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -322,267 +324,6 @@ impl SharedBuffers {
         Ok(self.remove(broker, id))
     }
 
-    /// Takes the writer lease for `ttl_ms`, or renews it if `who` holds it already.
-    pub fn acquire(
-        &mut self,
-        broker: &mut Broker,
-        who: TenantId,
-        id: BufferId,
-        ttl_ms: u64,
-        now_ms: u64,
-    ) -> Result<(LeaseInfo, Vec<Freed>), SharedError> {
-        let freed = self.expire_one(broker, id, now_ms);
-        self.check(broker, who, id, "write")?;
-        let name = tenant(broker, who)?.name.clone();
-        let b = self.buffers.get_mut(&id).expect("checked");
-        match &mut b.lease {
-            Some(l) if l.holder == who => l.expires_ms = now_ms.saturating_add(ttl_ms),
-            Some(l) => {
-                return Err(SharedError::LeaseHeld {
-                    buffer: b.name.clone(),
-                    holder: l.holder_name.clone(),
-                    expires_in_ms: l.expires_ms.saturating_sub(now_ms),
-                    current: b.current,
-                })
-            }
-            None => {
-                b.lease = Some(Lease {
-                    holder: who,
-                    holder_name: name.clone(),
-                    expires_ms: now_ms.saturating_add(ttl_ms),
-                    draft: None,
-                })
-            }
-        }
-        let expires_ms = b.lease.as_ref().expect("just set").expires_ms;
-        Ok((
-            LeaseInfo {
-                holder: name,
-                expires_ms,
-            },
-            freed,
-        ))
-    }
-
-    /// Extends a lease `who` still holds. A lease that ran out is lost, not renewed.
-    pub fn renew(
-        &mut self,
-        broker: &mut Broker,
-        who: TenantId,
-        id: BufferId,
-        ttl_ms: u64,
-        now_ms: u64,
-    ) -> Result<(LeaseInfo, Vec<Freed>), SharedError> {
-        let freed = self.expire_one(broker, id, now_ms);
-        self.holder(broker, who, id)?;
-        self.acquire(broker, who, id, ttl_ms, now_ms)
-            .map(|(l, more)| (l, freed.into_iter().chain(more).collect()))
-    }
-
-    /// Gives the lease up; an unpublished draft is discarded.
-    pub fn release_lease(
-        &mut self,
-        broker: &mut Broker,
-        who: TenantId,
-        id: BufferId,
-        now_ms: u64,
-    ) -> Result<Vec<Freed>, SharedError> {
-        let mut freed = self.expire_one(broker, id, now_ms);
-        self.holder(broker, who, id)?;
-        let b = self.buffers.get_mut(&id).expect("checked");
-        let draft = b.lease.take().and_then(|l| l.draft);
-        freed.extend(draft.and_then(|v| self.free_if_unused(broker, id, v)));
-        Ok(freed)
-    }
-
-    /// Starts version `v+1` from `base` (the version the writer read, or `None` before the first
-    /// publish): charges a version's memory to the owner and returns the draft's number. A draft
-    /// begun earlier and not published is discarded.
-    pub fn begin_write(
-        &mut self,
-        broker: &mut Broker,
-        who: TenantId,
-        id: BufferId,
-        base: Option<Version>,
-        now_ms: u64,
-    ) -> Result<(Version, Vec<Freed>), SharedError> {
-        let mut freed = self.expire_one(broker, id, now_ms);
-        self.holder(broker, who, id)?;
-        let b = self.buffers.get_mut(&id).expect("checked");
-        if base != b.current {
-            return Err(SharedError::StaleBase {
-                buffer: b.name.clone(),
-                base,
-                current: b.current,
-            });
-        }
-        broker
-            .grant(b.owner, b.size)
-            .map_err(|source| SharedError::Memory {
-                buffer: b.name.clone(),
-                source,
-            })?;
-        let v = Version(b.next_version);
-        b.next_version += 1;
-        b.versions.insert(
-            v,
-            VersionState {
-                checksum: None,
-                pins: BTreeMap::new(),
-                corrupt: false,
-            },
-        );
-        let lease = b.lease.as_mut().expect("checked");
-        let old = lease.draft.replace(v);
-        freed.extend(old.and_then(|o| self.free_if_unused(broker, id, o)));
-        Ok((v, freed))
-    }
-
-    /// Checks that `version` is `who`'s draft of `id` and may be published now (before the daemon
-    /// spends time checksumming it); [`SharedBuffers::publish`] checks again.
-    pub fn check_draft(
-        &self,
-        broker: &Broker,
-        who: TenantId,
-        id: BufferId,
-        version: Version,
-        now_ms: u64,
-    ) -> Result<Bytes, SharedError> {
-        let b = self.live(id)?;
-        let t = tenant(broker, who)?;
-        let current = b.current;
-        let lease = match &b.lease {
-            Some(l) if l.holder == who && l.expires_ms > now_ms => l,
-            _ => {
-                return Err(SharedError::NoLease {
-                    buffer: b.name.clone(),
-                    tenant: t.name.clone(),
-                    current,
-                })
-            }
-        };
-        if lease.draft != Some(version) {
-            let stale = current.is_some_and(|c| c > version);
-            return Err(if stale {
-                SharedError::StaleBase {
-                    buffer: b.name.clone(),
-                    base: Some(Version(version.0.saturating_sub(1))),
-                    current,
-                }
-            } else {
-                SharedError::NoDraft {
-                    buffer: b.name.clone(),
-                    version,
-                    draft: lease.draft,
-                    current,
-                }
-            });
-        }
-        Ok(b.size)
-    }
-
-    /// Makes `who`'s draft `version` the current version, with the checksum the daemon computed.
-    /// The previous current version is freed unless pinned. The writer keeps its lease.
-    pub fn publish(
-        &mut self,
-        broker: &mut Broker,
-        who: TenantId,
-        id: BufferId,
-        version: Version,
-        checksum: u64,
-        now_ms: u64,
-    ) -> Result<Vec<Freed>, SharedError> {
-        let mut freed = self.expire_one(broker, id, now_ms);
-        self.check_draft(broker, who, id, version, now_ms)?;
-        let b = self.buffers.get_mut(&id).expect("checked");
-        b.lease.as_mut().expect("checked").draft = None;
-        b.versions.get_mut(&version).expect("draft").checksum = Some(checksum);
-        let old = b.current.replace(version);
-        b.publishes += 1;
-        freed.extend(old.and_then(|o| self.free_if_unused(broker, id, o)));
-        Ok(freed)
-    }
-
-    /// Pins the current published version for `who`; returns it and its checksum.
-    pub fn pin(
-        &mut self,
-        broker: &Broker,
-        who: TenantId,
-        id: BufferId,
-    ) -> Result<(Version, u64), SharedError> {
-        self.check(broker, who, id, "read")?;
-        let b = self.buffers.get_mut(&id).expect("checked");
-        let Some(v) = b.current else {
-            return Err(SharedError::NothingPublished(b.name.clone()));
-        };
-        let s = b.versions.get_mut(&v).expect("current is held");
-        *s.pins.entry(who).or_default() += 1;
-        Ok((v, s.checksum.expect("published")))
-    }
-
-    /// Drops one of `who`'s pins on `version`; the version goes if that was the last use of it.
-    pub fn unpin(
-        &mut self,
-        broker: &mut Broker,
-        who: TenantId,
-        id: BufferId,
-        version: Version,
-    ) -> Result<Vec<Freed>, SharedError> {
-        let b = self
-            .buffers
-            .get_mut(&id)
-            .ok_or_else(|| SharedError::NoSuchBuffer(format!("#{}", id.0)))?;
-        let not_pinned = || SharedError::NotPinned {
-            buffer: b.name.clone(),
-            version,
-        };
-        let s = b.versions.get_mut(&version).ok_or_else(not_pinned)?;
-        let n = s.pins.get_mut(&who).ok_or_else(not_pinned)?;
-        *n -= 1;
-        if *n == 0 {
-            s.pins.remove(&who);
-        }
-        Ok(self
-            .free_if_unused(broker, id, version)
-            .into_iter()
-            .collect())
-    }
-
-    /// The checksum recorded at publish of a version still held (for verification).
-    pub fn checksum_of(&self, id: BufferId, version: Version) -> Result<u64, SharedError> {
-        let b = self
-            .buffers
-            .get(&id)
-            .ok_or_else(|| SharedError::NoSuchBuffer(format!("#{}", id.0)))?;
-        b.versions
-            .get(&version)
-            .and_then(|s| s.checksum)
-            .ok_or_else(|| SharedError::NoSuchVersion {
-                buffer: b.name.clone(),
-                version,
-            })
-    }
-
-    /// Takes back a draft whose memory could not be made; the writer keeps its lease.
-    pub fn discard_draft(
-        &mut self,
-        broker: &mut Broker,
-        who: TenantId,
-        id: BufferId,
-        version: Version,
-    ) -> Vec<Freed> {
-        let Some(lease) = self.buffers.get_mut(&id).and_then(|b| b.lease.as_mut()) else {
-            return Vec::new();
-        };
-        if lease.holder != who || lease.draft != Some(version) {
-            return Vec::new();
-        }
-        lease.draft = None;
-        self.free_if_unused(broker, id, version)
-            .into_iter()
-            .collect()
-    }
-
     /// Whether `version` of `id` is held (a draft, current, or pinned).
     pub fn holds(&self, id: BufferId, version: Version) -> bool {
         self.buffers
@@ -632,14 +373,6 @@ impl SharedBuffers {
         {
             s.corrupt = true;
         }
-    }
-
-    /// Takes every lease that ran out by `now_ms` away; their drafts are discarded.
-    pub fn expire(&mut self, broker: &mut Broker, now_ms: u64) -> Vec<Freed> {
-        let ids: Vec<BufferId> = self.buffers.keys().copied().collect();
-        ids.into_iter()
-            .flat_map(|id| self.expire_one(broker, id, now_ms))
-            .collect()
     }
 
     /// `who`'s connection is gone: its pins and leases go, and the buffers it owned are deleted
@@ -730,34 +463,6 @@ impl SharedBuffers {
         }
     }
 
-    /// Checks that `who` holds the (unexpired: call `expire_one` first) lease of `id`.
-    fn holder(&self, broker: &Broker, who: TenantId, id: BufferId) -> Result<(), SharedError> {
-        let b = self.live(id)?;
-        match &b.lease {
-            Some(l) if l.holder == who => Ok(()),
-            _ => Err(SharedError::NoLease {
-                buffer: b.name.clone(),
-                tenant: tenant(broker, who)?.name.clone(),
-                current: b.current,
-            }),
-        }
-    }
-
-    fn expire_one(&mut self, broker: &mut Broker, id: BufferId, now_ms: u64) -> Vec<Freed> {
-        let Some(b) = self.buffers.get_mut(&id) else {
-            return Vec::new();
-        };
-        if b.lease.as_ref().is_none_or(|l| l.expires_ms > now_ms) {
-            return Vec::new();
-        }
-        let draft = b.lease.take().and_then(|l| l.draft);
-        self.leases_expired += 1;
-        draft
-            .and_then(|v| self.free_if_unused(broker, id, v))
-            .into_iter()
-            .collect()
-    }
-
     /// Marks `id` deleted and frees what nobody uses; the entry goes with its last version.
     fn remove(&mut self, broker: &mut Broker, id: BufferId) -> Vec<Freed> {
         let b = self.buffers.get_mut(&id).expect("caller checked");
@@ -773,22 +478,6 @@ impl SharedBuffers {
             .into_iter()
             .filter_map(|v| self.free_if_unused(broker, id, v))
             .collect()
-    }
-
-    fn free_if_unused(&mut self, broker: &mut Broker, id: BufferId, v: Version) -> Option<Freed> {
-        let b = self.buffers.get_mut(&id)?;
-        if !b.versions.contains_key(&v) || !b.unused(v) {
-            return None;
-        }
-        b.versions.remove(&v);
-        broker.release(b.owner, b.size);
-        if b.deleted && b.versions.is_empty() {
-            self.buffers.remove(&id);
-        }
-        Some(Freed {
-            buffer: id,
-            version: v,
-        })
     }
 }
 
