@@ -90,7 +90,7 @@ fn connect() -> Result<Tenant, String> {
     let device = client.device().clone();
     let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::new(client.clone()))
         .map_err(|e| format!("vramd: cannot reserve address space: {e}"))?;
-    let alloc = CachingAllocator::new(config, backing, events);
+    let alloc = CachingAllocator::new(config, backing, events).with_limit(w.limit);
     client.on_reclaim(Box::new(|_, _| {
         RECLAIM_REQUESTS.fetch_add(1, Ordering::Relaxed);
         match TENANT.get() {

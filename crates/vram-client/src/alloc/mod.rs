@@ -112,6 +112,9 @@ pub struct CachingAllocator<S: HandleSource> {
     live: LiveTable,
     caches: ThreadCaches,
     events: Box<dyn StreamEvents>,
+    /// The tenant's limit, if known: a request that cannot fit under it however well the heap
+    /// were packed is refused at once, without taking (and giving back) memory in pieces.
+    limit: Option<Bytes>,
 }
 
 impl<S: HandleSource> CachingAllocator<S> {
@@ -132,7 +135,39 @@ impl<S: HandleSource> CachingAllocator<S> {
             live: LiveTable::default(),
             caches: ThreadCaches::default(),
             events,
+            limit: None,
         }
+    }
+
+    /// Knows the tenant's limit (see the `limit` field).
+    pub fn with_limit(mut self, limit: Bytes) -> Self {
+        self.limit = Some(limit);
+        self
+    }
+
+    /// Refuses a request larger than the limit minus what the application uses now.
+    fn check_limit(&self, size: Bytes, len: u64) -> Result<(), AllocError> {
+        let Some(limit) = self.limit else {
+            return Ok(());
+        };
+        let s = self.core().stats();
+        if len <= limit.get().saturating_sub(s.allocated.get()) {
+            return Ok(());
+        }
+        // Blocks idle in thread caches count as allocated in the core: they would come back.
+        let in_use = s.allocated.saturating_sub(Bytes(self.caches.bytes()));
+        if len <= limit.get().saturating_sub(in_use.get()) {
+            return Ok(());
+        }
+        Err(AllocError::OutOfMemory {
+            requested: size,
+            held: s.held,
+            allocated: in_use,
+            source: vram_core::alloc::Refused {
+                bytes: Bytes(len),
+                reason: format!("the tenant's limit is {limit} and {in_use} of it is in use"),
+            },
+        })
     }
 
     fn core(&self) -> MutexGuard<'_, Allocator<MappedBacking<S>>> {
@@ -153,6 +188,7 @@ impl<S: HandleSource> CachingAllocator<S> {
                 return Ok(self.base + offset);
             }
         }
+        self.check_limit(size, len)?;
         let block = self.core().alloc(size, stream, self.events.as_ref())?;
         self.live
             .insert(block.offset, block.size.get(), size.get(), stream);

@@ -213,3 +213,24 @@ fn segments_show_live_blocks_at_their_addresses_and_thread_cached_ones_as_free()
     let held: u64 = segments.iter().map(|s| s.len).sum();
     assert_eq!(held, a.stats().core.held.get());
 }
+
+#[test]
+fn a_request_over_the_limit_is_refused_without_taking_memory() {
+    let (dev, a) = host_allocator(Bytes::gib(8));
+    let a = a.with_limit(Bytes::gib(1));
+    let p = a.alloc(Bytes::mib(600), StreamId(0)).unwrap();
+    let used = dev.used();
+    let e = a.alloc(Bytes::mib(500), StreamId(0)).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("limit is 1 GiB and 600 MiB of it is in use"),
+        "{e}"
+    );
+    assert_eq!(
+        dev.used(),
+        used,
+        "nothing was taken for a request that cannot fit"
+    );
+    a.free(p, StreamId(0)).unwrap();
+    a.alloc(Bytes::mib(900), StreamId(0)).unwrap();
+}
