@@ -42,10 +42,14 @@ class _State:
         return self.torch.cuda.MemPool(self.allocator.allocator())
 
     def requeue(self):
-        """Puts our routing entry behind any added since (graph pools first)."""
+        """Puts our routing entry behind any added since (graph pools first).
+
+        End first: PyTorch refuses to begin routing to a pool that is already routed to. The
+        begin adds a use of the pool and the release takes it back, so its count is unchanged.
+        """
         with self.lock:
-            self.begin(self.device, self.pool.id)
             self.end(self.device, self.pool.id)
+            self.begin(self.device, self.pool.id)
             self.release(self.device, self.pool.id)
 
     def rotate(self):
