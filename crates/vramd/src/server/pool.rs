@@ -153,9 +153,19 @@ impl Pool {
             entry.target = (entry.target * 2).clamp(1, max_count.max(1));
         }
         self.wake.notify_all();
-        match self.make(size) {
-            Err(DeviceError::OutOfMemory { .. }) if self.evict(size) => self.make(size),
-            other => other,
+        // The device may be full of pooled memory, or of a handle the refill thread is making
+        // right now (not evictable until it lands): give way, and give the refill a moment.
+        let mut attempt = 0;
+        loop {
+            match self.make(size) {
+                Err(DeviceError::OutOfMemory { .. }) if attempt < 20 => {
+                    attempt += 1;
+                    if !self.evict(size) {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                }
+                other => return other,
+            }
         }
     }
 
@@ -172,10 +182,12 @@ impl Pool {
     /// Keeps a handle `tenant` gave back, for that tenant's next grant of the same size: it saves
     /// a create and an export, and hands the tenant nothing it has not seen. Another tenant never
     /// gets it. Returns the handle if there is no room to keep it.
-    pub fn recycle(&self, tenant: u64, ready: Ready) -> Option<Ready> {
+    /// `room` is what the pool may hold once the caller's books are updated (they are updated
+    /// after this call, so that no grant counts on memory that is not back yet).
+    pub fn recycle(&self, tenant: u64, ready: Ready, room: Bytes) -> Option<Ready> {
         let size = ready.handle.size();
         let mut s = self.lock();
-        let room = s.room.min(self.config.max);
+        let room = s.room.max(room).min(self.config.max);
         let bin = s.recycled.entry(tenant).or_default();
         if bin.len() >= RECYCLE_PER_TENANT || s.pooled + size > room {
             return Some(ready);

@@ -247,18 +247,24 @@ impl Slot {
                 handles.push(h);
             }
         }
+        // The room the pool will have once these bytes are back in the books.
+        let room = s.broker.free() + bytes;
+        drop(s);
+        // The memory first, the books after: a grant the books allow must find the memory free
+        // (or pooled, which gives way), never still on its way back. Each handle is kept for
+        // this tenant's own next grants, or released; never given to anyone else, so an import
+        // it kept reaches nobody else's data.
+        for handle in handles {
+            if let Ok(fd) = self.device.export(&handle) {
+                drop(self.pool.recycle(tenant.0, Ready { handle, fd }, room));
+            }
+        }
+        let mut s = self.lock();
         s.broker.release(tenant, bytes);
         let held = s.broker.tenant(tenant).map_or(Bytes::ZERO, |t| t.held);
         self.pool.set_room(s.broker.free());
         let wake = s.waiting > 0;
         drop(s);
-        // Kept for this tenant's own next grants, or released; never given to anyone else, so an
-        // import it kept reaches nobody else's data.
-        for handle in handles {
-            if let Ok(fd) = self.device.export(&handle) {
-                drop(self.pool.recycle(tenant.0, Ready { handle, fd }));
-            }
-        }
         if wake {
             self.returned.notify_all();
         }
@@ -272,29 +278,32 @@ impl Slot {
     /// The tenant is gone: everything it held goes back at once. Returns its final state and the
     /// number of handles released.
     pub fn disconnect(&self, tenant: TenantId) -> Option<(Tenant, usize)> {
+        let handles: Vec<Handle> = {
+            let mut s = self.lock();
+            let ids: Vec<GrantId> = s
+                .grants
+                .iter()
+                .filter(|(_, (t, _))| *t == tenant)
+                .map(|(id, _)| *id)
+                .collect();
+            s.conn_of.remove(&tenant);
+            ids.iter()
+                .filter_map(|id| s.grants.remove(id))
+                .map(|(_, h)| h)
+                .collect()
+        };
+        // The memory first, the books after (see `give_back`).
+        let n = handles.len();
+        drop(handles);
+        self.pool.forget(tenant.0);
         let mut s = self.lock();
-        let ids: Vec<GrantId> = s
-            .grants
-            .iter()
-            .filter(|(_, (t, _))| *t == tenant)
-            .map(|(id, _)| *id)
-            .collect();
-        let handles: Vec<Handle> = ids
-            .iter()
-            .filter_map(|id| s.grants.remove(id))
-            .map(|(_, h)| h)
-            .collect();
-        s.conn_of.remove(&tenant);
         let st = &mut *s;
         let shared = st.shared.disconnect(&mut st.broker, tenant);
         let state = st.broker.disconnect(tenant);
         self.pool.set_room(s.broker.free());
         let wake = s.waiting > 0;
         drop(s);
-        let n = handles.len();
-        drop(handles);
         drop(shared);
-        self.pool.forget(tenant.0);
         if wake {
             self.returned.notify_all();
         }
