@@ -11,25 +11,14 @@ use std::time::Instant;
 use vram_core::shared::checksum::{checksum, mix64};
 use vram_core::shared::Checksummer;
 use vram_core::Bytes;
-use vram_device::cuda::{self, CudaDevice};
+use vram_device::cuda::CudaDevice;
 use vram_device::{Access, Device, Reservation};
 
 /// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {
-    let which = std::env::var("VRAMD_TEST_GPU").unwrap_or_else(|_| "0".to_owned());
-    let reason = match cuda::probe() {
-        Ok(found) if found.is_empty() => "the driver sees no GPU".to_owned(),
-        Ok(_) => match CudaDevice::open(&which) {
-            Ok(dev) => return Some(dev),
-            Err(e) => e.to_string(),
-        },
-        Err(e) => e.to_string(),
-    };
-    if std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("no GPU: {reason} (VRAMD_REQUIRE_GPU=1)");
-    }
-    println!("skipping: no GPU: {reason}");
-    None
+    vram_device::cuda::testing::gpu_or_skip(
+        &std::env::var("VRAMD_TEST_GPU").unwrap_or_else(|_| "0".to_owned()),
+    )
 }
 
 const MIB: u64 = 1 << 20;

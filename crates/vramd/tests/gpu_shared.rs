@@ -11,26 +11,14 @@ use std::time::{Duration, Instant};
 use common::Daemon;
 use vram_client::{Acl, Client, Principal, TenantOptions};
 use vram_core::Bytes;
-use vram_device::cuda::{self, CudaDevice};
+use vram_device::cuda::CudaDevice;
 
 const CONFIG: &str =
     "[pool]\nmax = \"64 MiB\"\nsizes = [\"2 MiB\"]\ninitial = 2\n[shared]\nscrub_rate = \"0\"\n";
 const ROLE: &str = "VRAMD_GPU_SHARED_ROLE";
 
 fn gpu() -> Option<CudaDevice> {
-    let reason = match cuda::probe() {
-        Ok(found) if found.is_empty() => "the driver sees no GPU".to_owned(),
-        Ok(_) => match CudaDevice::open("0") {
-            Ok(dev) => return Some(dev),
-            Err(e) => e.to_string(),
-        },
-        Err(e) => e.to_string(),
-    };
-    if std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1") {
-        panic!("no GPU: {reason} (VRAMD_REQUIRE_GPU=1)");
-    }
-    println!("skipping: no GPU: {reason}");
-    None
+    vram_device::cuda::testing::gpu_or_skip("0")
 }
 
 fn free_on_gpu(dev: &CudaDevice) -> Bytes {
