@@ -78,20 +78,12 @@ impl HostDevice {
         }
     }
 
-    /// Checks that `res` is a host reservation and `[offset, offset+len)` a granularity-aligned
-    /// range inside it.
     fn check_aligned_range(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<()> {
-        check_kind("reservation", BackendKind::Host, res.kind())?;
-        check_aligned("offset", offset, self.granularity())?;
-        check_size("length", len, self.granularity())?;
-        res.check_range(offset, len)
+        res.check_aligned_range(BackendKind::Host, offset, len, self.granularity())
     }
 
-    /// Checks a copy of `len` bytes at `offset` and returns its address.
     fn check_copy(&self, res: &Reservation, offset: Bytes, len: usize) -> Result<usize> {
-        check_kind("reservation", BackendKind::Host, res.kind())?;
-        res.check_range(offset, Bytes(len as u64))?;
-        Ok(res.addr(offset))
+        res.check_copy(BackendKind::Host, offset, len)
     }
 }
 

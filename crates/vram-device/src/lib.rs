@@ -377,6 +377,28 @@ impl Reservation {
         self.mappings.write().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Checks that this is a `kind` reservation and `[offset, offset+len)` a range of whole
+    /// granules inside it (what map, unmap and set_access need).
+    fn check_aligned_range(
+        &self,
+        kind: BackendKind,
+        offset: Bytes,
+        len: Bytes,
+        granularity: Bytes,
+    ) -> Result<()> {
+        check_kind("reservation", kind, self.kind())?;
+        check_aligned("offset", offset, granularity)?;
+        check_size("length", len, granularity)?;
+        self.check_range(offset, len)
+    }
+
+    /// Checks a copy of `len` bytes at `offset` into a `kind` reservation; returns its address.
+    fn check_copy(&self, kind: BackendKind, offset: Bytes, len: usize) -> Result<usize> {
+        check_kind("reservation", kind, self.kind())?;
+        self.check_range(offset, Bytes(len as u64))?;
+        Ok(self.addr(offset))
+    }
+
     /// Checks that `[offset, offset+len)` lies inside the reservation.
     fn check_range(&self, offset: Bytes, len: Bytes) -> Result<()> {
         match offset.checked_add(len) {

@@ -219,16 +219,11 @@ impl CudaDevice {
     }
 
     fn check_aligned_range(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<()> {
-        check_kind("reservation", BackendKind::Cuda, res.kind())?;
-        check_aligned("offset", offset, self.granularity())?;
-        check_size("length", len, self.granularity())?;
-        res.check_range(offset, len)
+        res.check_aligned_range(BackendKind::Cuda, offset, len, self.granularity())
     }
 
     fn check_copy(&self, res: &Reservation, offset: Bytes, len: usize) -> Result<u64> {
-        check_kind("reservation", BackendKind::Cuda, res.kind())?;
-        res.check_range(offset, Bytes(len as u64))?;
-        Ok(res.addr(offset) as u64)
+        res.check_copy(BackendKind::Cuda, offset, len).map(|a| a as u64)
     }
 
     fn set_access_raw(&self, ptr: u64, len: u64, access: Access) -> Result<()> {
