@@ -223,7 +223,8 @@ impl CudaDevice {
     }
 
     fn check_copy(&self, res: &Reservation, offset: Bytes, len: usize) -> Result<u64> {
-        res.check_copy(BackendKind::Cuda, offset, len).map(|a| a as u64)
+        res.check_copy(BackendKind::Cuda, offset, len)
+            .map(|a| a as u64)
     }
 
     fn set_access_raw(&self, ptr: u64, len: u64, access: Access) -> Result<()> {
