@@ -126,13 +126,14 @@ impl<S: HandleSource> CachingAllocator<S> {
         let base = backing.base();
         let va = config.va_bytes.get();
         let align = config.align.get();
+        let core = Allocator::new(config, backing);
         CachingAllocator {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            core: Mutex::new(Allocator::new(config, backing)),
+            live: LiveTable::new(core.small_heap(), align),
+            core: Mutex::new(core),
             base,
             va,
             align,
-            live: LiveTable::default(),
             caches: ThreadCaches::default(),
             events,
             limit: None,
@@ -184,14 +185,13 @@ impl<S: HandleSource> CachingAllocator<S> {
             .saturating_mul(self.align);
         if len <= CACHE_LIMIT {
             if let Some(offset) = self.caches.pop(self.id, len, stream) {
-                self.live.reuse(offset, size.get());
+                self.live.reuse(offset);
                 return Ok(self.base + offset);
             }
         }
         self.check_limit(size, len)?;
         let block = self.core().alloc(size, stream, self.events.as_ref())?;
-        self.live
-            .insert(block.offset, block.size.get(), size.get(), stream);
+        self.live.insert(block.offset, block.size.get());
         Ok(self.base + block.offset)
     }
 

@@ -34,6 +34,7 @@ pub(crate) struct Site {
 
 #[derive(Debug)]
 pub(crate) struct Heap {
+    range: std::ops::Range<u64>,
     pub handles: BTreeMap<u64, Mapped>,
     gaps: BTreeMap<u64, u64>,
     pub free: FreeList,
@@ -43,11 +44,16 @@ pub(crate) struct Heap {
 impl Heap {
     pub(crate) fn new(start: u64, end: u64) -> Self {
         Self {
+            range: start..end,
             handles: BTreeMap::new(),
             gaps: BTreeMap::from([(start, end - start)]),
             free: FreeList::default(),
             mapped: 0,
         }
+    }
+
+    pub(crate) fn range(&self) -> std::ops::Range<u64> {
+        self.range.clone()
     }
 
     /// Chooses where to map memory so that a block of `len` bytes fits for `stream`: next to the

@@ -180,6 +180,11 @@ impl<B: Backing> Allocator<B> {
         }
     }
 
+    /// The offsets of the small-request heap: every block below `small_limit` lies in it.
+    pub fn small_heap(&self) -> std::ops::Range<u64> {
+        self.heaps[SMALL].range()
+    }
+
     pub fn config(&self) -> &AllocConfig {
         &self.config
     }

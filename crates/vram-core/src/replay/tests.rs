@@ -132,7 +132,9 @@ fn diagnose() {
     for name in TRACES {
         let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
         let trace = parse_snapshot(&bytes).unwrap();
-        let config = AllocConfig::default();
+        let config: AllocConfig =
+            serde_json::from_str(&std::env::var("VRAMD_ALLOC").unwrap_or_else(|_| "{}".into()))
+                .unwrap();
         let mut a = Allocator::new(config.clone(), ModelBacking::new());
         let mut blocks: HashMap<u64, u64> = HashMap::new();
         let log = LOG_GROWTH.contains(&name);
@@ -233,4 +235,48 @@ fn diagnose() {
     for r in rows {
         eprintln!("{r}");
     }
+}
+
+/// Sweep helper, run by hand: `VRAMD_ALLOC='{"max_handle":16777216}' cargo test -p vram-core
+/// --release replay::tests::sweep -- --ignored --nocapture` prints one line per trace for the
+/// configuration given as JSON (fields of `AllocConfig`; the rest default).
+#[test]
+#[ignore]
+fn sweep() {
+    let Some(dir) = traces_dir() else {
+        return;
+    };
+    let config: AllocConfig =
+        serde_json::from_str(&std::env::var("VRAMD_ALLOC").unwrap_or_else(|_| "{}".into()))
+            .unwrap();
+    let mut worst: (f64, f64) = (0.0, 0.0);
+    for name in TRACES {
+        let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
+        let trace = parse_snapshot(&bytes).unwrap();
+        let r = replay(
+            name,
+            &trace,
+            &config,
+            &CostModel::H200_MEASURED,
+            &mut |_, _| {},
+        )
+        .unwrap();
+        worst = (
+            worst.0.max(r.fragmentation),
+            worst.1.max(r.modelled_driver_time_share),
+        );
+        eprintln!(
+            "{name:20} frag {:5.2} % driver {:5.2} % grants {} maps {} unmaps {}",
+            r.fragmentation * 100.0,
+            r.modelled_driver_time_share * 100.0,
+            r.grants,
+            r.maps,
+            r.unmaps
+        );
+    }
+    eprintln!(
+        "worst frag {:5.2} % driver {:5.2} %",
+        worst.0 * 100.0,
+        worst.1 * 100.0
+    );
 }
