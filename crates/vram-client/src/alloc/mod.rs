@@ -23,10 +23,21 @@ pub use backing::{DaemonSource, HandleSource, LocalSource, MappedBacking};
 use live::LiveTable;
 use thread_cache::{ThreadCaches, CACHE_LIMIT};
 
-/// Stream events: the fence recorded at a free, and whether it has completed.
+/// Stream events: fences for stream-ordered reuse.
 pub trait StreamEvents: Fences + Send + Sync {
-    /// Records a fence on `stream` now.
-    fn record(&self, stream: StreamId) -> Fence;
+    /// How a free on `stream` is fenced now.
+    fn at_free(&self, stream: StreamId) -> AtFree;
+}
+
+/// How a free is fenced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AtFree {
+    /// The work on the block has finished: every stream may reuse it at once.
+    Done,
+    /// Later: the allocator records one fence for a batch of frees of the stream when it needs to.
+    Deferred,
+    /// Never: the stream is being captured into a graph whose replays may use the block.
+    Never,
 }
 
 /// Host backend: there is no asynchronous device work, so a free is complete when it returns.
@@ -37,11 +48,15 @@ impl Fences for HostEvents {
     fn is_complete(&self, _: Fence) -> bool {
         true
     }
+
+    fn record(&self, _: StreamId) -> Option<Fence> {
+        Some(Fence(0))
+    }
 }
 
 impl StreamEvents for HostEvents {
-    fn record(&self, _: StreamId) -> Fence {
-        Fence(0)
+    fn at_free(&self, _: StreamId) -> AtFree {
+        AtFree::Done
     }
 }
 
@@ -49,10 +64,6 @@ impl StreamEvents for HostEvents {
 pub struct CudaEvents {
     pool: vram_device::cuda::EventPool,
 }
-
-/// A fence that never completes: for a block freed while its stream is captured into a CUDA
-/// graph, whose replays may still use it. It stays reusable on that stream alone.
-const NEVER: Fence = Fence(u64::MAX);
 
 impl CudaEvents {
     pub fn new(device: &vram_device::CudaDevice) -> CudaEvents {
@@ -64,16 +75,24 @@ impl CudaEvents {
 
 impl Fences for CudaEvents {
     fn is_complete(&self, fence: Fence) -> bool {
-        fence != NEVER && self.pool.is_complete(fence.0)
+        fence != Fence::NEVER && self.pool.is_complete(fence.0)
+    }
+
+    fn record(&self, stream: StreamId) -> Option<Fence> {
+        // No event may be recorded into a capture: the allocator tries again later.
+        match self.pool.is_capturing(stream.0) {
+            Ok(false) => self.pool.record(stream.0).ok().map(Fence),
+            _ => None,
+        }
     }
 }
 
 impl StreamEvents for CudaEvents {
-    fn record(&self, stream: StreamId) -> Fence {
-        // No event may be recorded into a capture; an error leaves the block with its stream.
+    fn at_free(&self, stream: StreamId) -> AtFree {
+        // A failed query counts as a capture: the block then stays with its stream.
         match self.pool.is_capturing(stream.0) {
-            Ok(false) => self.pool.record(stream.0).map_or(NEVER, Fence),
-            _ => NEVER,
+            Ok(false) => AtFree::Deferred,
+            _ => AtFree::Never,
         }
     }
 }
@@ -211,10 +230,14 @@ impl<S: HandleSource> CachingAllocator<S> {
     }
 
     fn free_to_core(&self, offset: u64, stream: StreamId) {
-        let fence = self.events.record(stream);
-        let r = self
-            .core()
-            .free(offset, stream, fence, self.events.as_ref());
+        let events = self.events.as_ref();
+        let how = events.at_free(stream);
+        let mut core = self.core();
+        let r = match how {
+            AtFree::Done => core.free(offset, stream, Fence(0), events),
+            AtFree::Deferred => core.free_deferred(offset, stream, events),
+            AtFree::Never => core.free(offset, stream, Fence::NEVER, events),
+        };
         debug_assert!(r.is_ok(), "live table and core disagree: {r:?}");
     }
 

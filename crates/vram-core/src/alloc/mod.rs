@@ -14,8 +14,9 @@
 //!   peak allocated, by a grant sized to the need (at least `min_grow`, split into handles of at
 //!   most `max_handle`); above it, first by moving wholly free handles from elsewhere (unmap and
 //!   map again, no new memory held), then by a grant of what is still missing.
-//! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once the
-//!   fence recorded at the free completes (see `stream.rs`).
+//! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once a
+//!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
+//!   fenced together: every `SEAL_EVERY` frees of a stream, before growing, and on `tick` / `trim`.
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
 //!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
 //!   pattern keeps its memory; [`Allocator::trim`] returns every wholly free handle at once.
@@ -34,7 +35,7 @@ mod stream;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 pub use backing::{Backing, BackingCounts, GrantId, ModelBacking, Refused};
 pub use layout::{BlockState, Segment, SegmentBlock};
@@ -112,6 +113,8 @@ pub enum AllocError {
 
 const LARGE: usize = 0;
 const SMALL: usize = 1;
+/// Deferred frees of one stream that one recorded fence covers at most.
+const SEAL_EVERY: u32 = 64;
 
 #[derive(Clone, Copy, Debug)]
 struct Live {
@@ -149,6 +152,9 @@ pub struct Allocator<B> {
     heaps: [Heap; 2],
     live: HashMap<u64, Live>,
     pending: PendingFences,
+    /// Streams with deferred frees not yet covered by a fence: their latest such free's sequence
+    /// number, and how many there are.
+    unsealed: BTreeMap<StreamId, (Seq, u32)>,
     seq: Seq,
     stats: AllocStats,
     window: PeakWindow,
@@ -172,6 +178,7 @@ impl<B: Backing> Allocator<B> {
             backing,
             live: HashMap::new(),
             pending: PendingFences::default(),
+            unsealed: BTreeMap::new(),
             seq: 0,
             stats: AllocStats::default(),
             window: PeakWindow::default(),
@@ -226,7 +233,6 @@ impl<B: Backing> Allocator<B> {
         stream: StreamId,
         fences: &F,
     ) -> Result<Block, AllocError> {
-        self.poll(fences);
         let align = self.config.align.get();
         let too_large = AllocError::TooLarge {
             requested: size,
@@ -242,6 +248,12 @@ impl<B: Backing> Allocator<B> {
         } else {
             LARGE
         };
+        if self.heaps[h].free.best_fit(len, stream).is_none() {
+            // Frees whose fences completed may have made room (their regions merge once every
+            // stream may use them).
+            self.seal(fences);
+            self.poll(fences);
+        }
         if self.heaps[h].free.best_fit(len, stream).is_none() {
             if let Err(e) = self.grow(h, len, stream) {
                 let AllocError::OutOfMemory { .. } = e else {
@@ -290,9 +302,20 @@ impl<B: Backing> Allocator<B> {
             .remove(&offset)
             .ok_or(AllocError::UnknownBlock { offset })?;
         self.seq += 1;
-        let (owner, seq) = if fences.is_complete(fence) {
+        let (owner, seq) = if fence == Fence::NEVER {
+            // No fence will ever release it: a sequence number no completed fence reaches.
+            (Owner::Stream(stream), Seq::MAX)
+        } else if fences.is_complete(fence) {
+            // Recorded at this free and passed: the stream's earlier deferred frees are done too.
+            if let Some((seq, _)) = self.unsealed.remove(&stream) {
+                for heap in &mut self.heaps {
+                    heap.free.complete(stream, seq);
+                }
+            }
             (Owner::Any, 0)
         } else {
+            // Recorded now, so it covers the stream's earlier deferred frees too.
+            self.unsealed.remove(&stream);
             self.pending.push(stream, self.seq, fence);
             (Owner::Stream(stream), self.seq)
         };
@@ -301,10 +324,56 @@ impl<B: Backing> Allocator<B> {
         Ok(Bytes(b.len))
     }
 
+    /// Frees the block at `offset` on `stream` without a fence of its own: `stream` may reuse it at
+    /// once, other streams once a fence that the allocator records on `stream` later (with those of
+    /// other deferred frees) completes. The caller records nothing, so a free costs no driver call.
+    pub fn free_deferred<F: Fences + ?Sized>(
+        &mut self,
+        offset: u64,
+        stream: StreamId,
+        fences: &F,
+    ) -> Result<Bytes, AllocError> {
+        let b = self
+            .live
+            .remove(&offset)
+            .ok_or(AllocError::UnknownBlock { offset })?;
+        self.seq += 1;
+        self.heaps[b.heap]
+            .free
+            .insert(offset, b.len, Owner::Stream(stream), self.seq);
+        self.stats.on_free(b.len, b.requested);
+        let entry = self.unsealed.entry(stream).or_insert((0, 0));
+        *entry = (self.seq, entry.1 + 1);
+        if entry.1 >= SEAL_EVERY {
+            self.seal_stream(stream, fences);
+        }
+        Ok(Bytes(b.len))
+    }
+
+    /// Records one fence on each stream with deferred frees, covering them all.
+    fn seal<F: Fences + ?Sized>(&mut self, fences: &F) {
+        let streams: Vec<StreamId> = self.unsealed.keys().copied().collect();
+        for stream in streams {
+            self.seal_stream(stream, fences);
+        }
+    }
+
+    fn seal_stream<F: Fences + ?Sized>(&mut self, stream: StreamId, fences: &F) {
+        let Some(&(seq, _)) = self.unsealed.get(&stream) else {
+            return;
+        };
+        // A stream being captured cannot take a fence now: its frees wait for a later seal.
+        if let Some(fence) = fences.record(stream) {
+            self.unsealed.remove(&stream);
+            self.pending.push(stream, seq, fence);
+        }
+    }
+
     /// Lets time pass (`now_us`, allocator time): returns wholly free memory above the recent peak
     /// of allocated bytes plus headroom, once it has stayed above it for `release_delay_us`.
     /// Returns the bytes given back.
     pub fn tick<F: Fences + ?Sized>(&mut self, now_us: u64, fences: &F) -> Bytes {
+        self.seal(fences);
         self.poll(fences);
         let delay = self.config.release_delay_us;
         let recent = self
@@ -323,6 +392,7 @@ impl<B: Backing> Allocator<B> {
     /// Returns every wholly free handle now (the daemon's reclaim request). Memory whose fence is
     /// still pending stays. Returns the bytes given back.
     pub fn trim<F: Fences + ?Sized>(&mut self, fences: &F) -> Bytes {
+        self.seal(fences);
         self.poll(fences);
         Bytes(self.release_free(u64::MAX))
     }

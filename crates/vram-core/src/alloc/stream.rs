@@ -1,11 +1,13 @@
 //! Streams and fences: when a freed block may be handed to another stream.
 //!
 //! A block freed on stream `S` may be reused at once by `S` (its later work is ordered after the
-//! free), but by another stream only once the work queued on `S` at the free has finished. The
-//! caller records an event on `S` at the free and passes it in as a [`Fence`]; the allocator asks a
-//! [`Fences`] implementation whether it has completed. Fences of one stream must complete in the
-//! order they were recorded (true of CUDA events recorded on one stream), so a completed fence
-//! implies every earlier fence of that stream completed too.
+//! free), but by another stream only once the work queued on `S` at the free has finished. That
+//! work is fenced by a [`Fence`] recorded on `S` at or after the free: either the caller records it
+//! at the free and passes it in, or the free is deferred and the allocator records one fence later
+//! that covers every deferred free of `S` before it (a stream runs its work in order), so most
+//! frees cost no driver call at all. Fences of one stream must complete in the order they were
+//! recorded (true of CUDA events recorded on one stream), so a completed fence implies every
+//! earlier fence of that stream completed too.
 
 use std::collections::{BTreeMap, VecDeque};
 
@@ -13,13 +15,24 @@ use std::collections::{BTreeMap, VecDeque};
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
 pub struct StreamId(pub u64);
 
-/// An opaque event recorded by the caller on the freeing stream at the moment of a free.
+/// An opaque event recorded on the freeing stream at or after a free.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Fence(pub u64);
 
-/// Answers whether a fence has completed. Implemented by the caller (CUDA event query, or a test).
+impl Fence {
+    /// A fence that never completes: for a block freed while its stream is captured into a CUDA
+    /// graph, whose replays may still use it. Only that stream may ever reuse the block.
+    pub const NEVER: Fence = Fence(u64::MAX);
+}
+
+/// Records fences and answers whether they have completed. Implemented by the caller (CUDA events,
+/// or a test).
 pub trait Fences {
     fn is_complete(&self, fence: Fence) -> bool;
+
+    /// Records a fence on `stream` now, after all work queued on it so far; `None` when none can be
+    /// recorded now (the stream is being captured into a graph): the allocator tries again later.
+    fn record(&self, stream: StreamId) -> Option<Fence>;
 }
 
 /// A `Fences` for callers whose frees are always already complete (trace replay, synchronous use).
@@ -29,6 +42,10 @@ pub struct AlwaysComplete;
 impl Fences for AlwaysComplete {
     fn is_complete(&self, _: Fence) -> bool {
         true
+    }
+
+    fn record(&self, _: StreamId) -> Option<Fence> {
+        Some(Fence(0))
     }
 }
 

@@ -1,4 +1,4 @@
-use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet};
 
 use proptest::prelude::*;
 
@@ -7,37 +7,84 @@ use super::*;
 const MIB: u64 = Bytes::MIB;
 
 /// Fences whose completion the test controls, completing in order per stream as CUDA events do.
+/// The allocator records through the trait (deferred frees); the test through `record_now`.
 #[derive(Default)]
 struct TestFences {
+    inner: std::cell::RefCell<FenceBook>,
+}
+
+#[derive(Default)]
+struct FenceBook {
     next: u64,
     done: HashSet<u64>,
-    waiting: BTreeMap<u64, VecDeque<u64>>,
+    /// Per stream: every fence recorded, in order, and how many of them completed.
+    recorded: BTreeMap<u64, Vec<u64>>,
+    completed: BTreeMap<u64, usize>,
+    /// Streams being captured: nothing can be recorded on them.
+    capturing: HashSet<u64>,
 }
 
 impl TestFences {
-    fn record(&mut self, stream: u64) -> Fence {
-        self.next += 1;
-        self.waiting.entry(stream).or_default().push_back(self.next);
-        Fence(self.next)
+    fn record_now(&self, stream: u64) -> Fence {
+        let mut b = self.inner.borrow_mut();
+        b.next += 1;
+        let f = b.next;
+        b.recorded.entry(stream).or_default().push(f);
+        Fence(f)
     }
-    fn complete(&mut self, stream: u64, n: usize) {
-        let q = self.waiting.entry(stream).or_default();
-        for _ in 0..n.min(q.len()) {
-            let f = q.pop_front().expect("checked length");
-            self.done.insert(f);
+    /// Fences recorded on `stream` so far.
+    fn recorded(&self, stream: u64) -> usize {
+        self.inner
+            .borrow()
+            .recorded
+            .get(&stream)
+            .map_or(0, Vec::len)
+    }
+    /// Fences of `stream` completed so far.
+    fn completed(&self, stream: u64) -> usize {
+        self.inner
+            .borrow()
+            .completed
+            .get(&stream)
+            .copied()
+            .unwrap_or(0)
+    }
+    fn complete(&self, stream: u64, n: usize) {
+        let mut b = self.inner.borrow_mut();
+        let all = b.recorded.get(&stream).cloned().unwrap_or_default();
+        let done = b.completed.get(&stream).copied().unwrap_or(0);
+        let to = done.saturating_add(n).min(all.len());
+        for &f in &all[done..to] {
+            b.done.insert(f);
         }
+        b.completed.insert(stream, to);
     }
-    fn complete_all(&mut self) {
-        let streams: Vec<u64> = self.waiting.keys().copied().collect();
+    fn complete_all(&self) {
+        let streams: Vec<u64> = self.inner.borrow().recorded.keys().copied().collect();
         for s in streams {
             self.complete(s, usize::MAX);
+        }
+    }
+    fn set_capturing(&self, stream: u64, on: bool) {
+        let mut b = self.inner.borrow_mut();
+        if on {
+            b.capturing.insert(stream);
+        } else {
+            b.capturing.remove(&stream);
         }
     }
 }
 
 impl Fences for TestFences {
     fn is_complete(&self, fence: Fence) -> bool {
-        self.done.contains(&fence.0)
+        self.inner.borrow().done.contains(&fence.0)
+    }
+
+    fn record(&self, stream: StreamId) -> Option<Fence> {
+        if self.inner.borrow().capturing.contains(&stream.0) {
+            return None;
+        }
+        Some(self.record_now(stream.0))
     }
 }
 
@@ -53,10 +100,28 @@ fn small_config() -> AllocConfig {
 
 #[derive(Clone, Debug)]
 enum Op {
-    Alloc { size: u64, stream: u64 },
-    Free { pick: usize },
-    Complete { stream: u64, n: usize },
-    Tick { dt: u64 },
+    Alloc {
+        size: u64,
+        stream: u64,
+    },
+    /// Frees a live block on its stream, with a fence recorded at the free or deferred.
+    Free {
+        pick: usize,
+        deferred: bool,
+    },
+    Complete {
+        stream: u64,
+        n: usize,
+    },
+    /// Starts or ends a graph capture on a stream: frees on it then get `Fence::NEVER`, and no
+    /// fence can be recorded on it.
+    Capture {
+        stream: u64,
+        on: bool,
+    },
+    Tick {
+        dt: u64,
+    },
     Trim,
 }
 
@@ -64,19 +129,28 @@ fn op() -> impl Strategy<Value = Op> {
     let size = prop_oneof![Just(0u64), 1u64..4096, 4096u64..MIB, MIB..(40 * MIB),];
     prop_oneof![
         4 => (size, 0u64..3).prop_map(|(size, stream)| Op::Alloc { size, stream }),
-        3 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        3 => (any::<usize>(), any::<bool>()).prop_map(|(pick, deferred)| Op::Free { pick, deferred }),
         2 => (0u64..3, 0usize..4).prop_map(|(stream, n)| Op::Complete { stream, n }),
+        1 => (0u64..3, proptest::bool::weighted(0.3)).prop_map(|(stream, on)| Op::Capture { stream, on }),
         1 => (0u64..3000).prop_map(|dt| Op::Tick { dt }),
         1 => Just(Op::Trim),
     ]
 }
 
-/// A freed range whose fence has not completed: only `stream` may reuse it.
+/// A freed range that only `stream` may reuse until a fence recorded on it after the free (the
+/// `after`-th fence of the stream or a later one) completed; `after: None` is never.
 struct Freed {
     start: u64,
     len: u64,
     stream: u64,
-    fence: Fence,
+    after: Option<usize>,
+}
+
+impl Freed {
+    fn released(&self, fences: &TestFences) -> bool {
+        self.after
+            .is_some_and(|i| fences.completed(self.stream) > i)
+    }
 }
 
 fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
@@ -85,10 +159,12 @@ fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
 
 fn run_ops(ops: Vec<Op>) {
     let mut a = Allocator::new(small_config(), ModelBacking::new());
-    let mut fences = TestFences::default();
+    let fences = TestFences::default();
     // Live blocks: offset -> (size, stream). Each is freed on its stream, as PyTorch does.
     let mut live: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
     let mut freed: Vec<Freed> = Vec::new();
+    let mut capturing: HashSet<u64> = HashSet::new();
+    let mut never = false;
     let mut now = 0;
     for op in ops {
         match op {
@@ -102,33 +178,62 @@ fn run_ops(ops: Vec<Op>) {
                     );
                 }
                 for f in &freed {
-                    if f.stream != stream && !fences.is_complete(f.fence) {
+                    if f.stream != stream && !f.released(&fences) {
                         assert!(
                             !overlaps(b.offset, b.size.get(), f.start, f.len),
-                            "block {b:?} for stream {stream} reuses memory stream {} freed, fence pending",
-                            f.stream
+                            "block {b:?} for stream {stream} reuses memory stream {} freed, fence pending (freed [{:#x}, +{}), after fence {:?}; {} recorded, {} completed)",
+                            f.stream,
+                            f.start,
+                            f.len,
+                            f.after,
+                            fences.recorded(f.stream),
+                            fences.completed(f.stream)
                         );
                     }
                 }
+                // The stream took the memory back: its earlier frees there are superseded.
+                freed.retain(|f| {
+                    f.stream != stream || !overlaps(b.offset, b.size.get(), f.start, f.len)
+                });
                 live.insert(b.offset, (b.size.get(), stream));
             }
-            Op::Free { pick } => {
+            Op::Free { pick, deferred } => {
                 if live.is_empty() {
                     continue;
                 }
                 let (&start, &(len, stream)) = live.iter().nth(pick % live.len()).unwrap();
                 live.remove(&start);
-                let fence = fences.record(stream);
-                let got = a.free(start, StreamId(stream), fence, &fences).unwrap();
-                assert_eq!(got.get(), len);
+                let next = fences.recorded(stream);
+                let (got, after) = if capturing.contains(&stream) {
+                    never = true;
+                    let got = a.free(start, StreamId(stream), Fence::NEVER, &fences);
+                    (got, None)
+                } else if deferred {
+                    (
+                        a.free_deferred(start, StreamId(stream), &fences),
+                        Some(next),
+                    )
+                } else {
+                    let fence = fences.record_now(stream);
+                    (a.free(start, StreamId(stream), fence, &fences), Some(next))
+                };
+                assert_eq!(got.unwrap().get(), len);
                 freed.push(Freed {
                     start,
                     len,
                     stream,
-                    fence,
+                    after,
                 });
             }
             Op::Complete { stream, n } => fences.complete(stream, n),
+            Op::Capture { stream, on } => {
+                fences.set_capturing(stream, on);
+                if on {
+                    capturing.insert(stream);
+                } else {
+                    capturing.remove(&stream);
+                }
+            }
             Op::Tick { dt } => {
                 now += dt;
                 a.tick(now, &fences);
@@ -137,7 +242,7 @@ fn run_ops(ops: Vec<Op>) {
                 a.trim(&fences);
             }
         }
-        freed.retain(|f| !fences.is_complete(f.fence));
+        freed.retain(|f| !f.released(&fences));
         let backing = a.backing();
         for (&s, &(l, _)) in &live {
             assert!(
@@ -157,12 +262,20 @@ fn run_ops(ops: Vec<Op>) {
         assert!(st.held >= st.allocated);
         check_segments(&a, &live);
     }
-    for (start, (_, stream)) in std::mem::take(&mut live) {
-        let fence = fences.record(stream);
-        a.free(start, StreamId(stream), fence, &fences).unwrap();
+    for c in capturing {
+        fences.set_capturing(c, false);
     }
+    for (start, (_, stream)) in std::mem::take(&mut live) {
+        a.free_deferred(start, StreamId(stream), &fences).unwrap();
+    }
+    // The trim records the fences of the deferred frees; once they complete, a second trim
+    // returns everything (but what was freed during a capture, which no fence releases).
+    a.trim(&fences);
     fences.complete_all();
     a.trim(&fences);
+    if never {
+        return;
+    }
     assert_eq!(
         a.backing().outstanding(),
         0,
@@ -224,9 +337,9 @@ proptest! {
 #[test]
 fn freed_block_is_reused_at_once_on_its_stream_only() {
     let mut a = Allocator::new(small_config(), ModelBacking::new());
-    let mut fences = TestFences::default();
+    let fences = TestFences::default();
     let b = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
-    let fence = fences.record(1);
+    let fence = fences.record_now(1);
     a.free(b.offset, StreamId(1), fence, &fences).unwrap();
     let other = a.alloc(Bytes::mib(8), StreamId(2), &fences).unwrap();
     assert!(!overlaps(
@@ -237,7 +350,7 @@ fn freed_block_is_reused_at_once_on_its_stream_only() {
     ));
     let same = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
     assert_eq!(same.offset, b.offset);
-    a.free(same.offset, StreamId(1), fences.record(1), &fences)
+    a.free(same.offset, StreamId(1), fences.record_now(1), &fences)
         .unwrap();
     fences.complete(1, 2);
     let later = a.alloc(Bytes::mib(8), StreamId(2), &fences).unwrap();
@@ -339,4 +452,69 @@ fn zero_byte_requests_get_distinct_blocks() {
         a.free(x.offset + 1, StreamId(0), Fence(0), &AlwaysComplete),
         Err(AllocError::UnknownBlock { .. })
     ));
+}
+
+#[test]
+fn deferred_frees_are_fenced_together_when_another_stream_needs_the_memory() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let x = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    let y = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    a.free_deferred(x.offset, StreamId(1), &fences).unwrap();
+    a.free_deferred(y.offset, StreamId(1), &fences).unwrap();
+    assert_eq!(fences.recorded(1), 0, "a deferred free records nothing");
+    // The same stream reuses at once.
+    let again = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    assert!(again.offset == x.offset || again.offset == y.offset);
+    a.free_deferred(again.offset, StreamId(1), &fences).unwrap();
+    // Another stream finds nothing it may use: one fence is recorded for all three frees, and it
+    // grows instead of taking memory stream 1's work may still use.
+    let other = a.alloc(Bytes::mib(16), StreamId(2), &fences).unwrap();
+    assert_eq!(fences.recorded(1), 1);
+    assert!(!overlaps(
+        other.offset,
+        other.size.get(),
+        x.offset,
+        2 * x.size.get()
+    ));
+    fences.complete(1, 1);
+    let later = a.alloc(Bytes::mib(16), StreamId(2), &fences).unwrap();
+    assert_eq!(
+        later.offset,
+        x.offset.min(y.offset),
+        "once the fence completed, both frees are one region any stream may use"
+    );
+}
+
+#[test]
+fn frees_during_a_capture_stay_with_their_stream_and_do_not_hold_back_later_ones() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let before = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let _pin = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let during = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let _pin2 = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let after = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    a.free_deferred(before.offset, StreamId(1), &fences)
+        .unwrap();
+    fences.set_capturing(1, true);
+    a.free(during.offset, StreamId(1), Fence::NEVER, &fences)
+        .unwrap();
+    // Nothing can be recorded during the capture: the deferred free waits.
+    a.tick(1, &fences);
+    assert_eq!(fences.recorded(1), 0);
+    fences.set_capturing(1, false);
+    a.free_deferred(after.offset, StreamId(1), &fences).unwrap();
+    a.tick(2, &fences);
+    assert_eq!(fences.recorded(1), 1);
+    fences.complete_all();
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(a.alloc(Bytes::mib(4), StreamId(2), &fences).unwrap().offset);
+    }
+    assert!(got.contains(&before.offset) && got.contains(&after.offset));
+    assert!(
+        !got.contains(&during.offset),
+        "memory freed during a capture is never another stream's"
+    );
 }
