@@ -43,6 +43,22 @@ void vram_string_free(char *s);
  * vram_trim. */
 unsigned long long vram_reclaim_requests(void);
 
+/* Pool mode (`vramd run --torch-mode pool` preloads libvram.so with VRAMD_TORCH_MODE=pool):
+ * libvram.so also defines the CUDA runtime's
+ *     cudaError_t cudaMalloc(void **ptr, size_t size);
+ *     cudaError_t cudaFree(void *ptr);
+ * so that PyTorch's own caching allocator, and any library allocating through the runtime, gets
+ * its segments from vramd. Calls vramd does not serve (cudaFree(NULL), memory it did not hand
+ * out, another GPU than the tenant's, any call outside pool mode) go on to the runtime's own
+ * functions. A refused cudaMalloc returns cudaErrorMemoryAllocation (2) with the reason in
+ * vram_last_error; cudaFree synchronises the device first, as the runtime's does.
+ *
+ * 1 if this process's cudaMalloc is libvram.so's and pool mode is on, else 0. */
+int vram_interposing(void);
+
+/* cudaMalloc / cudaFree calls vramd served in this process. */
+unsigned long long vram_interposed_calls(void);
+
 /* Starts the peak statistics over from their current values. 0, or -1 on error. */
 int vram_reset_peak(void);
 

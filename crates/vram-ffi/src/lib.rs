@@ -20,7 +20,9 @@ use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, StreamId};
 use vram_core::Bytes;
 
+mod cudart;
 mod shared;
+pub use cudart::{vram_interposed_calls, vram_interposing};
 pub use shared::VramShared;
 
 /// The process's tenant: its connection and its allocator.

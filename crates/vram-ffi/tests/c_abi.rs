@@ -102,3 +102,30 @@ fn c_program_writes_publishes_pins_and_waits_on_a_shared_buffer() {
     );
     assert!(stdout.contains("shared: ok, v1 then v2"), "{stdout}");
 }
+
+#[test]
+fn c_program_gets_cuda_runtime_allocations_from_vramd_in_pool_mode() {
+    let out = tempfile::tempdir().unwrap();
+    let exe = build("interpose", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(8));
+    let run = Command::new(&exe)
+        .env("VRAMD_SOCKET", &daemon.socket)
+        .env("VRAMD_TENANT", "c-pool")
+        .env("VRAMD_LIMIT", "256MiB")
+        .env("VRAMD_TORCH_MODE", "pool")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "interpose.c failed:\n{stdout}\n{stderr}"
+    );
+    assert!(
+        stdout.contains(
+            "refused as expected: vramd: tenant `c-pool` could not allocate 512 MiB: out of memory"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("interpose: ok"), "{stdout}");
+}

@@ -131,6 +131,12 @@ cuda.is_initialized = lambda: False
 def _lazy_init():
     pass
 cuda._lazy_init = _lazy_init
+class CUDAGraph:
+    def capture_begin(self):
+        pass
+    def capture_end(self):
+        pass
+cuda.CUDAGraph = CUDAGraph
 sys.modules["torch.cuda"] = cuda
 sys.modules["torch.cuda.memory"] = memory
 "#;
@@ -147,7 +153,8 @@ fn importing_torch_installs_the_allocator_and_mem_get_info_shows_the_tenant_view
     std::fs::write(fake.path().join("torch/__init__.py"), FAKE_TORCH).unwrap();
     let script = "import sys; sys.path.append(sys.argv[1]); import torch, vramd_torch; \
         print(vramd_torch.installed()); print(*torch.cuda.mem_get_info()); \
-        print(torch.cuda._lazy_init is not sys.modules['torch.cuda']._lazy_init or 'patched')";
+        print(torch.cuda._lazy_init is not sys.modules['torch.cuda']._lazy_init or 'patched'); \
+        print('interposing', vramd_torch._lib.lib().vram_interposing())";
     let out = vramd_run(
         &d,
         &["--tenant", "py", "--limit", "1GiB", "--torch-mode", "pool"],
@@ -166,5 +173,9 @@ fn importing_torch_installs_the_allocator_and_mem_get_info_shows_the_tenant_view
         lines[1],
         format!("{0} {0}", 1u64 << 30),
         "free = limit - held, total = limit"
+    );
+    assert_eq!(
+        lines[3], "interposing 1",
+        "the CUDA runtime's cudaMalloc is libvram.so's"
     );
 }

@@ -293,6 +293,11 @@ impl<S: HandleSource> CachingAllocator<S> {
         segments
     }
 
+    /// Whether `ptr` lies in this allocator's address range (live, cached or free).
+    pub fn owns(&self, ptr: u64) -> bool {
+        ptr.wrapping_sub(self.base) < self.va
+    }
+
     /// Size of the live block at `ptr` (rounded), if there is one.
     pub fn block_size(&self, ptr: u64) -> Option<Bytes> {
         self.live.len_of(ptr.wrapping_sub(self.base)).map(Bytes)

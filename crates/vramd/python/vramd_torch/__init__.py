@@ -5,10 +5,10 @@
     import vramd_torch
     vramd_torch.install(mode="pool")   # or "full"
 
-pool: PyTorch's caching allocator stays on top and takes its segments from vramd (a MemPool that
-      every allocation of every thread is routed to); every PyTorch feature works as without
-      vramd, and when the daemon asks for memory back the process releases PyTorch's idle
-      segments. Fragmentation is PyTorch's own.
+pool: PyTorch's caching allocator stays on top and takes its segments from vramd (libvram.so,
+      preloaded by `vramd run`, provides the CUDA runtime's cudaMalloc and cudaFree); every
+      PyTorch feature works as without vramd, and when the daemon asks for memory back the
+      process releases PyTorch's idle segments. Fragmentation is PyTorch's own.
 full: vramd's allocator serves every tensor (its stitched heaps, so less fragmentation); PyTorch's
       statistics functions and `torch.cuda.memory._snapshot()` answer from vramd's books. What
       PyTorch cannot do with a pluggable allocator raises an error naming pool mode.

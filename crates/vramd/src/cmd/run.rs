@@ -37,8 +37,10 @@ pub struct Args {
     #[arg(long)]
     pub gpu: Option<u32>,
     /// How PyTorch takes vramd's allocator: `pool` keeps PyTorch's caching allocator on top of
-    /// vramd's segments (every PyTorch feature works); `full` gives vramd every tensor (its own
-    /// fragmentation handling; PyTorch's statistics answered from vramd's).
+    /// vramd's segments (libvram.so is preloaded and serves the CUDA runtime's cudaMalloc and
+    /// cudaFree, so every PyTorch feature works, and any CUDA program becomes a tenant); `full`
+    /// gives vramd every tensor (its own fragmentation handling; PyTorch's statistics answered
+    /// from vramd's).
     #[arg(long, value_enum, default_value_t = TorchMode::Full)]
     pub torch_mode: TorchMode,
     /// The program and its arguments.
@@ -111,6 +113,11 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .env("VRAMD_LIB", &lib)
         .env("VRAMD_TORCH_MODE", args.torch_mode.as_str())
         .env("PYTHONPATH", python_path(python.path()));
+    if args.torch_mode == TorchMode::Pool {
+        // libvram.so's cudaMalloc / cudaFree go before the CUDA runtime's: PyTorch's caching
+        // allocator (and any program allocating through the runtime) takes its segments from us.
+        cmd.env("LD_PRELOAD", preload(&lib));
+    }
     let settings = [
         ("VRAMD_TENANT", args.tenant.clone()),
         (
@@ -186,6 +193,16 @@ fn write_python_files(dir: &Path) -> anyhow::Result<()> {
         std::fs::write(&path, text).with_context(|| format!("cannot write {}", path.display()))?;
     }
     Ok(())
+}
+
+/// libvram.so first, then whatever `LD_PRELOAD` was.
+fn preload(lib: &Path) -> OsString {
+    let mut v = lib.as_os_str().to_owned();
+    if let Some(old) = std::env::var_os("LD_PRELOAD").filter(|v| !v.is_empty()) {
+        v.push(":");
+        v.push(old);
+    }
+    v
 }
 
 /// Our directory first, then whatever `PYTHONPATH` was.

@@ -1,0 +1,200 @@
+//! Pool mode's segment source: `cudaMalloc` and `cudaFree` as a process that preloads libvram.so
+//! sees them (`vramd run --torch-mode pool` sets `LD_PRELOAD`). PyTorch's own caching allocator,
+//! and any other library that takes device memory through the CUDA runtime, then gets its
+//! segments from vramd: PyTorch works exactly as without vramd (its statistics, snapshots, graphs,
+//! `record_stream`, `torch.compile`), while the tenant's limit, priority, crash reclaim and elastic
+//! sharing apply to every byte.
+//!
+//! Calls vramd does not serve go on to the CUDA runtime's own functions: a free of memory vramd
+//! did not hand out, `cudaFree(NULL)` (which programs use to create the context), an allocation on
+//! another GPU than the tenant's, and everything when libvram.so was loaded without
+//! `VRAMD_TORCH_MODE=pool` (full mode loads the same library; its frees are `vram_free`'s).
+//!
+//! `cudaFree` synchronises the device, as the runtime's does: callers rely on it (PyTorch frees a
+//! segment only when its own events say the GPU is done with it, but other libraries do not).
+
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
+
+use vram_core::alloc::StreamId;
+use vram_core::Bytes;
+
+use crate::{guarded, tenant, TENANT};
+
+const CUDA_SUCCESS: c_int = 0;
+const CUDA_ERROR_INVALID_VALUE: c_int = 1;
+const CUDA_ERROR_MEMORY_ALLOCATION: c_int = 2;
+/// `cudaErrorSymbolNotFound`-like answer when the runtime itself cannot be found.
+const CUDA_ERROR_NO_RUNTIME: c_int = 35;
+
+type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
+type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+type SyncFn = unsafe extern "C" fn() -> c_int;
+type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
+
+/// The CUDA runtime's own functions, found after libvram.so in the lookup order.
+struct Runtime {
+    malloc: Option<MallocFn>,
+    free: Option<FreeFn>,
+    synchronize: Option<SyncFn>,
+    get_device: Option<GetDeviceFn>,
+}
+
+fn next_symbol(name: &CStr) -> *mut c_void {
+    // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only reads the loader's tables.
+    unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) }
+}
+
+fn runtime() -> &'static Runtime {
+    static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        let malloc = next_symbol(c"cudaMalloc");
+        let free = next_symbol(c"cudaFree");
+        let synchronize = next_symbol(c"cudaDeviceSynchronize");
+        let get_device = next_symbol(c"cudaGetDevice");
+        // SAFETY: each pointer, where not null, is the CUDA runtime's function of that name, whose
+        // C signature is the one transmuted to (cuda_runtime_api.h).
+        unsafe {
+            Runtime {
+                malloc: (!malloc.is_null()).then(|| std::mem::transmute::<_, MallocFn>(malloc)),
+                free: (!free.is_null()).then(|| std::mem::transmute::<_, FreeFn>(free)),
+                synchronize: (!synchronize.is_null())
+                    .then(|| std::mem::transmute::<_, SyncFn>(synchronize)),
+                get_device: (!get_device.is_null())
+                    .then(|| std::mem::transmute::<_, GetDeviceFn>(get_device)),
+            }
+        }
+    })
+}
+
+fn pool_mode() -> bool {
+    static POOL: OnceLock<bool> = OnceLock::new();
+    *POOL.get_or_init(|| std::env::var("VRAMD_TORCH_MODE").is_ok_and(|m| m == "pool"))
+}
+
+/// Segments served and returned through the runtime entry points (for `vram_interposed_calls`).
+static SERVED: AtomicU64 = AtomicU64::new(0);
+
+/// The calling thread's current CUDA device, if the runtime answers.
+fn current_device() -> Option<c_int> {
+    let get = runtime().get_device?;
+    let mut device = -1;
+    // SAFETY: the runtime's cudaGetDevice with a valid out pointer.
+    (unsafe { get(&mut device) } == CUDA_SUCCESS).then_some(device)
+}
+
+/// What the interposed `cudaMalloc` did with a request.
+enum Served {
+    Done(u64),
+    /// Not vramd's to serve: the runtime's own cudaMalloc takes it.
+    Pass,
+    Refused,
+}
+
+/// See the module documentation.
+///
+/// # Safety
+/// `dev_ptr` must be valid for one pointer write, as for the runtime's `cudaMalloc`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c_int {
+    if dev_ptr.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if pool_mode() {
+        let served = guarded(Served::Refused, || {
+            let t = tenant()?;
+            if let Some(device) = current_device() {
+                if device as u32 != t.gpu {
+                    warn_other_gpu(device, t.gpu);
+                    return Ok(Served::Pass);
+                }
+            }
+            let size = Bytes(size as u64);
+            let ptr = t.alloc.alloc(size, StreamId(0)).map_err(|e| {
+                let w = t.client.welcome();
+                format!(
+                    "vramd: tenant `{}` could not allocate {size}: {e} (limit {}, guarantee {})",
+                    w.name, w.limit, w.guarantee
+                )
+            })?;
+            Ok(Served::Done(ptr))
+        });
+        match served {
+            Served::Done(ptr) => {
+                SERVED.fetch_add(1, Ordering::Relaxed);
+                // SAFETY: the caller passes a pointer valid for one write (checked non-null).
+                unsafe { *dev_ptr = ptr as *mut c_void };
+                return CUDA_SUCCESS;
+            }
+            Served::Refused => return CUDA_ERROR_MEMORY_ALLOCATION,
+            Served::Pass => {}
+        }
+    }
+    match runtime().malloc {
+        // SAFETY: the runtime's own cudaMalloc with the caller's arguments.
+        Some(malloc) => unsafe { malloc(dev_ptr, size) },
+        None => CUDA_ERROR_NO_RUNTIME,
+    }
+}
+
+fn warn_other_gpu(device: c_int, gpu: u32) {
+    static WARNED: AtomicBool = AtomicBool::new(false);
+    if !WARNED.swap(true, Ordering::Relaxed) {
+        eprintln!(
+            "vramd: cudaMalloc on device {device}, but this process is a tenant of gpu {gpu}: \
+             that memory is the CUDA runtime's own, outside vramd's books"
+        );
+    }
+}
+
+/// See the module documentation.
+///
+/// # Safety
+/// As for the runtime's `cudaFree`: `ptr` is null or a pointer `cudaMalloc` returned.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
+    let ours = pool_mode()
+        && !ptr.is_null()
+        && matches!(TENANT.get(), Some(Ok(t)) if t.alloc.owns(ptr as u64));
+    if !ours {
+        return match runtime().free {
+            // SAFETY: the runtime's own cudaFree with the caller's argument.
+            Some(free) => unsafe { free(ptr) },
+            None => CUDA_ERROR_NO_RUNTIME,
+        };
+    }
+    if let Some(sync) = runtime().synchronize {
+        // SAFETY: the runtime's cudaDeviceSynchronize takes no arguments.
+        let r = unsafe { sync() };
+        if r != CUDA_SUCCESS {
+            // During a graph capture, or after a failed kernel: nothing is freed, as the runtime's
+            // own cudaFree would refuse too.
+            return r;
+        }
+    }
+    guarded(CUDA_ERROR_INVALID_VALUE, || {
+        let t = tenant()?;
+        t.alloc
+            .free(ptr as u64, StreamId(0))
+            .map_err(|e| format!("vramd: cudaFree: {e}"))?;
+        SERVED.fetch_add(1, Ordering::Relaxed);
+        Ok(CUDA_SUCCESS)
+    })
+}
+
+/// How many `cudaMalloc` / `cudaFree` calls vramd served in this process: zero in a process where
+/// the runtime's functions were not interposed (libvram.so not preloaded, or not in pool mode).
+#[no_mangle]
+pub extern "C" fn vram_interposed_calls() -> u64 {
+    SERVED.load(Ordering::Relaxed)
+}
+
+/// Whether this process's `cudaMalloc` is libvram.so's: 1 if it is (the library was preloaded and
+/// pool mode is on), 0 if not.
+#[no_mangle]
+pub extern "C" fn vram_interposing() -> c_int {
+    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads the loader's tables.
+    let found = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"cudaMalloc".as_ptr()) };
+    c_int::from(pool_mode() && found == cudaMalloc as *mut c_void)
+}

@@ -1,0 +1,48 @@
+/* Pool mode's segment source: a program calling the CUDA runtime's cudaMalloc / cudaFree gets
+ * libvram.so's (here linked directly; `vramd run --torch-mode pool` preloads the library). Run with
+ * VRAMD_TORCH_MODE=pool and VRAMD_LIMIT=256MiB against a host-backend daemon. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vram.h"
+
+int cudaMalloc(void **ptr, size_t size);
+int cudaFree(void *ptr);
+
+#define CHECK(cond)                                                          \
+    do {                                                                     \
+        if (!(cond)) {                                                       \
+            printf("FAILED line %d: %s (%s)\n", __LINE__, #cond,             \
+                   vram_last_error() ? vram_last_error() : "no error");      \
+            return 1;                                                        \
+        }                                                                    \
+    } while (0)
+
+int main(void) {
+    CHECK(vram_interposing() == 1);
+    size_t len = (size_t)64 << 20;
+    void *a = NULL, *b = NULL;
+    CHECK(cudaMalloc(&a, len) == 0 && a != NULL);
+    CHECK(cudaMalloc(&b, len) == 0 && b != NULL && b != a);
+    memset(a, 0xab, len);
+    memset(b, 0xcd, len);
+    for (size_t i = 0; i < len; i += 4093) {
+        CHECK(((unsigned char *)a)[i] == 0xab && ((unsigned char *)b)[i] == 0xcd);
+    }
+    /* Over the tenant's limit: refused with cudaErrorMemoryAllocation and the reason. */
+    void *big = NULL;
+    CHECK(cudaMalloc(&big, (size_t)512 << 20) == 2 && big == NULL);
+    CHECK(strstr(vram_last_error(), "limit") != NULL);
+    printf("refused as expected: %s\n", vram_last_error());
+    CHECK(cudaFree(a) == 0);
+    CHECK(cudaFree(a) == 1); /* a second free is refused, not passed on */
+    CHECK(cudaFree(b) == 0);
+    CHECK(cudaMalloc(NULL, 16) == 1);
+    /* Memory freed through cudaFree is vramd's again: it goes back to the daemon on a trim. */
+    CHECK(vram_trim() >= (long long)len);
+    printf("served %llu runtime calls\n", vram_interposed_calls());
+    CHECK(vram_interposed_calls() == 4);
+    printf("interpose: ok\n");
+    return 0;
+}
