@@ -382,17 +382,16 @@ class Run:
         for model in self.o.models:
             per = {}
             wa = ["train", "--model", model, "--steps", str(self.o.steps), "--seed", "1234"]
-            plan = [("plain", self.o.runs), ("expandable", 1)] + [(m, self.o.runs) for m in MODES]
-            for mode, runs in plan:
-                rs = []
-                for i in range(runs):
+            # Interleaved rounds (plain, then each mode, once per round), so that a drift of the
+            # machine over the minutes of the runs does not favour one allocator.
+            for i in range(self.o.runs):
+                for mode in ["plain"] + (["expandable"] if i == 0 else []) + list(MODES):
                     try:
                         res, _ = self.child(mode, wa, tenant=f"{model}-{mode}-{i}",
                                             flags=["--limit", "64GiB"])
-                        rs.append(res)
                     except BaseException as e:
-                        rs.append({"error": str(e)[:2000]})
-                per[mode] = rs
+                        res = {"error": str(e)[:2000]}
+                    per.setdefault(mode, []).append(res)
             out[model] = summarize_training(per, self.o.warmup)
         self.results["training"] = out
 

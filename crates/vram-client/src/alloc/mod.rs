@@ -25,8 +25,34 @@ use thread_cache::{ThreadCaches, CACHE_LIMIT};
 
 /// Stream events: fences for stream-ordered reuse.
 pub trait StreamEvents: Fences + Send + Sync {
+    /// Whether `stream` is being captured into a CUDA graph (or cannot be asked): no event may be
+    /// recorded or queried for the allocator then, since in the default capture mode touching
+    /// another stream would invalidate the capture.
+    fn is_capturing(&self, stream: StreamId) -> bool;
+
     /// How a free on `stream` is fenced now.
-    fn at_free(&self, stream: StreamId) -> AtFree;
+    fn at_free(&self, stream: StreamId) -> AtFree {
+        if self.is_capturing(stream) {
+            AtFree::Never
+        } else {
+            AtFree::Deferred
+        }
+    }
+}
+
+/// The fences an allocation made during a capture sees: nothing completes and nothing can be
+/// recorded, so the allocator makes no event call (it grows instead, as it would for a stream
+/// whose fences are pending).
+struct Frozen;
+
+impl Fences for Frozen {
+    fn is_complete(&self, _: Fence) -> bool {
+        false
+    }
+
+    fn record(&self, _: StreamId) -> Option<Fence> {
+        None
+    }
 }
 
 /// How a free is fenced.
@@ -55,6 +81,10 @@ impl Fences for HostEvents {
 }
 
 impl StreamEvents for HostEvents {
+    fn is_capturing(&self, _: StreamId) -> bool {
+        false
+    }
+
     fn at_free(&self, _: StreamId) -> AtFree {
         AtFree::Done
     }
@@ -88,12 +118,10 @@ impl Fences for CudaEvents {
 }
 
 impl StreamEvents for CudaEvents {
-    fn at_free(&self, stream: StreamId) -> AtFree {
-        // A failed query counts as a capture: the block then stays with its stream.
-        match self.pool.is_capturing(stream.0) {
-            Ok(false) => AtFree::Deferred,
-            _ => AtFree::Never,
-        }
+    fn is_capturing(&self, stream: StreamId) -> bool {
+        // A failed query counts as a capture: nothing is recorded, a freed block stays with its
+        // stream.
+        !matches!(self.pool.is_capturing(stream.0), Ok(false))
     }
 }
 
@@ -209,7 +237,12 @@ impl<S: HandleSource> CachingAllocator<S> {
             }
         }
         self.check_limit(size, len)?;
-        let block = self.core().alloc(size, stream, self.events.as_ref())?;
+        let events = self.events.as_ref();
+        let block = if events.is_capturing(stream) {
+            self.core().alloc(size, stream, &Frozen)?
+        } else {
+            self.core().alloc(size, stream, events)?
+        };
         self.live.insert(block.offset, block.size.get());
         Ok(self.base + block.offset)
     }

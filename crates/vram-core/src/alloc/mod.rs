@@ -16,7 +16,8 @@
 //!   map again, no new memory held), then by a grant of what is still missing.
 //! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once a
 //!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
-//!   fenced together: every `SEAL_EVERY` frees of a stream, before growing, and on `tick` / `trim`.
+//!   fenced together: every `SEAL_EVERY` frees of a stream, before growing, and on `trim` (not on
+//!   `tick`, which a background thread calls, maybe while another thread captures a graph).
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
 //!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
 //!   pattern keeps its memory; [`Allocator::trim`] returns every wholly free handle at once.
@@ -373,7 +374,6 @@ impl<B: Backing> Allocator<B> {
     /// of allocated bytes plus headroom, once it has stayed above it for `release_delay_us`.
     /// Returns the bytes given back.
     pub fn tick<F: Fences + ?Sized>(&mut self, now_us: u64, fences: &F) -> Bytes {
-        self.seal(fences);
         self.poll(fences);
         let delay = self.config.release_delay_us;
         let recent = self

@@ -501,11 +501,11 @@ fn frees_during_a_capture_stay_with_their_stream_and_do_not_hold_back_later_ones
     a.free(during.offset, StreamId(1), Fence::NEVER, &fences)
         .unwrap();
     // Nothing can be recorded during the capture: the deferred free waits.
-    a.tick(1, &fences);
+    a.trim(&fences);
     assert_eq!(fences.recorded(1), 0);
     fences.set_capturing(1, false);
     a.free_deferred(after.offset, StreamId(1), &fences).unwrap();
-    a.tick(2, &fences);
+    a.trim(&fences);
     assert_eq!(fences.recorded(1), 1);
     fences.complete_all();
     let mut got = Vec::new();
