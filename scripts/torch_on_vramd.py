@@ -345,6 +345,7 @@ class Run:
                 self.daemon.kill()
 
     def cmd(self, mode, worker_args, tenant=None, flags=()):
+        mode = mode.split(":")[0]
         py = [sys.executable, HERE, "--worker"] + worker_args
         if mode == "plain" or mode == "expandable":
             return py
@@ -358,6 +359,10 @@ class Run:
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if mode == "expandable":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+        # A mode may carry settings: "full:VRAMD_SEAL_EVERY=1".
+        for setting in mode.split(":")[1:]:
+            k, _, v = setting.partition("=")
+            env[k] = v
         c = self.cmd(mode, worker_args, **kw)
         r = subprocess.run(c, capture_output=True, text=True, timeout=timeout, env=env)
         for line in r.stdout.splitlines():
@@ -385,7 +390,7 @@ class Run:
             # Interleaved rounds (plain, then each mode, once per round), so that a drift of the
             # machine over the minutes of the runs does not favour one allocator.
             for i in range(self.o.runs):
-                for mode in ["plain"] + (["expandable"] if i == 0 else []) + list(MODES):
+                for mode in ["plain"] + (["expandable"] if i == 0 else []) + self.o.train_modes:
                     try:
                         res, _ = self.child(mode, wa, tenant=f"{model}-{mode}-{i}",
                                             flags=["--limit", "64GiB"])
@@ -594,6 +599,9 @@ def main():
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--models", nargs="+", default=["resnet50", "bert"])
+    p.add_argument("--train-modes", nargs="+", default=list(MODES),
+                   help="vramd modes to train under, each optionally with settings for the "
+                        "tenant's environment, e.g. full:VRAMD_SEAL_EVERY=1")
     p.add_argument("--tenant-seconds", type=float, default=12)
     p.add_argument("--skip", nargs="*", default=[], choices=["compat", "training", "tenants"])
     o = p.parse_args()

@@ -85,10 +85,17 @@ fn connect() -> Result<Tenant, String> {
         }
         other => return Err(format!("vramd: unknown device backend `{other}`")),
     };
-    let config = AllocConfig {
+    let mut config = AllocConfig {
         granularity: w.device.granularity,
         ..AllocConfig::default()
     };
+    if let Ok(v) = std::env::var("VRAMD_SEAL_EVERY") {
+        config.seal_every = v
+            .parse::<u32>()
+            .ok()
+            .filter(|&n| n > 0)
+            .ok_or_else(|| format!("VRAMD_SEAL_EVERY `{v}`: not a positive number"))?;
+    }
     let device = client.device().clone();
     let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::new(client.clone()))
         .map_err(|e| format!("vramd: cannot reserve address space: {e}"))?;

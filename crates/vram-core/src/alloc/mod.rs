@@ -16,7 +16,7 @@
 //!   map again, no new memory held), then by a grant of what is still missing.
 //! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once a
 //!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
-//!   fenced together: every `SEAL_EVERY` frees of a stream, before growing, and on `trim` (not on
+//!   fenced together: every `seal_every` frees of a stream, before growing, and on `trim` (not on
 //!   `tick`, which a background thread calls, maybe while another thread captures a graph).
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
 //!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
@@ -72,6 +72,9 @@ pub struct AllocConfig {
     pub release_delay_us: u64,
     /// Headroom kept above the recent peak of allocated bytes, as a fraction of it.
     pub keep_fraction: f64,
+    /// Deferred frees of one stream that one recorded fence covers at most: fewer driver calls
+    /// against memory that other streams, moves and returns must wait longer for.
+    pub seal_every: u32,
 }
 
 impl Default for AllocConfig {
@@ -86,6 +89,7 @@ impl Default for AllocConfig {
             grow_slack: 0.01,
             release_delay_us: 10_000_000,
             keep_fraction: 0.0625,
+            seal_every: 8,
         }
     }
 }
@@ -114,8 +118,6 @@ pub enum AllocError {
 
 const LARGE: usize = 0;
 const SMALL: usize = 1;
-/// Deferred frees of one stream that one recorded fence covers at most.
-const SEAL_EVERY: u32 = 64;
 
 #[derive(Clone, Copy, Debug)]
 struct Live {
@@ -345,7 +347,7 @@ impl<B: Backing> Allocator<B> {
         self.stats.on_free(b.len, b.requested);
         let entry = self.unsealed.entry(stream).or_insert((0, 0));
         *entry = (self.seq, entry.1 + 1);
-        if entry.1 >= SEAL_EVERY {
+        if entry.1 >= self.config.seal_every {
             self.seal_stream(stream, fences);
         }
         Ok(Bytes(b.len))
