@@ -11,6 +11,7 @@ aborts the whole script. Binaries: --bin or VRAMD_BIN (vramd and libvram.so side
 """
 
 import argparse
+import re
 import json
 import os
 import statistics
@@ -223,6 +224,25 @@ def args_batch(name):
     return 32 if name == "resnet50" else 16
 
 
+def worker_allocbench(args):
+    """Time per torch.empty + del pair on the GPU, for a size PyTorch's caching allocator and
+    vramd's thread caches keep (32 KiB) and a larger one (4 MiB)."""
+    torch = _torch()
+    dev = torch.device("cuda")
+    out = {}
+    for size in (32 << 10, 4 << 20):
+        for _ in range(2000):
+            x = torch.empty(size, dtype=torch.uint8, device=dev)
+            del x
+        n = 20000
+        t = time.perf_counter()
+        for _ in range(n):
+            x = torch.empty(size, dtype=torch.uint8, device=dev)
+            del x
+        out[f"ns_per_pair_{size >> 10}KiB"] = (time.perf_counter() - t) / n * 1e9
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 def worker_train(args):
     torch = _torch()
     torch.manual_seed(args.seed)
@@ -346,6 +366,8 @@ class Run:
 
     def cmd(self, mode, worker_args, tenant=None, flags=()):
         mode = mode.split(":")[0]
+        if tenant:
+            tenant = re.sub(r"[^A-Za-z0-9_.@-]", "_", tenant)
         py = [sys.executable, HERE, "--worker"] + worker_args
         if mode == "plain" or mode == "expandable":
             return py
@@ -381,6 +403,17 @@ class Run:
             except BaseException as e:
                 out[mode] = {"_run": {"ok": False, "error": str(e)[:2000]}}
         self.results["compat"] = out
+
+    def allocbench(self):
+        out = {}
+        for mode in ["plain"] + self.o.train_modes:
+            try:
+                res, _ = self.child(mode, ["allocbench"], tenant=f"allocbench-{mode}",
+                                    flags=["--limit", "16GiB"])
+            except BaseException as e:
+                res = {"error": str(e)[-1500:]}
+            out[mode] = res
+        self.results["allocbench"] = out
 
     def training(self):
         out = {}
@@ -559,6 +592,15 @@ def markdown(res):
                              "FAIL: " + c["error"].replace("|", "/").replace("\n", " ")[:120]))
             L.append(f"| {n} | " + " | ".join(cells) + " |")
         L.append("")
+    if res.get("allocbench"):
+        L += ["## Allocation cost (torch.empty + del, ns per pair)", "",
+              "| allocator | 32 KiB | 4 MiB |", "|---|---|---|"]
+        for mode, v in res["allocbench"].items():
+            if "error" in v:
+                L.append(f"| {mode} | error: {v['error'][-200:]!r} | |")
+            else:
+                L.append(f"| {mode} | {v['ns_per_pair_32KiB']:.0f} | {v['ns_per_pair_4096KiB']:.0f} |")
+        L.append("")
     for model, s in (res.get("training") or {}).items():
         L += [f"## {model} training", "",
               "| allocator | steps/s (median) | ratio to plain | losses identical | peak device memory |",
@@ -603,7 +645,7 @@ def main():
                    help="vramd modes to train under, each optionally with settings for the "
                         "tenant's environment, e.g. full:VRAMD_SEAL_EVERY=1")
     p.add_argument("--tenant-seconds", type=float, default=12)
-    p.add_argument("--skip", nargs="*", default=[], choices=["compat", "training", "tenants"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["compat", "allocbench", "training", "tenants"])
     o = p.parse_args()
     if o.worker:
         w = argparse.ArgumentParser()
@@ -617,15 +659,16 @@ def main():
         w.add_argument("--life", type=float, default=10)
         w.add_argument("--t0", type=float, default=0)
         a = w.parse_args(o.worker)
-        {"compat": worker_compat, "train": worker_train, "tenant": worker_tenant}[a.kind](a)
+        {"compat": worker_compat, "train": worker_train, "tenant": worker_tenant,
+         "allocbench": worker_allocbench}[a.kind](a)
         return
     os.makedirs(o.out, exist_ok=True)
     run = Run(o)
     start = time.time()
     try:
         run.start_daemon()
-        for part, fn in [("compat", run.compat), ("training", run.training),
-                         ("tenants", run.three_tenants)]:
+        for part, fn in [("compat", run.compat), ("allocbench", run.allocbench),
+                         ("training", run.training), ("tenants", run.three_tenants)]:
             if part in o.skip:
                 continue
             t = time.time()

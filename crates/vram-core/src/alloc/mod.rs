@@ -236,6 +236,7 @@ impl<B: Backing> Allocator<B> {
         stream: StreamId,
         fences: &F,
     ) -> Result<Block, AllocError> {
+        self.poll(fences);
         let align = self.config.align.get();
         let too_large = AllocError::TooLarge {
             requested: size,
