@@ -59,6 +59,12 @@ int vram_interposing(void);
 /* cudaMalloc / cudaFree calls vramd served in this process. */
 unsigned long long vram_interposed_calls(void);
 
+/* For a caching layer above libvram (PyTorch's, in pool mode): how many of the bytes it holds
+ * from libvram are in use by the application. `vramd status` then shows that as the tenant's
+ * "in use" and the rest of what it holds as cached (by default both come from libvram's own
+ * books, where a cached segment of the layer above counts as in use). */
+void vram_report_in_use(unsigned long long bytes);
+
 /* Starts the peak statistics over from their current values. 0, or -1 on error. */
 int vram_reset_peak(void);
 

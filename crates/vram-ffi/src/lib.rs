@@ -126,9 +126,18 @@ fn start_housekeeping() {
                 let Some(Ok(t)) = TENANT.get() else { return };
                 t.alloc.tick(start.elapsed().as_micros() as u64);
                 let s = t.alloc.stats();
-                if (s.in_use, s.cached) != last {
-                    last = (s.in_use, s.cached);
-                    if t.client.report_usage(s.in_use, s.cached).is_err() {
+                // A caching layer above (PyTorch's, in pool mode) knows what of its segments is
+                // in use; the rest of what the tenant holds is cached.
+                let (in_use, cached) = match CALLER_IN_USE.load(Ordering::Relaxed) {
+                    u64::MAX => (s.in_use, s.cached),
+                    n => {
+                        let in_use = Bytes(n).min(s.core.held);
+                        (in_use, s.core.held.saturating_sub(in_use))
+                    }
+                };
+                if (in_use, cached) != last {
+                    last = (in_use, cached);
+                    if t.client.report_usage(in_use, cached).is_err() {
                         return;
                     }
                 }
@@ -262,6 +271,15 @@ pub fn last_error() -> Option<String> {
 
 /// Reclaim requests the daemon has made of this process.
 static RECLAIM_REQUESTS: AtomicU64 = AtomicU64::new(0);
+
+/// What the caller says is in use, for `vramd status` (`u64::MAX`: nothing said).
+static CALLER_IN_USE: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_report_in_use(bytes: u64) {
+    CALLER_IN_USE.store(bytes.min(u64::MAX - 1), Ordering::Relaxed);
+}
 
 /// See `include/vram.h`.
 #[no_mangle]

@@ -105,27 +105,55 @@ fn c_program_writes_publishes_pins_and_waits_on_a_shared_buffer() {
 
 #[test]
 fn c_program_gets_cuda_runtime_allocations_from_vramd_in_pool_mode() {
+    use std::io::{BufRead, Write};
     let out = tempfile::tempdir().unwrap();
     let exe = build("interpose", out.path());
     let daemon = common::Daemon::start(Bytes::gib(8));
-    let run = Command::new(&exe)
+    let mut child = Command::new(&exe)
         .env("VRAMD_SOCKET", &daemon.socket)
         .env("VRAMD_TENANT", "c-pool")
         .env("VRAMD_LIMIT", "256MiB")
         .env("VRAMD_TORCH_MODE", "pool")
-        .output()
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("interpose: ok") {
+        let mut line = String::new();
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            panic!("interpose.c stopped early:\n{seen}");
+        }
+        seen += &line;
+    }
     assert!(
-        run.status.success(),
-        "interpose.c failed:\n{stdout}\n{stderr}"
-    );
-    assert!(
-        stdout.contains(
+        seen.contains(
             "refused as expected: vramd: tenant `c-pool` could not allocate 512 MiB: out of memory"
         ),
-        "{stdout}"
+        "{seen}"
     );
-    assert!(stdout.contains("interpose: ok"), "{stdout}");
+    // The housekeeping thread passes the reported figure on within a few hundred milliseconds.
+    let observer = vram_client::Observer::connect(Some(&daemon.socket)).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let tenant = loop {
+        let status = observer.status().unwrap();
+        let t = status
+            .tenants
+            .into_iter()
+            .find(|t| t.name == "c-pool")
+            .unwrap();
+        if t.in_use == Bytes::mib(16) || std::time::Instant::now() > deadline {
+            break t;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(
+        (tenant.held, tenant.in_use, tenant.cached),
+        (Bytes::mib(64), Bytes::mib(16), Bytes::mib(48)),
+        "held = the segment, in use = what the layer above reported, the rest cached"
+    );
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "interpose.c failed:\n{seen}");
 }

@@ -43,6 +43,14 @@ int main(void) {
     CHECK(vram_trim() >= (long long)len);
     printf("served %llu runtime calls\n", vram_interposed_calls());
     CHECK(vram_interposed_calls() == 4);
+    /* A caching layer above says what of its segments is in use; `vramd status` shows it. */
+    void *c = NULL;
+    CHECK(cudaMalloc(&c, len) == 0);
+    vram_report_in_use((unsigned long long)16 << 20);
     printf("interpose: ok\n");
+    fflush(stdout);
+    char line[16];
+    (void)fgets(line, sizeof line, stdin); /* the test reads the daemon's status meanwhile */
+    CHECK(cudaFree(c) == 0);
     return 0;
 }

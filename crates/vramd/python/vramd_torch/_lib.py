@@ -29,6 +29,8 @@ def lib():
         l.vram_trim.restype = ctypes.c_longlong
         l.vram_reclaim_requests.restype = ctypes.c_ulonglong
         l.vram_reset_peak.restype = ctypes.c_int
+        l.vram_report_in_use.argtypes = [ctypes.c_ulonglong]
+        l.vram_report_in_use.restype = None
         _lib = l
     return _lib
 

@@ -6,8 +6,9 @@ every thread and stream, for graphs' private pools too, is vramd's memory under 
 Nothing in PyTorch is replaced or re-routed, so everything in it works as without vramd; the
 fragmentation is PyTorch's own.
 
-Here: a check that the runtime's functions really are vramd's, the out-of-memory message, and
-elastic sharing — when the daemon asks for memory back, a thread empties PyTorch's cache (its idle
+Here: a check that the runtime's functions really are vramd's, the out-of-memory message,
+PyTorch's in-use figure for `vramd status` (what it holds beyond is its cache), and elastic
+sharing — when the daemon asks for memory back, a thread empties PyTorch's cache (its idle
 segments go back through `cudaFree`) and hands them to the daemon.
 """
 
@@ -113,10 +114,24 @@ def release_idle():
     return True
 
 
+def _report_in_use():
+    """What of PyTorch's segments its tensors use, for `vramd status` (the rest is its cache)."""
+    torch = _state.torch
+    if torch.cuda.is_initialized():
+        _lib.lib().vram_report_in_use(torch.cuda.memory_allocated())
+
+
 def _reclaim_loop():
     seen = _lib.reclaim_requests()
+    ticks = 0
     while True:
         time.sleep(0.05)
+        ticks += 1
+        if ticks % 4 == 0:
+            try:
+                _report_in_use()
+            except Exception as e:
+                print(f"vramd: cannot read PyTorch's statistics: {e}", file=sys.stderr)
         n = _lib.reclaim_requests()
         if n == seen:
             continue
