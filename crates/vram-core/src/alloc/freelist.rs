@@ -3,6 +3,7 @@
 //! Invariants: regions never overlap; two adjacent regions never share an owner (they would have
 //! been merged); a region owned by a stream carries the sequence number of its latest free on that
 //! stream, so it becomes usable by every stream once that stream's fence for the sequence completes.
+//! A region freed by a stream takes in the neighbours every stream may use (see `insert`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -71,11 +72,15 @@ impl FreeList {
         }
     }
 
-    /// Adds `[start, start + len)` and merges it with neighbours of the same owner.
+    /// Adds `[start, start + len)` and merges it with neighbours of the same owner. A region of a
+    /// stream also takes in neighbours every stream may use: they become that stream's until its
+    /// fence completes (only a restriction, so safe), and a program on one stream sees its free
+    /// memory in one piece instead of split where fenced and unfenced frees meet.
     pub(crate) fn insert(&mut self, mut start: u64, mut len: u64, owner: Owner, mut seq: Seq) {
         debug_assert!(len > 0);
+        let joins = |other: Owner| other == owner || other == Owner::Any;
         if let Some((ls, l)) = self.ending_at(start) {
-            if l.owner == owner {
+            if joins(l.owner) {
                 self.unlink(ls);
                 start = ls;
                 len += l.len;
@@ -83,7 +88,7 @@ impl FreeList {
             }
         }
         if let Some(r) = self.get(start + len) {
-            if r.owner == owner {
+            if joins(r.owner) {
                 self.unlink(start + len);
                 len += r.len;
                 seq = seq.max(r.seq);

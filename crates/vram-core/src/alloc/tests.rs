@@ -518,3 +518,29 @@ fn frees_during_a_capture_stay_with_their_stream_and_do_not_hold_back_later_ones
         "memory freed during a capture is never another stream's"
     );
 }
+
+#[test]
+fn a_streams_free_takes_in_neighbouring_memory_every_stream_may_use() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let x = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let y = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let _pin = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let (lo, hi) = if x.offset < y.offset { (x, y) } else { (y, x) };
+    // `lo` is every stream's (its fence completed), then `hi` is freed without a fence yet.
+    let f = fences.record_now(1);
+    fences.complete(1, 1);
+    a.free(lo.offset, StreamId(1), f, &fences).unwrap();
+    a.free_deferred(hi.offset, StreamId(1), &fences).unwrap();
+    // Stream 1 gets both as one block at once; another stream gets neither.
+    let both = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    assert_eq!(both.offset, lo.offset);
+    a.free_deferred(both.offset, StreamId(1), &fences).unwrap();
+    let other = a.alloc(Bytes::mib(4), StreamId(2), &fences).unwrap();
+    assert!(!overlaps(
+        other.offset,
+        other.size.get(),
+        lo.offset,
+        8 * MIB
+    ));
+}
