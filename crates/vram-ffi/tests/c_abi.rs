@@ -7,10 +7,18 @@ use vram_core::Bytes;
 
 mod common;
 
-/// The directory cargo put libvram.so in (this test runs from `target/<profile>/deps`).
+/// The directory cargo put libvram.so in (this test runs from `target/<profile>/deps`), or, for
+/// a bundle run on a machine without cargo (`.gpu/run` copies the library into the project's
+/// `target/release`), that directory.
 fn lib_dir() -> PathBuf {
     let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().to_path_buf()
+    let beside = exe.parent().unwrap().parent().unwrap().to_path_buf();
+    let project = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/release");
+    let no_cargo = !Path::new(env!("CARGO")).exists();
+    if no_cargo && !beside.join("libvram.so").exists() && project.join("libvram.so").exists() {
+        return project;
+    }
+    beside
 }
 
 /// libvram.so, built for this test's profile. `cargo test` builds the library as an rlib only,
