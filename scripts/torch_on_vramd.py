@@ -507,9 +507,15 @@ def summarize_training(per, warmup):
                 if first_diff:
                     break
         peak = max(r.get("vramd_held_peak", r["peak_reserved"]) for r in rs)
+        # Runs are interleaved in rounds: the ratio to the same round's plain run cancels a drift
+        # of the machine's speed between rounds (CPU-bound models such as BERT-base feel it).
+        runs = per.get(mode, [])
+        paired = [thr(a) / thr(b) for a, b in zip(runs, per.get("plain", []))
+                  if "times" in a and "times" in b]
         summary["modes"][mode] = {
             "steps_per_s_median": med,
             "throughput_ratio": (med / base_thr) if base_thr else None,
+            "throughput_ratio_paired_median": statistics.median(paired) if paired else None,
             "losses_identical_to_plain": same,
             "first_loss_difference": first_diff,
             "peak_device_bytes": peak,
@@ -603,16 +609,19 @@ def markdown(res):
         L.append("")
     for model, s in (res.get("training") or {}).items():
         L += [f"## {model} training", "",
-              "| allocator | steps/s (median) | ratio to plain | losses identical | peak device memory |",
-              "|---|---|---|---|---|"]
+              "| allocator | steps/s (median) | ratio to plain | ratio to plain, paired by round "
+              "(median) | losses identical | peak device memory |",
+              "|---|---|---|---|---|---|"]
         for mode, v in s["modes"].items():
             if "error" in v:
-                L.append(f"| {mode} | error: {str(v['error'])[:150]} | | | |")
+                L.append(f"| {mode} | error: {str(v['error'])[:150]} | | | | |")
                 continue
-            ratio = v["throughput_ratio"]
+            ratio, paired = v["throughput_ratio"], v.get("throughput_ratio_paired_median")
             L.append(f"| {mode} | {v['steps_per_s_median']:.2f} | "
                      f"{'' if ratio is None else f'{ratio:.3f}'} | "
-                     f"{v['losses_identical_to_plain']} | {v['peak_device_bytes'] / GIB:.2f} GiB |")
+                     f"{'' if paired is None else f'{paired:.3f}'} | "
+                     f"{v['losses_identical_to_plain']} | {v['peak_device_bytes']:,} B "
+                     f"({v['peak_device_bytes'] / GIB:.2f} GiB) |")
         L.append("")
     three = res.get("three_tenants") or {}
     if three:
