@@ -16,8 +16,9 @@
 //!   map again, no new memory held), then by a grant of what is still missing.
 //! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once a
 //!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
-//!   fenced together: every `seal_every` frees of a stream, before growing, and on `trim` (not on
-//!   `tick`, which a background thread calls, maybe while another thread captures a graph).
+//!   fenced together: every `seal_every` frees of a stream, before growing, on `trim`, and on a
+//!   `tick` after a tick period without allocations or frees (a background thread ticks, maybe
+//!   while another thread captures a graph: only an idle program is fenced from there).
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
 //!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
 //!   pattern keeps its memory; [`Allocator::trim`] returns every wholly free handle at once.
@@ -162,6 +163,8 @@ pub struct Allocator<B> {
     stats: AllocStats,
     window: PeakWindow,
     allocated_since_tick: u64,
+    /// Whether an allocation or free happened since the last tick.
+    busy_since_tick: bool,
     next_scan: u64,
 }
 
@@ -186,6 +189,7 @@ impl<B: Backing> Allocator<B> {
             stats: AllocStats::default(),
             window: PeakWindow::default(),
             allocated_since_tick: 0,
+            busy_since_tick: false,
             next_scan: 0,
         }
     }
@@ -236,6 +240,7 @@ impl<B: Backing> Allocator<B> {
         stream: StreamId,
         fences: &F,
     ) -> Result<Block, AllocError> {
+        self.busy_since_tick = true;
         self.poll(fences);
         let align = self.config.align.get();
         let too_large = AllocError::TooLarge {
@@ -305,6 +310,7 @@ impl<B: Backing> Allocator<B> {
             .live
             .remove(&offset)
             .ok_or(AllocError::UnknownBlock { offset })?;
+        self.busy_since_tick = true;
         self.seq += 1;
         let (owner, seq) = if fence == Fence::NEVER {
             // No fence will ever release it: a sequence number no completed fence reaches.
@@ -341,6 +347,7 @@ impl<B: Backing> Allocator<B> {
             .live
             .remove(&offset)
             .ok_or(AllocError::UnknownBlock { offset })?;
+        self.busy_since_tick = true;
         self.seq += 1;
         self.heaps[b.heap]
             .free
@@ -377,6 +384,12 @@ impl<B: Backing> Allocator<B> {
     /// of allocated bytes plus headroom, once it has stayed above it for `release_delay_us`.
     /// Returns the bytes given back.
     pub fn tick<F: Fences + ?Sized>(&mut self, now_us: u64, fences: &F) -> Bytes {
+        // A program that stopped allocating leaves its last deferred frees unfenced: fence them
+        // now, so that their memory can go back. Only when idle since the last tick: a tick runs
+        // on a background thread, and a busy program may be capturing a graph on another.
+        if !std::mem::take(&mut self.busy_since_tick) {
+            self.seal(fences);
+        }
         self.poll(fences);
         let delay = self.config.release_delay_us;
         let recent = self

@@ -544,3 +544,28 @@ fn a_streams_free_takes_in_neighbouring_memory_every_stream_may_use() {
         8 * MIB
     ));
 }
+
+#[test]
+fn an_idle_programs_last_deferred_frees_are_fenced_by_the_tick_and_go_back() {
+    let config = AllocConfig {
+        release_delay_us: 1000,
+        keep_fraction: 0.0,
+        ..small_config()
+    };
+    let mut a = Allocator::new(config, ModelBacking::new());
+    let fences = TestFences::default();
+    let x = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    a.free_deferred(x.offset, StreamId(1), &fences).unwrap();
+    // Busy since the last tick: nothing is recorded from the tick.
+    a.tick(0, &fences);
+    assert_eq!(fences.recorded(1), 0);
+    // Idle for a tick period: the tick fences the free; once the fence completes and the delay
+    // passed, the memory goes back.
+    a.tick(500, &fences);
+    assert_eq!(fences.recorded(1), 1);
+    fences.complete_all();
+    for now in [1500, 2500, 3500, 4500] {
+        a.tick(now, &fences);
+    }
+    assert_eq!(a.stats().held, Bytes::ZERO, "idle memory went back");
+}
