@@ -1,9 +1,11 @@
 //! Free regions of mapped memory, coalesced, indexed by address and by (owner, size) for best fit.
 //!
 //! Invariants: regions never overlap; two adjacent regions never share an owner (they would have
-//! been merged); a region owned by a stream carries the sequence number of its latest free on that
-//! stream, so it becomes usable by every stream once that stream's fence for the sequence completes.
-//! A region freed by a stream takes in the neighbours every stream may use (see `insert`).
+//! been merged), except where one of them was freed during a graph capture and the other not; a
+//! region owned by a stream carries the sequence number of its latest free on that stream, so it
+//! becomes usable by every stream once that stream's fence for the sequence completes (never, for
+//! `Seq::MAX`). A region freed by a stream takes in the neighbours every stream may use (see
+//! `insert`), unless it was freed during a capture.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -78,9 +80,15 @@ impl FreeList {
     /// memory in one piece instead of split where fenced and unfenced frees meet.
     pub(crate) fn insert(&mut self, mut start: u64, mut len: u64, owner: Owner, mut seq: Seq) {
         debug_assert!(len > 0);
-        let joins = |other: Owner| other == owner || other == Owner::Any;
+        // Memory freed during a graph capture (sequence `Seq::MAX`: no fence ever releases it)
+        // stays apart from memory that a fence will release.
+        let never = seq == Seq::MAX;
+        let joins = |other: Region| {
+            (other.owner == owner && (other.seq == Seq::MAX) == never)
+                || (other.owner == Owner::Any && !never)
+        };
         if let Some((ls, l)) = self.ending_at(start) {
-            if joins(l.owner) {
+            if joins(l) {
                 self.unlink(ls);
                 start = ls;
                 len += l.len;
@@ -88,7 +96,7 @@ impl FreeList {
             }
         }
         if let Some(r) = self.get(start + len) {
-            if joins(r.owner) {
+            if joins(r) {
                 self.unlink(start + len);
                 len += r.len;
                 seq = seq.max(r.seq);

@@ -569,3 +569,24 @@ fn an_idle_programs_last_deferred_frees_are_fenced_by_the_tick_and_go_back() {
     }
     assert_eq!(a.stats().held, Bytes::ZERO, "idle memory went back");
 }
+
+#[test]
+fn memory_freed_during_a_capture_does_not_take_in_free_neighbours() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let x = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let y = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let _pin = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    assert_eq!(a.backing().counts().grants, 3, "one handle per block");
+    a.free(x.offset, StreamId(1), Fence(0), &AlwaysComplete)
+        .unwrap();
+    a.free(y.offset, StreamId(1), Fence::NEVER, &fences)
+        .unwrap();
+    let held = a.stats().held;
+    a.trim(&fences);
+    assert_eq!(
+        a.stats().held,
+        held - Bytes::mib(4),
+        "x's handle goes back; y's stays with the graph"
+    );
+}
