@@ -381,7 +381,7 @@ class Run:
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
         if mode == "expandable":
             env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
-        # A mode may carry settings: "full:VRAMD_SEAL_EVERY=1".
+        # A mode may carry settings: "full:VRAMD_ALLOC=seal_every=1".
         for setting in mode.split(":")[1:]:
             k, _, v = setting.partition("=")
             env[k] = v
@@ -652,7 +652,7 @@ def main():
     p.add_argument("--models", nargs="+", default=["resnet50", "bert"])
     p.add_argument("--train-modes", nargs="+", default=list(MODES),
                    help="vramd modes to train under, each optionally with settings for the "
-                        "tenant's environment, e.g. full:VRAMD_SEAL_EVERY=1")
+                        "tenant's environment, e.g. full:VRAMD_ALLOC=seal_every=1")
     p.add_argument("--tenant-seconds", type=float, default=12)
     p.add_argument("--skip", nargs="*", default=[], choices=["compat", "allocbench", "training", "tenants"])
     o = p.parse_args()

@@ -1,7 +1,8 @@
 //! libvram.so: the caching allocator of `vram-client` behind a C ABI (`include/vram.h`), for
 //! PyTorch's `CUDAPluggableAllocator` and any C program. The process-wide tenant is set up on first
 //! use from the environment (`VRAMD_SOCKET`, `VRAMD_TENANT`, `VRAMD_LIMIT`, `VRAMD_GUARANTEE`,
-//! `VRAMD_PRIORITY`, `VRAMD_GPU`).
+//! `VRAMD_PRIORITY`, `VRAMD_GPU`, and `VRAMD_ALLOC` for allocator settings such as
+//! `min_grow=16MiB,max_handle=32MiB`).
 //!
 //! Nothing here aborts or unwinds into C: every entry point catches panics, and errors go to the
 //! calling thread's `vram_last_error`.
@@ -89,12 +90,13 @@ fn connect() -> Result<Tenant, String> {
         granularity: w.device.granularity,
         ..AllocConfig::default()
     };
-    if let Ok(v) = std::env::var("VRAMD_SEAL_EVERY") {
-        config.seal_every = v
-            .parse::<u32>()
-            .ok()
-            .filter(|&n| n > 0)
-            .ok_or_else(|| format!("VRAMD_SEAL_EVERY `{v}`: not a positive number"))?;
+    if let Ok(v) = std::env::var("VRAMD_ALLOC") {
+        config
+            .set_all(&v)
+            .map_err(|e| format!("vramd: VRAMD_ALLOC: {e}"))?;
+    }
+    if config.seal_every == 0 {
+        return Err("vramd: VRAMD_ALLOC: seal_every must be at least 1".into());
     }
     let device = client.device().clone();
     let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::new(client.clone()))

@@ -165,3 +165,26 @@ fn c_program_gets_cuda_runtime_allocations_from_vramd_in_pool_mode() {
     let status = child.wait().unwrap();
     assert!(status.success(), "interpose.c failed:\n{seen}");
 }
+
+#[test]
+fn allocator_settings_come_from_vramd_alloc_and_a_bad_one_is_a_clear_error() {
+    let out = tempfile::tempdir().unwrap();
+    let exe = build("settings", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(1));
+    let run = |value: &str| {
+        let r = Command::new(&exe)
+            .env("VRAMD_SOCKET", &daemon.socket)
+            .env("VRAMD_ALLOC", value)
+            .output()
+            .unwrap();
+        assert!(r.status.success());
+        String::from_utf8_lossy(&r.stdout).into_owned()
+    };
+    assert_eq!(run("min_grow=16MiB,seal_every=2"), "allocated\n");
+    let bad = run("min_grwo=16MiB");
+    assert!(
+        bad.starts_with("refused: vramd: VRAMD_ALLOC: `min_grwo` is not an allocator setting"),
+        "{bad}"
+    );
+    assert!(run("seal_every=0").contains("seal_every must be at least 1"));
+}

@@ -95,6 +95,44 @@ impl Default for AllocConfig {
     }
 }
 
+impl AllocConfig {
+    /// Changes one setting from text, as in `min_grow=16MiB` (a field name of this struct and a
+    /// value: sizes with or without a unit, numbers, `true`/`false`). Unknown names and values
+    /// that do not parse are errors that say so.
+    pub fn set(&mut self, setting: &str) -> Result<(), String> {
+        let (key, value) = setting
+            .split_once('=')
+            .ok_or_else(|| format!("`{setting}`: expected NAME=VALUE, e.g. min_grow=16MiB"))?;
+        let (key, value) = (key.trim(), value.trim());
+        let mut fields = match serde_json::to_value(&*self) {
+            Ok(serde_json::Value::Object(m)) => m,
+            _ => unreachable!("AllocConfig serialises as an object"),
+        };
+        if !fields.contains_key(key) {
+            let mut names: Vec<&str> = fields.keys().map(String::as_str).collect();
+            names.sort_unstable();
+            return Err(format!(
+                "`{key}` is not an allocator setting (known: {})",
+                names.join(", ")
+            ));
+        }
+        let parsed = serde_json::from_str::<serde_json::Value>(value)
+            .unwrap_or_else(|_| serde_json::Value::String(value.to_string()));
+        fields.insert(key.to_string(), parsed);
+        *self = serde_json::from_value(serde_json::Value::Object(fields))
+            .map_err(|e| format!("`{setting}`: {e}"))?;
+        Ok(())
+    }
+
+    /// Applies settings separated by commas (`min_grow=16MiB,max_handle=32MiB`).
+    pub fn set_all(&mut self, settings: &str) -> Result<(), String> {
+        settings
+            .split(',')
+            .filter(|s| !s.trim().is_empty())
+            .try_for_each(|s| self.set(s))
+    }
+}
+
 /// A block handed out: `size` bytes (the request rounded up) at `offset` into the reservation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Block {

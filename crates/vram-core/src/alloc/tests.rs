@@ -590,3 +590,27 @@ fn memory_freed_during_a_capture_does_not_take_in_free_neighbours() {
         "x's handle goes back; y's stays with the graph"
     );
 }
+
+#[test]
+fn settings_are_set_from_text_and_unknown_ones_refused() {
+    let mut c = AllocConfig::default();
+    c.set_all("min_grow=16MiB, max_handle = 33554432,grow_slack=0.02,seal_every=4")
+        .unwrap();
+    assert_eq!(
+        (c.min_grow, c.max_handle, c.grow_slack, c.seal_every),
+        (Bytes::mib(16), Bytes::mib(32), 0.02, 4)
+    );
+    let e = c.set("min_grwo=1MiB").unwrap_err();
+    assert!(
+        e.contains("not an allocator setting") && e.contains("min_grow"),
+        "{e}"
+    );
+    let e = c.set("seal_every=lots").unwrap_err();
+    assert!(e.contains("seal_every=lots"), "{e}");
+    assert!(c.set("min_grow").is_err());
+    assert_eq!(
+        c.min_grow,
+        Bytes::mib(16),
+        "a refused setting changes nothing"
+    );
+}

@@ -28,6 +28,11 @@ pub struct Args {
     /// (real maps and unmaps on GPU 0; the time spent in the allocator is measured too).
     #[arg(long, value_enum, default_value = "host")]
     pub backend: ReplayBackend,
+    /// An allocator setting to replay with instead of the default, as NAME=VALUE (repeatable;
+    /// e.g. `--set min_grow=16MiB --set max_handle=32MiB`). Tenants take the same settings from
+    /// `VRAMD_ALLOC` (comma-separated).
+    #[arg(long = "set", value_name = "NAME=VALUE")]
+    pub settings: Vec<String>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -51,6 +56,12 @@ pub struct Outcome {
 }
 
 pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    let mut config = AllocConfig::default();
+    for setting in &args.settings {
+        config
+            .set(setting)
+            .map_err(|e| anyhow::anyhow!("--set {e}"))?;
+    }
     let mut outcomes = Vec::new();
     for path in &args.traces {
         let bytes =
@@ -66,7 +77,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                     .to_string()
             })
             .unwrap_or_default();
-        let o = replay(&name, &trace, args.backend)?;
+        let o = replay(&name, &trace, args.backend, &config)?;
         if args.json {
             println!("{}", serde_json::to_string(&o)?);
         }
@@ -93,7 +104,12 @@ fn progress_bar(name: &str, total: usize) -> ProgressBar {
 }
 
 /// Replays one trace through a fresh allocator on a sparse host device.
-pub fn replay(name: &str, trace: &Trace, backend: ReplayBackend) -> anyhow::Result<Outcome> {
+pub fn replay(
+    name: &str,
+    trace: &Trace,
+    backend: ReplayBackend,
+    config: &AllocConfig,
+) -> anyhow::Result<Outcome> {
     let device: Arc<dyn Device> = match backend {
         // Sparse: only the pages the replay writes would cost memory, and it writes none.
         ReplayBackend::Host => Arc::new(HostDevice::new(
@@ -104,7 +120,7 @@ pub fn replay(name: &str, trace: &Trace, backend: ReplayBackend) -> anyhow::Resu
     };
     let config = AllocConfig {
         granularity: device.info().granularity,
-        ..AllocConfig::default()
+        ..config.clone()
     };
     let backing = MappedBacking::new(device.clone(), config.va_bytes, LocalSource::new(device))?;
     let alloc = CachingAllocator::new(config, backing, Box::new(HostEvents));
