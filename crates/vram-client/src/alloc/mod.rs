@@ -193,23 +193,25 @@ impl<S: HandleSource> CachingAllocator<S> {
         self
     }
 
-    /// Refuses a request larger than the limit minus what the application uses now.
-    fn check_limit(&self, size: Bytes, len: u64) -> Result<(), AllocError> {
+    /// Refuses a request larger than the limit minus what the application uses now. `stats` are
+    /// the core's, read under the lock the allocation then uses.
+    fn check_limit(&self, size: Bytes, len: u64, stats: &AllocStats) -> Result<(), AllocError> {
         let Some(limit) = self.limit else {
             return Ok(());
         };
-        let s = self.core().stats();
-        if len <= limit.get().saturating_sub(s.allocated.get()) {
+        if len <= limit.get().saturating_sub(stats.allocated.get()) {
             return Ok(());
         }
         // Blocks idle in thread caches count as allocated in the core: they would come back.
-        let in_use = s.allocated.saturating_sub(Bytes(self.caches.bytes()));
+        let in_use = stats
+            .allocated
+            .saturating_sub(Bytes(self.caches.bytes()));
         if len <= limit.get().saturating_sub(in_use.get()) {
             return Ok(());
         }
         Err(AllocError::OutOfMemory {
             requested: size,
-            held: s.held,
+            held: stats.held,
             allocated: in_use,
             source: vram_core::alloc::Refused {
                 bytes: Bytes(len),
@@ -236,13 +238,16 @@ impl<S: HandleSource> CachingAllocator<S> {
                 return Ok(self.base + offset);
             }
         }
-        self.check_limit(size, len)?;
         let events = self.events.as_ref();
-        let block = if events.is_capturing(stream) {
-            self.core().alloc(size, stream, &Frozen)?
+        let capturing = events.is_capturing(stream);
+        let mut core = self.core();
+        self.check_limit(size, len, &core.stats())?;
+        let block = if capturing {
+            core.alloc(size, stream, &Frozen)?
         } else {
-            self.core().alloc(size, stream, events)?
+            core.alloc(size, stream, events)?
         };
+        drop(core);
         self.live.insert(block.offset, block.size.get());
         Ok(self.base + block.offset)
     }
