@@ -203,9 +203,7 @@ impl<S: HandleSource> CachingAllocator<S> {
             return Ok(());
         }
         // Blocks idle in thread caches count as allocated in the core: they would come back.
-        let in_use = stats
-            .allocated
-            .saturating_sub(Bytes(self.caches.bytes()));
+        let in_use = stats.allocated.saturating_sub(Bytes(self.caches.bytes()));
         if len <= limit.get().saturating_sub(in_use.get()) {
             return Ok(());
         }
