@@ -132,9 +132,7 @@ fn diagnose() {
     for name in TRACES {
         let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
         let trace = parse_snapshot(&bytes).unwrap();
-        let config: AllocConfig =
-            serde_json::from_str(&std::env::var("VRAMD_ALLOC").unwrap_or_else(|_| "{}".into()))
-                .unwrap();
+        let config = settings_from_env();
         let mut a = Allocator::new(config.clone(), ModelBacking::new());
         let mut blocks: HashMap<u64, u64> = HashMap::new();
         let log = LOG_GROWTH.contains(&name);
@@ -237,18 +235,26 @@ fn diagnose() {
     }
 }
 
-/// Sweep helper, run by hand: `VRAMD_ALLOC='{"max_handle":16777216}' cargo test -p vram-core
-/// --release replay::tests::sweep -- --ignored --nocapture` prints one line per trace for the
-/// configuration given as JSON (fields of `AllocConfig`; the rest default).
+/// The default settings with those of `VRAMD_ALLOC` applied, as a tenant takes them
+/// (`min_grow=16MiB,max_handle=32MiB`).
+fn settings_from_env() -> AllocConfig {
+    let mut config = AllocConfig::default();
+    if let Ok(v) = std::env::var("VRAMD_ALLOC") {
+        config.set_all(&v).unwrap();
+    }
+    config
+}
+
+/// Sweep helper, run by hand: `VRAMD_ALLOC=min_grow=16MiB,max_handle=32MiB cargo test -p
+/// vram-core --release replay::tests::sweep -- --ignored --nocapture` prints one line per trace
+/// for those settings (the diagnosis above takes them too).
 #[test]
 #[ignore]
 fn sweep() {
     let Some(dir) = traces_dir() else {
         return;
     };
-    let config: AllocConfig =
-        serde_json::from_str(&std::env::var("VRAMD_ALLOC").unwrap_or_else(|_| "{}".into()))
-            .unwrap();
+    let config = settings_from_env();
     let mut worst: (f64, f64) = (0.0, 0.0);
     for name in TRACES {
         let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
