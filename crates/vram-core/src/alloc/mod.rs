@@ -344,12 +344,7 @@ impl<B: Backing> Allocator<B> {
         fence: Fence,
         fences: &F,
     ) -> Result<Bytes, AllocError> {
-        let b = self
-            .live
-            .remove(&offset)
-            .ok_or(AllocError::UnknownBlock { offset })?;
-        self.busy_since_tick = true;
-        self.seq += 1;
+        let b = self.take_live(offset)?;
         let (owner, seq) = if fence == Fence::NEVER {
             // No fence will ever release it: a sequence number no completed fence reaches.
             (Owner::Stream(stream), Seq::MAX)
@@ -367,9 +362,7 @@ impl<B: Backing> Allocator<B> {
             self.pending.push(stream, self.seq, fence);
             (Owner::Stream(stream), self.seq)
         };
-        self.heaps[b.heap].free.insert(offset, b.len, owner, seq);
-        self.stats.on_free(b.len, b.requested);
-        Ok(Bytes(b.len))
+        Ok(self.add_free(offset, b, owner, seq))
     }
 
     /// Frees the block at `offset` on `stream` without a fence of its own: `stream` may reuse it at
@@ -381,22 +374,32 @@ impl<B: Backing> Allocator<B> {
         stream: StreamId,
         fences: &F,
     ) -> Result<Bytes, AllocError> {
+        let b = self.take_live(offset)?;
+        let freed = self.add_free(offset, b, Owner::Stream(stream), self.seq);
+        let entry = self.unsealed.entry(stream).or_insert((0, 0));
+        *entry = (self.seq, entry.1 + 1);
+        if entry.1 >= self.config.seal_every {
+            self.seal_stream(stream, fences);
+        }
+        Ok(freed)
+    }
+
+    /// Takes the live block at `offset` out of the books for a free, under a new sequence number.
+    fn take_live(&mut self, offset: u64) -> Result<Live, AllocError> {
         let b = self
             .live
             .remove(&offset)
             .ok_or(AllocError::UnknownBlock { offset })?;
         self.busy_since_tick = true;
         self.seq += 1;
-        self.heaps[b.heap]
-            .free
-            .insert(offset, b.len, Owner::Stream(stream), self.seq);
+        Ok(b)
+    }
+
+    /// Puts a freed block's memory into its heap's free regions; returns its length.
+    fn add_free(&mut self, offset: u64, b: Live, owner: Owner, seq: Seq) -> Bytes {
+        self.heaps[b.heap].free.insert(offset, b.len, owner, seq);
         self.stats.on_free(b.len, b.requested);
-        let entry = self.unsealed.entry(stream).or_insert((0, 0));
-        *entry = (self.seq, entry.1 + 1);
-        if entry.1 >= self.config.seal_every {
-            self.seal_stream(stream, fences);
-        }
-        Ok(Bytes(b.len))
+        Bytes(b.len)
     }
 
     /// Records one fence on each stream with deferred frees, covering them all.

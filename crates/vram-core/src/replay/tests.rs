@@ -32,6 +32,11 @@ fn traces_dir() -> Option<PathBuf> {
         .find(|d| d.join(format!("{}.pickle.gz", TRACES[0])).is_file())
 }
 
+fn load(dir: &std::path::Path, name: &str) -> Trace {
+    let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
+    parse_snapshot(&bytes).unwrap()
+}
+
 #[test]
 fn real_traces_meet_the_fragmentation_and_driver_time_goals() {
     let Some(dir) = traces_dir() else {
@@ -40,8 +45,7 @@ fn real_traces_meet_the_fragmentation_and_driver_time_goals() {
     };
     let mut failures = Vec::new();
     for name in TRACES {
-        let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
-        let trace = parse_snapshot(&bytes).unwrap();
+        let trace = load(&dir, name);
         let r = replay(
             name,
             &trace,
@@ -130,8 +134,7 @@ fn diagnose() {
     };
     let mut rows = Vec::new();
     for name in TRACES {
-        let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
-        let trace = parse_snapshot(&bytes).unwrap();
+        let trace = load(&dir, name);
         let config = settings_from_env();
         let mut a = Allocator::new(config.clone(), ModelBacking::new());
         let mut blocks: HashMap<u64, u64> = HashMap::new();
@@ -257,8 +260,7 @@ fn sweep() {
     let config = settings_from_env();
     let mut worst: (f64, f64) = (0.0, 0.0);
     for name in TRACES {
-        let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
-        let trace = parse_snapshot(&bytes).unwrap();
+        let trace = load(&dir, name);
         let r = replay(
             name,
             &trace,
