@@ -32,6 +32,18 @@ fn traces_dir() -> Option<PathBuf> {
         .find(|d| d.join(format!("{}.pickle.gz", TRACES[0])).is_file())
 }
 
+/// Replays `trace` with `config`, priced with the H200's measured costs.
+fn replay_priced(name: &str, trace: &Trace, config: &AllocConfig) -> ReplayResult {
+    replay(
+        name,
+        trace,
+        config,
+        &CostModel::H200_MEASURED,
+        &mut |_, _| {},
+    )
+    .unwrap()
+}
+
 fn load(dir: &std::path::Path, name: &str) -> Trace {
     let bytes = std::fs::read(dir.join(format!("{name}.pickle.gz"))).unwrap();
     parse_snapshot(&bytes).unwrap()
@@ -46,14 +58,7 @@ fn real_traces_meet_the_fragmentation_and_driver_time_goals() {
     let mut failures = Vec::new();
     for name in TRACES {
         let trace = load(&dir, name);
-        let r = replay(
-            name,
-            &trace,
-            &AllocConfig::default(),
-            &CostModel::H200_MEASURED,
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let r = replay_priced(name, &trace, &AllocConfig::default());
         eprintln!("{}", serde_json::to_string(&r).unwrap());
         let (frag_bound, share_bound) = match KNOWN_MISSES.iter().find(|m| m.0 == name) {
             Some(&(_, f, s)) => {
@@ -175,14 +180,7 @@ fn diagnose() {
                 at_peak = (i, a.segments(), a.stats());
             }
         }
-        let r = replay(
-            name,
-            &trace,
-            &config,
-            &CostModel::H200_MEASURED,
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let r = replay_priced(name, &trace, &config);
         rows.push(format!(
             "{name:20} frag {:5.2} % driver {:5.2} % grants {} maps {} unmaps {} held {} MiB req {} MiB",
             r.fragmentation * 100.0,
@@ -261,14 +259,7 @@ fn sweep() {
     let mut worst: (f64, f64) = (0.0, 0.0);
     for name in TRACES {
         let trace = load(&dir, name);
-        let r = replay(
-            name,
-            &trace,
-            &config,
-            &CostModel::H200_MEASURED,
-            &mut |_, _| {},
-        )
-        .unwrap();
+        let r = replay_priced(name, &trace, &config);
         worst = (
             worst.0.max(r.fragmentation),
             worst.1.max(r.modelled_driver_time_share),
