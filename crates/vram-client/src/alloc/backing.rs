@@ -80,6 +80,8 @@ pub struct MappedBacking<S> {
     source: S,
     handles: HashMap<GrantId, (Handle, u64)>,
     next: u64,
+    /// Wall time spent in the source and the device: taking, mapping, unmapping, giving back.
+    spent: std::time::Duration,
 }
 
 impl<S: HandleSource> MappedBacking<S> {
@@ -95,6 +97,7 @@ impl<S: HandleSource> MappedBacking<S> {
             source,
             handles: HashMap::new(),
             next: 1,
+            spent: std::time::Duration::ZERO,
         })
     }
 
@@ -110,11 +113,24 @@ impl<S: HandleSource> MappedBacking<S> {
     pub fn reservation(&self) -> &Reservation {
         &self.res
     }
+
+    /// Wall time this backing has spent in its source and device calls (on CUDA: the daemon round
+    /// trip and import, or the creation, and every map, set-access, unmap and release).
+    pub fn call_time(&self) -> std::time::Duration {
+        self.spent
+    }
+
+    fn timed<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let started = std::time::Instant::now();
+        let r = f(self);
+        self.spent += started.elapsed();
+        r
+    }
 }
 
 impl<S: HandleSource> Backing for MappedBacking<S> {
     fn grant(&mut self, bytes: Bytes) -> Result<GrantId, Refused> {
-        let (handle, ticket) = self.source.take(bytes)?;
+        let (handle, ticket) = self.timed(|b| b.source.take(bytes))?;
         let id = GrantId(self.next);
         self.next += 1;
         self.handles.insert(id, (handle, ticket));
@@ -122,26 +138,30 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
     }
 
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused> {
-        let (handle, _) = &self.handles[&grant];
-        self.device
-            .map(&self.res, Bytes(va), handle, Access::ReadWrite)
-            .map_err(|e| Refused {
-                bytes: handle.size(),
-                reason: e.to_string(),
-            })
+        self.timed(|b| {
+            let (handle, _) = &b.handles[&grant];
+            b.device
+                .map(&b.res, Bytes(va), handle, Access::ReadWrite)
+                .map_err(|e| Refused {
+                    bytes: handle.size(),
+                    reason: e.to_string(),
+                })
+        })
     }
 
     fn unmap(&mut self, grant: GrantId, va: u64) {
         let size = self.handles[&grant].0.size();
-        if let Err(e) = self.device.unmap(&self.res, Bytes(va), size) {
+        if let Err(e) = self.timed(|b| b.device.unmap(&b.res, Bytes(va), size)) {
             tracing::error!("unmapping {size} at offset {va:#x} failed: {e}");
         }
     }
 
     fn release(&mut self, grant: GrantId) {
         if let Some((handle, ticket)) = self.handles.remove(&grant) {
-            drop(handle);
-            self.source.give(ticket);
+            self.timed(|b| {
+                drop(handle);
+                b.source.give(ticket);
+            });
         }
     }
 }

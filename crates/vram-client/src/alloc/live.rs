@@ -32,6 +32,10 @@ const CACHED: u32 = 2;
 const STATE: u32 = 3;
 /// Slots per page of the small table.
 const PAGE_SLOTS: usize = 4096;
+/// Slots per cache line (64 bytes of `AtomicU32`).
+const LINE_SLOTS: usize = 16;
+/// Cache lines per page.
+const PAGE_LINES: usize = PAGE_SLOTS / LINE_SLOTS;
 
 /// One slot per possible block start of the small heap, in pages made on first use.
 struct SmallTable {
@@ -65,12 +69,17 @@ impl SmallTable {
         }
         let index = ((offset - self.range.start) >> self.shift) as usize;
         let page = &self.pages[index / PAGE_SLOTS];
+        // Neighbouring block starts go to different cache lines (a line holds starts one
+        // `PAGE_LINES` units apart): blocks that threads allocated one after another are each
+        // used by their own thread, whose atomic operations must not pull one line back and forth.
+        let within = index % PAGE_SLOTS;
+        let spread = within % PAGE_LINES * LINE_SLOTS + within / PAGE_LINES;
         let slots = if create {
             page.get_or_init(|| (0..PAGE_SLOTS).map(|_| AtomicU32::new(0)).collect())
         } else {
             page.get()?
         };
-        Some(&slots[index % PAGE_SLOTS])
+        Some(&slots[spread])
     }
 
     fn encode(&self, len: u64, state: u32) -> Option<u32> {
@@ -236,6 +245,25 @@ mod tests {
         t.insert(off, 1536);
         assert_eq!(t.mark_cached(off + 512, 9), Err(FreeError::Unknown(9)));
         assert_eq!(t.mark_cached(off + 1, 9), Err(FreeError::Unknown(9)));
+    }
+
+    #[test]
+    fn every_block_start_of_a_page_has_its_own_slot_and_neighbours_other_lines() {
+        let t = table();
+        let small = t.small.as_ref().unwrap();
+        let base = |off: u64| small.slot(off, true).unwrap() as *const AtomicU32 as usize;
+        let start = 1u64 << 30;
+        let page_start = base(start);
+        let mut seen = std::collections::HashSet::new();
+        for i in 0..PAGE_SLOTS as u64 {
+            let at = base(start + i * 512);
+            assert!(at >= page_start && at < page_start + PAGE_SLOTS * 4);
+            assert!(seen.insert(at), "two block starts share a slot");
+        }
+        for i in 0..PAGE_SLOTS as u64 - 1 {
+            let (a, b) = (base(start + i * 512), base(start + (i + 1) * 512));
+            assert_ne!(a / 64, b / 64, "neighbouring starts share a cache line");
+        }
     }
 
     #[test]

@@ -27,7 +27,21 @@ struct Cache {
     hits: u64,
 }
 
-type Shared = Arc<spin::Mutex<Cache>>;
+/// One thread's cache on cache lines of its own: threads' caches allocated one after another must
+/// not share a line that each thread writes on every allocation and free.
+#[derive(Default)]
+#[repr(align(128))]
+struct Padded(spin::Mutex<Cache>);
+
+impl std::ops::Deref for Padded {
+    type Target = spin::Mutex<Cache>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+type Shared = Arc<Padded>;
 
 thread_local! {
     /// This thread's cache for each allocator (by id) it has used.

@@ -200,7 +200,19 @@ fn diagnose() {
             st.requested.get() >> 20
         );
         let mut hist: std::collections::BTreeMap<u64, (u32, u64)> = Default::default();
+        let (mut whole_granules, mut partial) = (0u64, 0u64);
         for s in &segs {
+            for b in s
+                .blocks
+                .iter()
+                .filter(|b| b.state != crate::alloc::BlockState::Allocated)
+            {
+                let g = Bytes::mib(2).get();
+                let (lo, hi) = (b.offset.next_multiple_of(g), (b.offset + b.len) / g * g);
+                let whole = hi.saturating_sub(lo);
+                whole_granules += whole;
+                partial += b.len - whole;
+            }
             let mut layout = String::new();
             for b in &s.blocks {
                 let mib = b.len as f64 / Bytes::MIB as f64;
@@ -230,6 +242,11 @@ fn diagnose() {
             })
             .collect();
         eprintln!("free histogram: {}", h.join(" "));
+        eprintln!(
+            "free at peak: {} MiB in whole granules, {} MiB in granules partly live",
+            whole_granules >> 20,
+            partial >> 20
+        );
     }
     for r in rows {
         eprintln!("{r}");
