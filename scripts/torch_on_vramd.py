@@ -487,6 +487,12 @@ def summarize_training(per, warmup):
         t = r["times"][warmup:]
         return len(t) / sum(t) if t else None
 
+    def thr_typical(r):
+        # Steps per second at the median step time: a stall of the machine in one step (the VM's
+        # CPU is shared) moves the mean, not this.
+        t = r["times"][warmup:]
+        return 1 / statistics.median(t) if t else None
+
     ok = {m: [r for r in rs if "losses" in r] for m, rs in per.items()}
     summary = {"runs": per, "modes": {}}
     ref = ok.get("plain") or []
@@ -512,10 +518,16 @@ def summarize_training(per, warmup):
         runs = per.get(mode, [])
         paired = [thr(a) / thr(b) for a, b in zip(runs, per.get("plain", []))
                   if "times" in a and "times" in b]
+        paired_typical = [thr_typical(a) / thr_typical(b)
+                          for a, b in zip(runs, per.get("plain", []))
+                          if "times" in a and "times" in b]
         summary["modes"][mode] = {
             "steps_per_s_median": med,
             "throughput_ratio": (med / base_thr) if base_thr else None,
             "throughput_ratio_paired_median": statistics.median(paired) if paired else None,
+            "throughput_ratio_paired_each_round": paired,
+            "median_step_ratio_paired_median": (statistics.median(paired_typical)
+                                                if paired_typical else None),
             "losses_identical_to_plain": same,
             "first_loss_difference": first_diff,
             "peak_device_bytes": peak,
@@ -610,16 +622,18 @@ def markdown(res):
     for model, s in (res.get("training") or {}).items():
         L += [f"## {model} training", "",
               "| allocator | steps/s (median) | ratio to plain | ratio to plain, paired by round "
-              "(median) | losses identical | peak device memory |",
-              "|---|---|---|---|---|---|"]
+              "(median) | same, at the median step time | losses identical | peak device memory |",
+              "|---|---|---|---|---|---|---|"]
         for mode, v in s["modes"].items():
             if "error" in v:
-                L.append(f"| {mode} | error: {str(v['error'])[:150]} | | | | |")
+                L.append(f"| {mode} | error: {str(v['error'])[:150]} | | | | | |")
                 continue
             ratio, paired = v["throughput_ratio"], v.get("throughput_ratio_paired_median")
+            typical = v.get("median_step_ratio_paired_median")
             L.append(f"| {mode} | {v['steps_per_s_median']:.2f} | "
                      f"{'' if ratio is None else f'{ratio:.3f}'} | "
                      f"{'' if paired is None else f'{paired:.3f}'} | "
+                     f"{'' if typical is None else f'{typical:.3f}'} | "
                      f"{v['losses_identical_to_plain']} | {v['peak_device_bytes']:,} B "
                      f"({v['peak_device_bytes'] / GIB:.2f} GiB) |")
         L.append("")

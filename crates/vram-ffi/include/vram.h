@@ -65,6 +65,19 @@ unsigned long long vram_interposed_calls(void);
  * books, where a cached segment of the layer above counts as in use). */
 void vram_report_in_use(unsigned long long bytes);
 
+/* CUDA-graph capture notices. A free on a stream being captured must stay with that stream for
+ * good (the graph's replays use the memory), so by default libvram asks the driver
+ * (cuStreamIsCapturing) on every allocation and free that reaches its shared books. A framework
+ * that announces every capture it makes can spare those calls: after vram_announce_captures(),
+ * the driver is asked only between a vram_capture_begin (called before the stream enters capture
+ * mode) and the matching vram_capture_end. Only for programs whose every capture is announced:
+ * PyTorch's full mode wires them to its allocator's beginAllocateToPool / endAllocateToPool
+ * hooks, which every torch.cuda.graph capture calls (PyTorch's own caching allocator relies on the
+ * same hooks). The calls may come before the first allocation. vram_announce_captures returns 0. */
+int vram_announce_captures(void);
+void vram_capture_begin(int device);
+void vram_capture_end(int device);
+
 /* Starts the peak statistics over from their current values. 0, or -1 on error. */
 int vram_reset_peak(void);
 

@@ -11,11 +11,12 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, LazyLock, OnceLock};
 use std::time::{Duration, Instant};
 
 use vram_client::alloc::{
-    CachingAllocator, CudaEvents, DaemonSource, HostEvents, MappedBacking, StreamEvents,
+    CachingAllocator, CaptureNotices, CudaEvents, DaemonSource, HostEvents, MappedBacking,
+    StreamEvents,
 };
 use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, StreamId};
@@ -34,6 +35,10 @@ pub struct Tenant {
 }
 
 static TENANT: OnceLock<Result<Tenant, String>> = OnceLock::new();
+
+/// Graph captures the application announces (`vram_capture_begin`/`_end`); they may come before
+/// the first allocation connects the tenant.
+static NOTICES: LazyLock<Arc<CaptureNotices>> = LazyLock::new(Arc::default);
 
 thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
@@ -82,7 +87,7 @@ fn connect() -> Result<Tenant, String> {
         "cuda" => {
             let dev = vram_device::CudaDevice::open(&w.device.uuid)
                 .map_err(|e| format!("vramd: cannot open GPU {}: {e}", w.device.uuid))?;
-            Box::new(CudaEvents::new(&dev))
+            Box::new(CudaEvents::with_notices(&dev, NOTICES.clone()))
         }
         other => return Err(format!("vramd: unknown device backend `{other}`")),
     };
@@ -281,6 +286,25 @@ static CALLER_IN_USE: AtomicU64 = AtomicU64::new(u64::MAX);
 #[no_mangle]
 pub extern "C" fn vram_report_in_use(bytes: u64) {
     CALLER_IN_USE.store(bytes.min(u64::MAX - 1), Ordering::Relaxed);
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_announce_captures() -> c_int {
+    NOTICES.announce();
+    0
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_capture_begin(_device: c_int) {
+    NOTICES.began();
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_capture_end(_device: c_int) {
+    NOTICES.ended();
 }
 
 /// See `include/vram.h`.

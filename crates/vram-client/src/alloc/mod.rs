@@ -10,8 +10,8 @@ mod backing;
 mod live;
 mod thread_cache;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use vram_core::alloc::{
     AllocConfig, AllocError, AllocStats, Allocator, BlockState, Fence, Fences, Segment, StreamId,
@@ -37,6 +37,43 @@ pub trait StreamEvents: Fences + Send + Sync {
         } else {
             AtFree::Deferred
         }
+    }
+}
+
+/// Graph captures announced by the application, for streams whose capture status would otherwise
+/// cost a driver call on every allocation and free: a framework that tells the allocator when a
+/// capture begins and ends (PyTorch does, through its allocator's `beginAllocateToPool` and
+/// `endAllocateToPool` hooks) lets it ask the driver only while a capture is underway. Until
+/// `announce` is called, every question goes to the driver. Shared with [`CudaEvents`] so that
+/// notices may come before the allocator exists.
+#[derive(Debug, Default)]
+pub struct CaptureNotices {
+    announced: AtomicBool,
+    underway: AtomicU64,
+}
+
+impl CaptureNotices {
+    /// From now on every capture is announced.
+    pub fn announce(&self) {
+        self.announced.store(true, Ordering::SeqCst);
+    }
+
+    /// A capture is about to begin (before its stream enters capture mode).
+    pub fn began(&self) {
+        self.underway.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// A capture has ended, or is about to with no allocation or free in between.
+    pub fn ended(&self) {
+        // An end without a begin (announcements switched on mid-capture) must not wrap around.
+        let _ = self
+            .underway
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+    }
+
+    /// Whether no capture can be underway, so the driver need not be asked.
+    pub fn none_underway(&self) -> bool {
+        self.announced.load(Ordering::SeqCst) && self.underway.load(Ordering::SeqCst) == 0
     }
 }
 
@@ -93,12 +130,22 @@ impl StreamEvents for HostEvents {
 /// CUDA: a fence is an event recorded on the freeing stream.
 pub struct CudaEvents {
     pool: vram_device::cuda::EventPool,
+    notices: Arc<CaptureNotices>,
 }
 
 impl CudaEvents {
     pub fn new(device: &vram_device::CudaDevice) -> CudaEvents {
+        Self::with_notices(device, Arc::default())
+    }
+
+    /// Events that take the application's capture notices from `notices`.
+    pub fn with_notices(
+        device: &vram_device::CudaDevice,
+        notices: Arc<CaptureNotices>,
+    ) -> CudaEvents {
         CudaEvents {
             pool: vram_device::cuda::EventPool::new(device),
+            notices,
         }
     }
 }
@@ -110,15 +157,18 @@ impl Fences for CudaEvents {
 
     fn record(&self, stream: StreamId) -> Option<Fence> {
         // No event may be recorded into a capture: the allocator tries again later.
-        match self.pool.is_capturing(stream.0) {
-            Ok(false) => self.pool.record(stream.0).ok().map(Fence),
-            _ => None,
+        if self.is_capturing(stream) {
+            return None;
         }
+        self.pool.record(stream.0).ok().map(Fence)
     }
 }
 
 impl StreamEvents for CudaEvents {
     fn is_capturing(&self, stream: StreamId) -> bool {
+        if self.notices.none_underway() {
+            return false;
+        }
         // A failed query counts as a capture: nothing is recorded, a freed block stays with its
         // stream.
         !matches!(self.pool.is_capturing(stream.0), Ok(false))

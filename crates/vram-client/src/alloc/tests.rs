@@ -234,3 +234,21 @@ fn a_request_over_the_limit_is_refused_without_taking_memory() {
     a.free(p, StreamId(0)).unwrap();
     a.alloc(Bytes::mib(900), StreamId(0)).unwrap();
 }
+
+#[test]
+fn capture_notices_answer_only_once_announced_and_only_between_captures() {
+    let n = CaptureNotices::default();
+    assert!(!n.none_underway(), "unannounced: the driver must be asked");
+    n.announce();
+    assert!(n.none_underway());
+    n.began();
+    n.began();
+    n.ended();
+    assert!(!n.none_underway(), "one of two captures still underway");
+    n.ended();
+    assert!(n.none_underway());
+    // An end without its begin does not hide a later capture.
+    n.ended();
+    n.began();
+    assert!(!n.none_underway());
+}

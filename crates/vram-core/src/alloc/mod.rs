@@ -18,7 +18,8 @@
 //!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
 //!   fenced together: every `seal_every` frees of a stream, before growing, on `trim`, and on a
 //!   `tick` after a tick period without allocations or frees (a background thread ticks, maybe
-//!   while another thread captures a graph: only an idle program is fenced from there).
+//!   while another thread captures a graph: only an idle program is fenced from there). Fences are
+//!   polled every `poll_every` allocations, and by any allocation that finds no room.
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
 //!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
 //!   pattern keeps its memory; [`Allocator::trim`] returns every wholly free handle at once.
@@ -76,6 +77,10 @@ pub struct AllocConfig {
     /// Deferred frees of one stream that one recorded fence covers at most: fewer driver calls
     /// against memory that other streams, moves and returns must wait longer for.
     pub seal_every: u32,
+    /// Allocations that find room without growing ask whether pending fences completed only once
+    /// per this many (each asking is a driver call per stream with pending frees); an allocation
+    /// that finds no room always asks first.
+    pub poll_every: u32,
 }
 
 impl Default for AllocConfig {
@@ -91,6 +96,7 @@ impl Default for AllocConfig {
             release_delay_us: 10_000_000,
             keep_fraction: 0.0625,
             seal_every: 8,
+            poll_every: 8,
         }
     }
 }
@@ -203,6 +209,8 @@ pub struct Allocator<B> {
     allocated_since_tick: u64,
     /// Whether an allocation or free happened since the last tick.
     busy_since_tick: bool,
+    /// Allocations since pending fences were last polled.
+    allocs_since_poll: u32,
     next_scan: u64,
 }
 
@@ -228,6 +236,7 @@ impl<B: Backing> Allocator<B> {
             window: PeakWindow::default(),
             allocated_since_tick: 0,
             busy_since_tick: false,
+            allocs_since_poll: 0,
             next_scan: 0,
         }
     }
@@ -279,7 +288,10 @@ impl<B: Backing> Allocator<B> {
         fences: &F,
     ) -> Result<Block, AllocError> {
         self.busy_since_tick = true;
-        self.poll(fences);
+        self.allocs_since_poll += 1;
+        if self.allocs_since_poll >= self.config.poll_every {
+            self.poll(fences);
+        }
         let align = self.config.align.get();
         let too_large = AllocError::TooLarge {
             requested: size,
@@ -455,6 +467,7 @@ impl<B: Backing> Allocator<B> {
     }
 
     fn poll<F: Fences + ?Sized>(&mut self, fences: &F) {
+        self.allocs_since_poll = 0;
         if self.pending.is_empty() {
             return;
         }

@@ -22,6 +22,8 @@ struct FenceBook {
     completed: BTreeMap<u64, usize>,
     /// Streams being captured: nothing can be recorded on them.
     capturing: HashSet<u64>,
+    /// Times the allocator asked whether a fence completed.
+    queries: usize,
 }
 
 impl TestFences {
@@ -77,7 +79,9 @@ impl TestFences {
 
 impl Fences for TestFences {
     fn is_complete(&self, fence: Fence) -> bool {
-        self.inner.borrow().done.contains(&fence.0)
+        let mut b = self.inner.borrow_mut();
+        b.queries += 1;
+        b.done.contains(&fence.0)
     }
 
     fn record(&self, stream: StreamId) -> Option<Fence> {
@@ -484,6 +488,44 @@ fn deferred_frees_are_fenced_together_when_another_stream_needs_the_memory() {
         x.offset.min(y.offset),
         "once the fence completed, both frees are one region any stream may use"
     );
+}
+
+#[test]
+fn allocations_that_find_room_ask_about_fences_once_per_poll_every() {
+    let config = AllocConfig {
+        poll_every: 4,
+        seal_every: 1,
+        ..small_config()
+    };
+    let mut a = Allocator::new(config, ModelBacking::new());
+    let fences = TestFences::default();
+    // A fence stays pending on stream 1; stream 2 allocates and frees in memory of its own.
+    let x = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    a.free_deferred(x.offset, StreamId(1), &fences).unwrap();
+    assert_eq!(fences.recorded(1), 1);
+    let warm = a.alloc(Bytes::mib(1), StreamId(2), &fences).unwrap();
+    a.free(warm.offset, StreamId(2), Fence(0), &AlwaysComplete)
+        .unwrap();
+    let before = fences.inner.borrow().queries;
+    for _ in 0..40 {
+        let b = a.alloc(Bytes::mib(1), StreamId(2), &fences).unwrap();
+        a.free(b.offset, StreamId(2), Fence(0), &AlwaysComplete)
+            .unwrap();
+    }
+    assert_eq!(
+        fences.inner.borrow().queries - before,
+        10,
+        "40 allocations, one poll per 4"
+    );
+    // Once the fence completed, stream 2 may use the memory stream 1 freed.
+    fences.complete(1, 1);
+    for _ in 0..4 {
+        let b = a.alloc(Bytes::mib(1), StreamId(2), &fences).unwrap();
+        a.free(b.offset, StreamId(2), Fence(0), &AlwaysComplete)
+            .unwrap();
+    }
+    let y = a.alloc(Bytes::mib(8), StreamId(2), &fences).unwrap();
+    assert!(overlaps(y.offset, y.size.get(), x.offset, x.size.get()));
 }
 
 #[test]

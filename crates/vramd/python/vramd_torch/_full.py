@@ -15,8 +15,11 @@ _allocator = None
 # address 0. This shim turns vramd's refusal into c10::OutOfMemoryError, which reaches Python as
 # torch.OutOfMemoryError with vramd's message (tenant, limit, what it holds).
 _SHIM = r"""
+#include <functional>
+#include <utility>
 #include <sys/types.h>
 #include <c10/util/Exception.h>
+struct CUstream_st;
 extern "C" void *vram_alloc(ssize_t size, int device, void *stream);
 extern "C" void vram_free(void *ptr, ssize_t size, int device, void *stream);
 extern "C" const char *vram_last_error(void);
@@ -30,6 +33,19 @@ extern "C" void *vramd_torch_alloc(ssize_t size, int device, void *stream) {
 }
 extern "C" void vramd_torch_free(void *ptr, ssize_t size, int device, void *stream) {
   vram_free(ptr, size, device, stream);
+}
+// The graph-pool hooks of a pluggable allocator: torch.cuda.graph calls the first before a stream
+// enters capture and the second when the capture ends (PyTorch's types: MempoolId_t is a pair of
+// unsigned long long, cudaStream_t a CUstream_st pointer).
+extern "C" void vram_capture_begin(int device);
+extern "C" void vram_capture_end(int device);
+using vramd_pool_id = std::pair<unsigned long long, unsigned long long>;
+extern "C" void vramd_torch_capture_begin(int device, vramd_pool_id,
+                                          std::function<bool(CUstream_st *)>) {
+  vram_capture_begin(device);
+}
+extern "C" void vramd_torch_capture_end(int device, vramd_pool_id) {
+  vram_capture_end(device);
 }
 """
 
@@ -78,14 +94,29 @@ def install():
         )
     shim = _shim()
     if shim:
-        ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
+        lib = ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
         alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "vramd_torch_alloc", "vramd_torch_free")
+        _announce_captures(alloc, lib)
     else:
         alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib.path(), "vram_alloc", "vram_free")
     torch.cuda.memory.change_current_allocator(alloc)
     _allocator = alloc
     _patch_stats(torch)
     _patch_unsupported(torch)
+
+
+def _announce_captures(alloc, shim):
+    """Has PyTorch tell vramd when a graph capture begins and ends, so that vramd asks the driver
+    whether a stream is being captured only during captures, not on every allocation and free.
+    Without the hooks (an older PyTorch), vramd keeps asking: slower, as safe."""
+    hooks = alloc.allocator()
+    if not (hasattr(hooks, "set_begin_allocate_to_pool")
+            and hasattr(hooks, "set_end_allocate_to_pool_fn")):
+        return
+    address = lambda name: ctypes.cast(getattr(shim, name), ctypes.c_void_p).value
+    hooks.set_begin_allocate_to_pool(address("vramd_torch_capture_begin"))
+    hooks.set_end_allocate_to_pool_fn(address("vramd_torch_capture_end"))
+    _lib.lib().vram_announce_captures()
 
 
 def _stats_dict():
