@@ -12,6 +12,7 @@ aborts the whole script. Binaries: --bin or VRAMD_BIN (vramd and libvram.so side
 
 import argparse
 import re
+import signal
 import json
 import os
 import statistics
@@ -404,6 +405,13 @@ class Run:
                 out[mode] = {"_run": {"ok": False, "error": str(e)[:2000]}}
         self.results["compat"] = out
 
+    def save(self):
+        """Writes results.json and results.md with what has been measured so far."""
+        with open(os.path.join(self.o.out, "results.json"), "w") as f:
+            json.dump(self.results, f, indent=1)
+        with open(os.path.join(self.o.out, "results.md"), "w") as f:
+            f.write(markdown(self.results))
+
     def allocbench(self):
         out = {}
         for mode in ["plain"] + self.o.train_modes:
@@ -430,7 +438,10 @@ class Run:
                     except BaseException as e:
                         res = {"error": str(e)[:2000]}
                     per.setdefault(mode, []).append(res)
-            out[model] = summarize_training(per, self.o.warmup)
+                # After every round, so that a run cut short keeps the rounds it finished.
+                out[model] = summarize_training(per, self.o.warmup)
+                self.results["training"] = out
+                self.save()
         self.results["training"] = out
 
     def tenants(self, mode):
@@ -688,6 +699,12 @@ def main():
     os.makedirs(o.out, exist_ok=True)
     run = Run(o)
     start = time.time()
+
+    def stop(signum, frame):
+        # `timeout` and the like: end like Ctrl-C, keeping what was measured.
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         run.start_daemon()
         for part, fn in [("compat", run.compat), ("allocbench", run.allocbench),
@@ -702,17 +719,13 @@ def main():
                 if isinstance(e, KeyboardInterrupt):
                     break
             run.results.setdefault("seconds", {})[part] = round(time.time() - t, 1)
-            with open(os.path.join(o.out, "results.json"), "w") as f:
-                json.dump(run.results, f, indent=1)
+            run.save()
     except BaseException:
         run.results["error"] = traceback.format_exc()[-3000:]
     finally:
         run.stop_daemon()
         run.results["total_seconds"] = round(time.time() - start, 1)
-        with open(os.path.join(o.out, "results.json"), "w") as f:
-            json.dump(run.results, f, indent=1)
-        with open(os.path.join(o.out, "results.md"), "w") as f:
-            f.write(markdown(run.results))
+        run.save()
     print(markdown(run.results))
 
 
