@@ -1,0 +1,103 @@
+//! `vramd replay` as a user runs it: a snapshot written by Python's pickle (as PyTorch writes
+//! them), replayed with handles created in process and with handles from a daemon the command
+//! starts; a file that is not a snapshot is a clear error.
+
+use std::path::Path;
+use std::process::Command;
+
+use serde_json::Value;
+
+const VRAMD: &str = env!("CARGO_BIN_EXE_vramd");
+
+/// A snapshot of `n` rounds of allocations of assorted sizes on two streams, freed in another
+/// order, gzipped; written with Python's own pickle and gzip.
+fn write_snapshot(path: &Path, n: usize) {
+    let script = r#"
+import gzip, pickle, sys
+ev, t, live = [], 0, []
+for i in range(int(sys.argv[2])):
+    for j, size in enumerate([512, 3 << 20, (12 << 20) + 4096 * i, 70 << 20, 100]):
+        addr = (i * 16 + j + 1) << 30
+        t += 3
+        ev.append({"action": "alloc", "addr": addr, "size": size, "stream": j % 2, "time_us": t})
+        live.append((addr, j % 2))
+    while len(live) > 3:
+        addr, s = live.pop(1)
+        t += 5
+        ev.append({"action": "free_requested", "addr": addr, "size": 0, "stream": s, "time_us": t})
+        ev.append({"action": "free_completed", "addr": addr, "size": 0, "stream": s, "time_us": t})
+with gzip.open(sys.argv[1], "wb") as f:
+    pickle.dump({"segments": [], "device_traces": [ev], "allocator_settings": {}}, f)
+"#;
+    let st = Command::new("python3")
+        .args(["-c", script, path.to_str().unwrap(), &n.to_string()])
+        .status()
+        .expect("python3 runs");
+    assert!(st.success());
+}
+
+fn replay_json(args: &[&str]) -> Vec<Value> {
+    let out = Command::new(VRAMD)
+        .arg("replay")
+        .arg("--json")
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("small.pickle.gz");
+    write_snapshot(&trace, 40);
+    let local = replay_json(&[trace.to_str().unwrap()]);
+    let through = replay_json(&["--through-daemon", trace.to_str().unwrap()]);
+    assert_eq!((local.len(), through.len()), (1, 1));
+    let (a, b) = (&local[0], &through[0]);
+    for key in [
+        "trace",
+        "peak_requested",
+        "peak_held",
+        "fragmentation",
+        "maps",
+        "unmaps",
+        "grants",
+        "modelled_driver_time_share",
+    ] {
+        assert!(a.get(key).is_some(), "{key} missing");
+        assert_eq!(a[key], b[key], "{key} differs through the daemon");
+    }
+    assert!(a["peak_requested"].as_u64().unwrap() > 70 << 20);
+    assert!(a["grants"].as_u64().unwrap() > 0);
+    for o in [a, b] {
+        let calls = o["measured_driver_us"].as_f64().unwrap();
+        let all = o["measured_allocator_us"].as_f64().unwrap();
+        assert!(calls > 0.0 && calls <= all, "calls {calls} µs of {all} µs");
+    }
+}
+
+#[test]
+fn a_file_that_is_not_a_snapshot_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("notes.txt");
+    std::fs::write(&bad, "not a pickle").unwrap();
+    let out = Command::new(VRAMD)
+        .args(["replay", bad.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("notes.txt is not a readable snapshot"),
+        "{err}"
+    );
+}
