@@ -226,6 +226,13 @@ fn a_writer_that_stops_mid_write_loses_its_lease_after_the_ttl() {
     drop(pinned);
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).unwrap();
     let _ = writer.wait();
+    // The next writer takes the same tenant name: wait until the daemon has seen this one go.
+    assert!(
+        wait_until(Duration::from_secs(5), || {
+            !d.status().tenants.iter().any(|t| t.name == "writer1")
+        }),
+        "the killed writer is still a tenant"
+    );
 
     // A writer killed mid-write loses its lease at once (its connection closed).
     drop(lease);
