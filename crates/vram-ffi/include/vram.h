@@ -73,7 +73,9 @@ void vram_report_in_use(unsigned long long bytes);
  * mode) and the matching vram_capture_end. Only for programs whose every capture is announced:
  * PyTorch's full mode wires them to its allocator's beginAllocateToPool / endAllocateToPool
  * hooks, which every torch.cuda.graph capture calls (PyTorch's own caching allocator relies on the
- * same hooks). The calls may come before the first allocation. vram_announce_captures returns 0. */
+ * same hooks). While an announced capture is underway, libvram queries and records no event on
+ * any stream (a query from any thread would invalidate a capture in the default global mode).
+ * The calls may come before the first allocation. vram_announce_captures returns 0. */
 int vram_announce_captures(void);
 void vram_capture_begin(int device);
 void vram_capture_end(int device);

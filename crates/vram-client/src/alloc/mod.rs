@@ -75,6 +75,11 @@ impl CaptureNotices {
     pub fn none_underway(&self) -> bool {
         self.announced.load(Ordering::SeqCst) && self.underway.load(Ordering::SeqCst) == 0
     }
+
+    /// Whether an announced capture is underway on some stream.
+    pub fn some_underway(&self) -> bool {
+        self.announced.load(Ordering::SeqCst) && self.underway.load(Ordering::SeqCst) > 0
+    }
 }
 
 /// The fences an allocation made during a capture sees: nothing completes and nothing can be
@@ -152,12 +157,19 @@ impl CudaEvents {
 
 impl Fences for CudaEvents {
     fn is_complete(&self, fence: Fence) -> bool {
-        fence != Fence::NEVER && self.pool.is_complete(fence.0)
+        // Querying an event while a graph is captured (in the default, global mode: on any
+        // thread) invalidates the capture. While an announced capture is underway, fences wait,
+        // as PyTorch's own allocator defers its event queries then.
+        if fence == Fence::NEVER || self.notices.some_underway() {
+            return false;
+        }
+        self.pool.is_complete(fence.0)
     }
 
     fn record(&self, stream: StreamId) -> Option<Fence> {
-        // No event may be recorded into a capture: the allocator tries again later.
-        if self.is_capturing(stream) {
+        // No event may be recorded into a capture, and none is recorded anywhere while an
+        // announced capture is underway: the allocator tries again later.
+        if self.notices.some_underway() || self.is_capturing(stream) {
             return None;
         }
         self.pool.record(stream.0).ok().map(Fence)

@@ -239,14 +239,19 @@ fn a_request_over_the_limit_is_refused_without_taking_memory() {
 fn capture_notices_answer_only_once_announced_and_only_between_captures() {
     let n = CaptureNotices::default();
     assert!(!n.none_underway(), "unannounced: the driver must be asked");
+    n.began();
+    assert!(!n.some_underway(), "unannounced: nothing is known");
+    n.ended();
     n.announce();
     assert!(n.none_underway());
+    assert!(!n.some_underway());
     n.began();
     n.began();
     n.ended();
     assert!(!n.none_underway(), "one of two captures still underway");
+    assert!(n.some_underway());
     n.ended();
-    assert!(n.none_underway());
+    assert!(n.none_underway() && !n.some_underway());
     // An end without its begin does not hide a later capture.
     n.ended();
     n.began();
