@@ -129,7 +129,7 @@ fn counts_and_fragmentation_of_a_small_trace() {
 /// --ignored --nocapture`): per trace, the figures; at the moment of peak held, the layout of every
 /// segment (live block sizes in MiB, free ones in brackets) and a histogram of the free regions;
 /// and, for the traces named in `LOG_GROWTH`, one line per allocation that mapped memory (what it
-/// granted, mapped and unmapped).
+/// granted, mapped and unmapped). `VRAMD_SCALE=0.99` scales every request as `robustness` does.
 #[test]
 #[ignore]
 fn diagnose() {
@@ -139,7 +139,7 @@ fn diagnose() {
     };
     let mut rows = Vec::new();
     for name in TRACES {
-        let trace = load(&dir, name);
+        let trace = scaled(load(&dir, name));
         let config = settings_from_env();
         let mut a = Allocator::new(config.clone(), ModelBacking::new());
         let mut blocks: HashMap<u64, u64> = HashMap::new();
@@ -251,6 +251,18 @@ fn diagnose() {
     for r in rows {
         eprintln!("{r}");
     }
+}
+
+/// `trace` with every request scaled by `VRAMD_SCALE` (default 1), as `robustness` does.
+fn scaled(mut trace: Trace) -> Trace {
+    let scale: f64 = std::env::var("VRAMD_SCALE")
+        .ok()
+        .map(|s| s.parse().expect("VRAMD_SCALE is a number"))
+        .unwrap_or(1.0);
+    for e in &mut trace.events {
+        e.size = (e.size as f64 * scale) as u64;
+    }
+    trace
 }
 
 /// The default settings with those of `VRAMD_ALLOC` applied, as a tenant takes them
