@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, replays on the device, C ABI pair, PyTorch compatibility.
+set -u
+R=${OUT:?run on the device machine, where OUT is set}/r
+mkdir -p "$R"
+step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  ( time timeout "$limit" "$@" ) > "$R/$name.log" 2>&1
+  echo "   exit $?"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
+  python3 -c "import torch; print('torch', torch.__version__)"; } > "$R/env.txt" 2>&1
+step gpu_tests 120 bash .gpu/run
+step replay_cuda 120 .gpu/bin/vramd replay --backend cuda .gpu/traces/*.gz
+step replay_cuda_through_daemon 150 .gpu/bin/vramd replay --backend cuda --through-daemon .gpu/traces/*.gz
+if [ -x .gpu/bench/alloc_pair ]; then
+  step alloc_pair 60 .gpu/bench/alloc_pair --bench --warm-up-time 1 --measurement-time 4
+fi
+step compat 200 python3 scripts/torch_on_vramd.py --bin .gpu/bin --out "$R/compat" --skip training tenants
+rm -f "$R"/*/vramd.sock
+tar czf "$OUT/r.tgz" -C "$OUT" r

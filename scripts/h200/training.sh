@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One device call: interleaved training rounds of one model (bert by default).
+set -u
+R=${OUT:?run on the device machine, where OUT is set}/r
+MODEL=${1:-bert}
+RUNS=${2:-6}
+mkdir -p "$R"
+# 480 s leaves room for a cold start within a 600 s call; results are saved after every round
+# and on SIGTERM, so a round cut short costs only itself.
+( time timeout 480 python3 scripts/torch_on_vramd.py --bin .gpu/bin --out "$R/$MODEL" \
+    --skip compat allocbench tenants --models "$MODEL" --runs "$RUNS" --steps 100 --warmup 20 \
+    --train-modes full pool ) > "$R/$MODEL.log" 2>&1
+rm -f "$R"/*/vramd.sock
+tar czf "$OUT/r.tgz" -C "$OUT" r
