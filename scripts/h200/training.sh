@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# One device call: interleaved training rounds of one model (bert by default).
+# One device call: interleaved training rounds of one model (bert by default), against plain
+# PyTorch and expandable segments. Usage: training.sh [MODEL] [RUNS] [MODE...]; modes default to
+# `full pool`; a mode may carry settings, as in full:VRAMD_ALLOC=min_grow=8MiB,grow_slack=0.03.
 set -u
 R=${OUT:?run on the device machine, where OUT is set}/r
 MODEL=${1:-bert}
 RUNS=${2:-6}
+shift $(( $# < 2 ? $# : 2 ))
+MODES=("$@")
+[ ${#MODES[@]} -eq 0 ] && MODES=(full pool)
 mkdir -p "$R"
 # 480 s leaves room for a cold start within a 600 s call; results are saved after every round
 # and on SIGTERM, so a round cut short costs only itself.
 ( time timeout 480 python3 scripts/torch_on_vramd.py --bin .gpu/bin --out "$R/$MODEL" \
     --skip compat allocbench tenants --models "$MODEL" --runs "$RUNS" --steps 100 --warmup 20 \
-    --train-modes full pool ) > "$R/$MODEL.log" 2>&1
+    --train-modes "${MODES[@]}" ) > "$R/$MODEL.log" 2>&1
 rm -f "$R"/*/vramd.sock
 tar czf "$OUT/r.tgz" -C "$OUT" r
