@@ -8,6 +8,8 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
 
+use crossbeam_utils::CachePadded;
+
 use vram_core::alloc::StreamId;
 
 /// Blocks up to this length are cached per thread.
@@ -27,21 +29,9 @@ struct Cache {
     hits: u64,
 }
 
-/// One thread's cache on cache lines of its own: threads' caches allocated one after another must
-/// not share a line that each thread writes on every allocation and free.
-#[derive(Default)]
-#[repr(align(128))]
-struct Padded(spin::Mutex<Cache>);
-
-impl std::ops::Deref for Padded {
-    type Target = spin::Mutex<Cache>;
-
-    fn deref(&self) -> &Self::Target {
-        &self.0
-    }
-}
-
-type Shared = Arc<Padded>;
+/// One thread's cache, on cache lines of its own: threads' caches allocated one after another
+/// must not share a line that each thread writes on every allocation and free.
+type Shared = Arc<CachePadded<spin::Mutex<Cache>>>;
 
 thread_local! {
     /// This thread's cache for each allocator (by id) it has used.
