@@ -1,5 +1,5 @@
 //! An alloc+free pair of a cached size through the C ABI (`vram_alloc` / `vram_free`), on one
-//! thread and on each of eight threads at once. Runs against an in-process daemon on the host
+//! thread and on each of eight threads at once, and of a size the core allocator serves. Runs against an in-process daemon on the host
 //! backend; the pair itself never reaches the daemon once the size is cached.
 
 use std::ffi::c_void;
@@ -30,6 +30,13 @@ fn bench(c: &mut Criterion) {
     c.bench_function("vram_alloc+vram_free 4 KiB, 1 thread", |b| {
         b.iter(|| pair(4096))
     });
+    // Above the thread caches' limit: every pair takes the core allocator's lock, finds the
+    // block in its free lists and gives it back (no daemon call once the heap holds it).
+    pair(4 << 20);
+    c.bench_function(
+        "vram_alloc+vram_free 4 MiB (core allocator), 1 thread",
+        |b| b.iter(|| pair(4 << 20)),
+    );
     c.bench_function("vram_alloc+vram_free 4 KiB, each of 8 threads", |b| {
         b.iter_custom(|iters| {
             let start = Instant::now();
