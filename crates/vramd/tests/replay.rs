@@ -101,3 +101,47 @@ fn a_file_that_is_not_a_snapshot_is_a_clear_error() {
         "{err}"
     );
 }
+
+/// Processes whose command line names a replay's own daemon socket under `tmp`.
+fn replay_daemons(tmp: &Path) -> Vec<u32> {
+    let tmp = tmp.to_string_lossy();
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline);
+        if cmdline.contains("serve") && cmdline.contains(&format!("{tmp}/vramd-replay-")) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+#[test]
+fn a_replay_through_a_daemon_that_fails_part_way_leaves_no_daemon_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = dir.path().join("good.pickle.gz");
+    write_snapshot(&good, 4);
+    let bad = dir.path().join("bad.pickle.gz");
+    std::fs::write(&bad, "not a pickle").unwrap();
+    // The replay's daemon lives in a directory under TMPDIR: this test's own, so that replays of
+    // other tests running meanwhile are not counted.
+    let tmp = dir.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let out = Command::new(VRAMD)
+        .args(["replay", "--through-daemon"])
+        .args([&good, &bad])
+        .env("TMPDIR", &tmp)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad.pickle.gz is not a readable snapshot"),
+        "{err}"
+    );
+    let left = replay_daemons(&tmp);
+    assert!(left.is_empty(), "daemons left running: {left:?}");
+}

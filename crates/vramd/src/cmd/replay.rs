@@ -147,6 +147,15 @@ impl OwnDaemon {
     }
 }
 
+impl Drop for OwnDaemon {
+    /// A replay that failed part-way leaves no daemon behind.
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = super::child::stop_daemon(&mut self.child);
+        }
+    }
+}
+
 fn progress_bar(name: &str, total: usize) -> ProgressBar {
     if !std::io::stderr().is_terminal() {
         return ProgressBar::hidden();
@@ -161,7 +170,8 @@ fn progress_bar(name: &str, total: usize) -> ProgressBar {
     bar
 }
 
-/// Replays one trace through a fresh allocator on a sparse host device.
+/// Replays one trace through a fresh allocator on a device of `backend` (host: sparse memfds;
+/// cuda: GPU 0), its handles created in process.
 pub fn replay(
     name: &str,
     trace: &Trace,
