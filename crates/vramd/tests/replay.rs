@@ -145,3 +145,24 @@ fn a_replay_through_a_daemon_that_fails_part_way_leaves_no_daemon_behind() {
     let left = replay_daemons(&tmp);
     assert!(left.is_empty(), "daemons left running: {left:?}");
 }
+
+#[test]
+fn scales_replay_the_trace_at_other_sizes_and_absurd_ones_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("small.pickle.gz");
+    write_snapshot(&trace, 10);
+    let rows = replay_json(&["--scale", "0.5,2", trace.to_str().unwrap()]);
+    let names: Vec<&str> = rows.iter().map(|r| r["trace"].as_str().unwrap()).collect();
+    assert_eq!(names, ["small", "small@0.5", "small@2"]);
+    let peak = |i: usize| rows[i]["peak_requested"].as_u64().unwrap();
+    assert!(peak(1) < peak(0) && peak(0) < peak(2), "{rows:?}");
+    for bad in ["0", "-1", "NaN", "100"] {
+        let out = Command::new(VRAMD)
+            .args(["replay", &format!("--scale={bad}"), trace.to_str().unwrap()])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "--scale {bad} accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--scale"), "{err}");
+    }
+}

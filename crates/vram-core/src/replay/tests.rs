@@ -254,15 +254,11 @@ fn diagnose() {
 }
 
 /// `trace` with every request scaled by `VRAMD_SCALE` (default 1), as `robustness` does.
-fn scaled(mut trace: Trace) -> Trace {
-    let scale: f64 = std::env::var("VRAMD_SCALE")
-        .ok()
-        .map(|s| s.parse().expect("VRAMD_SCALE is a number"))
-        .unwrap_or(1.0);
-    for e in &mut trace.events {
-        e.size = (e.size as f64 * scale) as u64;
+fn scaled(trace: Trace) -> Trace {
+    match std::env::var("VRAMD_SCALE") {
+        Ok(s) => trace.scaled(s.parse().expect("VRAMD_SCALE is a number")),
+        Err(_) => trace,
     }
-    trace
 }
 
 /// The default settings with those of `VRAMD_ALLOC` applied, as a tenant takes them
@@ -329,11 +325,7 @@ fn robustness() {
         let base = load(&dir, name);
         let (mut frag, mut driver) = (Vec::new(), Vec::new());
         for scale in SCALES {
-            let mut trace = base.clone();
-            for e in &mut trace.events {
-                e.size = (e.size as f64 * scale) as u64;
-            }
-            let r = replay_priced(name, &trace, &config);
+            let r = replay_priced(name, &base.scaled(scale), &config);
             frag.push(r.fragmentation * 100.0);
             driver.push(r.modelled_driver_time_share * 100.0);
         }

@@ -38,7 +38,6 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// Microseconds from the first event to the last.
     /// `us` as a share of the trace's wall time (0 for a trace without duration).
     pub fn share_of_wall(&self, us: f64) -> f64 {
         match self.wall_us() {
@@ -47,11 +46,22 @@ impl Trace {
         }
     }
 
+    /// Microseconds from the first event to the last.
     pub fn wall_us(&self) -> u64 {
         match (self.events.first(), self.events.last()) {
             (Some(a), Some(b)) => b.time_us.saturating_sub(a.time_us),
             _ => 0,
         }
+    }
+
+    /// The same trace with every request's size multiplied by `factor`: the same program at
+    /// another batch or sequence size, for judging an allocator beyond one workload.
+    pub fn scaled(&self, factor: f64) -> Trace {
+        let mut t = self.clone();
+        for e in &mut t.events {
+            e.size = (e.size as f64 * factor) as u64;
+        }
+        t
     }
 }
 

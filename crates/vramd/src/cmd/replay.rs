@@ -42,6 +42,11 @@ pub struct Args {
     /// in process: the time in the backing's calls is then a tenant's.
     #[arg(long)]
     pub through_daemon: bool,
+    /// Also replay each trace with every request scaled by these factors (comma-separated, e.g.
+    /// `0.95,1.05`): the same program at other batch or sequence sizes. An allocator's figures can
+    /// swing by several points between such neighbours, so judge settings over several scales.
+    #[arg(long, value_delimiter = ',', value_name = "FACTOR")]
+    pub scale: Vec<f64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -75,6 +80,13 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             .set(setting)
             .map_err(|e| anyhow::anyhow!("--set {e}"))?;
     }
+    if let Some(bad) = args
+        .scale
+        .iter()
+        .find(|f| !(f.is_finite() && **f > 0.0 && **f <= 16.0))
+    {
+        anyhow::bail!("--scale {bad}: a factor must be above 0 and at most 16");
+    }
     let daemon = if args.through_daemon {
         Some(OwnDaemon::start(args.backend)?)
     } else {
@@ -95,14 +107,20 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                     .to_string()
             })
             .unwrap_or_default();
-        let o = match &daemon {
-            Some(d) => replay_through(&name, &trace, d, &config)?,
-            None => replay(&name, &trace, args.backend, &config)?,
-        };
-        if args.json {
-            println!("{}", serde_json::to_string(&o)?);
+        let mut runs = vec![(name, trace.clone())];
+        for &f in &args.scale {
+            runs.push((format!("{}@{f}", runs[0].0), trace.scaled(f)));
         }
-        outcomes.push(o);
+        for (name, trace) in runs {
+            let o = match &daemon {
+                Some(d) => replay_through(&name, &trace, d, &config)?,
+                None => replay(&name, &trace, args.backend, &config)?,
+            };
+            if args.json {
+                println!("{}", serde_json::to_string(&o)?);
+            }
+            outcomes.push(o);
+        }
     }
     if let Some(d) = daemon {
         d.stop()?;
