@@ -14,6 +14,9 @@ step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/
 step gpu_tests 120 bash .gpu/run
 step replay_cuda 120 .gpu/bin/vramd replay --backend cuda .gpu/traces/*.gz
 step replay_cuda_through_daemon 150 .gpu/bin/vramd replay --backend cuda --through-daemon .gpu/traces/*.gz
+# The setting that trades gpt2's moves for larger growth steps (docs/benchmarks.md, robustness grid).
+step replay_cuda_through_daemon_min_grow_8 150 .gpu/bin/vramd replay --backend cuda --through-daemon \
+  --set min_grow=8MiB .gpu/traces/*.gz
 if [ -x .gpu/bench/alloc_pair ]; then
   step alloc_pair 60 .gpu/bench/alloc_pair --bench --warm-up-time 1 --measurement-time 4
 fi
