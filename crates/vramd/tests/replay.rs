@@ -54,6 +54,20 @@ fn replay_json(args: &[&str]) -> Vec<Value> {
         .collect()
 }
 
+/// Runs `vramd replay ARGS...` (with `TMPDIR` set to `tmp`, if given), which must fail with a
+/// message containing `expected`.
+fn replay_fails<S: AsRef<std::ffi::OsStr>>(args: &[S], tmp: Option<&Path>, expected: &str) {
+    let mut cmd = Command::new(VRAMD);
+    cmd.arg("replay").args(args);
+    if let Some(tmp) = tmp {
+        cmd.env("TMPDIR", tmp);
+    }
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "succeeded; stderr: {err}");
+    assert!(err.contains(expected), "{err}");
+}
+
 #[test]
 fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() {
     let dir = tempfile::tempdir().unwrap();
@@ -90,16 +104,7 @@ fn a_file_that_is_not_a_snapshot_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("notes.txt");
     std::fs::write(&bad, "not a pickle").unwrap();
-    let out = Command::new(VRAMD)
-        .args(["replay", bad.to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("notes.txt is not a readable snapshot"),
-        "{err}"
-    );
+    replay_fails(&[&bad], None, "notes.txt is not a readable snapshot");
 }
 
 /// Processes whose command line names a replay's own daemon socket under `tmp`.
@@ -130,17 +135,10 @@ fn a_replay_through_a_daemon_that_fails_part_way_leaves_no_daemon_behind() {
     // other tests running meanwhile are not counted.
     let tmp = dir.path().join("tmp");
     std::fs::create_dir(&tmp).unwrap();
-    let out = Command::new(VRAMD)
-        .args(["replay", "--through-daemon"])
-        .args([&good, &bad])
-        .env("TMPDIR", &tmp)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("bad.pickle.gz is not a readable snapshot"),
-        "{err}"
+    replay_fails(
+        &[Path::new("--through-daemon"), &good, &bad],
+        Some(&tmp),
+        "bad.pickle.gz is not a readable snapshot",
     );
     let left = replay_daemons(&tmp);
     assert!(left.is_empty(), "daemons left running: {left:?}");
@@ -157,12 +155,7 @@ fn scales_replay_the_trace_at_other_sizes_and_absurd_ones_are_refused() {
     let peak = |i: usize| rows[i]["peak_requested"].as_u64().unwrap();
     assert!(peak(1) < peak(0) && peak(0) < peak(2), "{rows:?}");
     for bad in ["0", "-1", "NaN", "100"] {
-        let out = Command::new(VRAMD)
-            .args(["replay", &format!("--scale={bad}"), trace.to_str().unwrap()])
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "--scale {bad} accepted");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("--scale"), "{err}");
+        let scale = format!("--scale={bad}");
+        replay_fails(&[scale.as_str(), trace.to_str().unwrap()], None, "--scale");
     }
 }

@@ -15,7 +15,7 @@ use vram_client::{Client, TenantOptions};
 use vram_core::Bytes;
 use vram_device::{Access, Reservation};
 
-use super::child::{start_daemon, stop_daemon};
+use super::child::OwnDaemon;
 use crate::config::BackendChoice;
 
 #[derive(Debug, clap::Args)]
@@ -146,22 +146,20 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         bail!("--size, --iterations and --tenants must be non-zero");
     }
     let machine = Machine::probe();
-    let dir = tempfile::Builder::new().prefix("vramd-bench-").tempdir()?;
-    let (socket, mut own) = match &args.socket {
-        Some(s) => (s.clone(), None),
-        None => {
-            let socket = dir.path().join("vramd.sock");
-            let child = start_own_daemon(&args, dir.path(), &socket)?;
-            (socket, Some(child))
-        }
+    let own = match &args.socket {
+        Some(_) => None,
+        None => Some(start_own_daemon(&args)?),
+    };
+    let socket: PathBuf = match &own {
+        Some(d) => d.socket().to_path_buf(),
+        None => args
+            .socket
+            .clone()
+            .expect("no daemon of our own: --socket was given"),
     };
     let measured = measure_all(&args, &socket);
-    if let Some(child) = own.as_mut() {
-        let code = stop_daemon(child)?;
-        if code != Some(0) {
-            let log = std::fs::read_to_string(dir.path().join("vramd.log")).unwrap_or_default();
-            bail!("our daemon did not stop cleanly ({code:?}); its log:\n{log}");
-        }
+    if let Some(d) = own {
+        d.stop()?;
     }
     let (backend, ping, results) = measured?;
     let report = Report {
@@ -183,7 +181,8 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-fn start_own_daemon(args: &Args, dir: &Path, socket: &Path) -> anyhow::Result<std::process::Child> {
+fn start_own_daemon(args: &Args) -> anyhow::Result<OwnDaemon> {
+    let dir = tempfile::Builder::new().prefix("vramd-bench-").tempdir()?;
     // A pool that keeps every benchmarked size ready for every tenant.
     let per_round: u64 = args.sizes.iter().map(|s| s.get()).sum();
     let pool_max = Bytes((per_round * args.tenants as u64 * 4).max(Bytes::GIB));
@@ -193,7 +192,7 @@ fn start_own_daemon(args: &Args, dir: &Path, socket: &Path) -> anyhow::Result<st
         sizes.join(", "),
         (4 * args.tenants).max(8)
     );
-    let config_path = dir.join("bench.toml");
+    let config_path = dir.path().join("bench.toml");
     std::fs::write(&config_path, config)?;
     let backend = match args.backend {
         BackendChoice::Auto => "auto",
@@ -210,8 +209,7 @@ fn start_own_daemon(args: &Args, dir: &Path, socket: &Path) -> anyhow::Result<st
         flags.push("--capacity".into());
         flags.push(c.to_string().replace(' ', ""));
     }
-    let exe = std::env::current_exe().context("cannot find the vramd executable")?;
-    start_daemon(&exe, socket, &dir.join("vramd.log"), &flags)
+    OwnDaemon::start(dir, &flags)
 }
 
 fn measure_all(args: &Args, socket: &Path) -> anyhow::Result<(String, Spread, Vec<SizeResult>)> {

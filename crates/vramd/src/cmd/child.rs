@@ -1,7 +1,7 @@
 //! A `vramd serve` child that a tool starts for itself (`demo`, `bench`) on a private socket.
 
 use std::ffi::OsStr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -66,5 +66,47 @@ pub fn wait_timeout(child: &mut Child, limit: Duration) -> anyhow::Result<Option
             return Ok(None);
         }
         std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A daemon of this executable's on a private socket in `dir` (its log there too), stopped on
+/// [`OwnDaemon::stop`] — which checks that it stopped cleanly — or, if the tool fails first, on drop.
+pub struct OwnDaemon {
+    child: Child,
+    dir: tempfile::TempDir,
+    socket: PathBuf,
+}
+
+impl OwnDaemon {
+    /// Starts `vramd serve` with `args` (files it names may already lie in `dir`).
+    pub fn start<S: AsRef<OsStr>>(dir: tempfile::TempDir, args: &[S]) -> anyhow::Result<OwnDaemon> {
+        let socket = dir.path().join("vramd.sock");
+        let exe = std::env::current_exe().context("cannot find the vramd executable")?;
+        let child = start_daemon(&exe, &socket, &dir.path().join("vramd.log"), args)?;
+        Ok(OwnDaemon { child, dir, socket })
+    }
+
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// Stops it; an error with its log if it did not stop cleanly.
+    pub fn stop(mut self) -> anyhow::Result<()> {
+        let code = stop_daemon(&mut self.child)?;
+        if code != Some(0) {
+            let log =
+                std::fs::read_to_string(self.dir.path().join("vramd.log")).unwrap_or_default();
+            bail!("our daemon did not stop cleanly ({code:?}); its log:\n{log}");
+        }
+        Ok(())
+    }
+}
+
+impl Drop for OwnDaemon {
+    /// A tool that failed part-way leaves no daemon behind.
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = stop_daemon(&mut self.child);
+        }
     }
 }

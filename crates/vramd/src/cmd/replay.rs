@@ -20,6 +20,8 @@ use vram_core::trace::{parse_snapshot, Action, Trace};
 use vram_core::Bytes;
 use vram_device::{CudaDevice, Device, HostDevice};
 
+use super::child::OwnDaemon;
+
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// PyTorch snapshots (`torch.cuda.memory._snapshot()`, pickled, optionally gzipped).
@@ -88,7 +90,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         anyhow::bail!("--scale {bad}: a factor must be above 0 and at most 16");
     }
     let daemon = if args.through_daemon {
-        Some(OwnDaemon::start(args.backend)?)
+        Some(start_daemon(args.backend)?)
     } else {
         None
     };
@@ -107,14 +109,19 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                     .to_string()
             })
             .unwrap_or_default();
-        let mut runs = vec![(name, trace.clone())];
-        for &f in &args.scale {
-            runs.push((format!("{}@{f}", runs[0].0), trace.scaled(f)));
-        }
-        for (name, trace) in runs {
+        // The trace as recorded, then at each scale (one scaled copy at a time).
+        for factor in std::iter::once(None).chain(args.scale.iter().copied().map(Some)) {
+            let scaled;
+            let (name, trace) = match factor {
+                None => (name.clone(), &trace),
+                Some(f) => {
+                    scaled = trace.scaled(f);
+                    (format!("{name}@{f}"), &scaled)
+                }
+            };
             let o = match &daemon {
-                Some(d) => replay_through(&name, &trace, d, &config)?,
-                None => replay(&name, &trace, args.backend, &config)?,
+                Some(d) => replay_through(&name, trace, d, &config)?,
+                None => replay(&name, trace, args.backend, &config)?,
             };
             if args.json {
                 println!("{}", serde_json::to_string(&o)?);
@@ -131,47 +138,16 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
-/// A daemon of this executable's, serving the replay's backend from a temporary directory.
-pub struct OwnDaemon {
-    child: std::process::Child,
-    dir: tempfile::TempDir,
-    socket: PathBuf,
-}
-
-impl OwnDaemon {
-    fn start(backend: ReplayBackend) -> anyhow::Result<OwnDaemon> {
-        let dir = tempfile::Builder::new().prefix("vramd-replay-").tempdir()?;
-        let socket = dir.path().join("vramd.sock");
-        let mut flags = vec!["--metrics", "off", "--backend"];
-        match backend {
-            // Sparse memfds: the four shared traces peak at 16 GiB, none of it touched.
-            ReplayBackend::Host => flags.extend(["host", "--capacity", "1TiB"]),
-            ReplayBackend::Cuda => flags.push("cuda"),
-        }
-        let exe = std::env::current_exe().context("cannot find the vramd executable")?;
-        let child =
-            super::child::start_daemon(&exe, &socket, &dir.path().join("vramd.log"), &flags)?;
-        Ok(OwnDaemon { child, dir, socket })
+/// Starts a daemon serving the replay's backend from a temporary directory.
+fn start_daemon(backend: ReplayBackend) -> anyhow::Result<OwnDaemon> {
+    let dir = tempfile::Builder::new().prefix("vramd-replay-").tempdir()?;
+    let mut flags = vec!["--metrics", "off", "--backend"];
+    match backend {
+        // Sparse memfds: the four shared traces peak at 16 GiB, none of it touched.
+        ReplayBackend::Host => flags.extend(["host", "--capacity", "1TiB"]),
+        ReplayBackend::Cuda => flags.push("cuda"),
     }
-
-    fn stop(mut self) -> anyhow::Result<()> {
-        let code = super::child::stop_daemon(&mut self.child)?;
-        if code != Some(0) {
-            let log =
-                std::fs::read_to_string(self.dir.path().join("vramd.log")).unwrap_or_default();
-            anyhow::bail!("the replay's daemon did not stop cleanly ({code:?}); its log:\n{log}");
-        }
-        Ok(())
-    }
-}
-
-impl Drop for OwnDaemon {
-    /// A replay that failed part-way leaves no daemon behind.
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = super::child::stop_daemon(&mut self.child);
-        }
-    }
+    OwnDaemon::start(dir, &flags)
 }
 
 fn progress_bar(name: &str, total: usize) -> ProgressBar {
@@ -218,8 +194,8 @@ pub fn replay_through(
 ) -> anyhow::Result<Outcome> {
     let opts = TenantOptions::named(format!("replay-{}-{name}", std::process::id()));
     let client = Arc::new(
-        Client::connect(Some(&daemon.socket), &opts)
-            .with_context(|| format!("cannot connect to {}", daemon.socket.display()))?,
+        Client::connect(Some(daemon.socket()), &opts)
+            .with_context(|| format!("cannot connect to {}", daemon.socket().display()))?,
     );
     let backend = match client.welcome().device.backend.as_str() {
         "cuda" => ReplayBackend::Cuda,
