@@ -197,7 +197,8 @@ def worker_compat(args):
     print("RESULT " + json.dumps(r), flush=True)
 
 
-def _model(torch, name, dev):
+def _model(torch, name, dev, batch_size=None):
+    _BATCH[name] = batch_size
     if name == "resnet50":
         import torchvision
 
@@ -222,7 +223,10 @@ def _model(torch, name, dev):
 
 
 def args_batch(name):
-    return 32 if name == "resnet50" else 16
+    return _BATCH.get(name) or (32 if name == "resnet50" else 16)
+
+
+_BATCH = {}
 
 
 def worker_allocbench(args):
@@ -248,30 +252,62 @@ def worker_train(args):
     torch = _torch()
     torch.manual_seed(args.seed)
     dev = torch.device("cuda")
-    m, batch, loss_fn = _model(torch, args.model, dev)
+    m, batch, loss_fn = _model(torch, args.model, dev, args.batch)
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(args.seed + 1)
     data = [batch(g) for _ in range(args.steps)]
-    losses, times = [], []
-    for x, y in data:
+    vramd_stats = _vramd_stats()
+    stats_at = {}
+    losses, times, gpu_ms, cpu_s = [], [], [], []
+    for i, (x, y) in enumerate(data):
+        if i == args.warmup:
+            stats_at["warm"] = vramd_stats()
         x, y = x.to(dev), y.to(dev)
         torch.cuda.synchronize()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        c = time.process_time()
         t = time.perf_counter()
+        begin.record()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(m, x, y)
         loss.backward()
         opt.step()
+        end.record()
         losses.append(loss.item())
         times.append(time.perf_counter() - t)
-    out = {"losses": losses, "times": times, "peak_reserved": torch.cuda.max_memory_reserved()}
+        # Process CPU time (every thread, autograd's included) and the GPU's time for the step:
+        # which of the two a slower allocator route lengthens.
+        cpu_s.append(time.process_time() - c)
+        gpu_ms.append(begin.elapsed_time(end))
+    stats_at["end"] = vramd_stats()
+    out = {"losses": losses, "times": times, "gpu_ms": gpu_ms, "cpu_s": cpu_s,
+           "peak_reserved": torch.cuda.max_memory_reserved()}
+    if stats_at["end"] is not None:
+        out["vramd_held_peak"] = stats_at["end"]["core"]["held_peak"]
+        # What the allocator did per timed step, after warm-up: fences recorded and queried,
+        # grants and maps (driver calls), allocations served from the thread caches.
+        n = max(1, args.steps - args.warmup)
+        a, b = stats_at.get("warm"), stats_at["end"]
+        if a is not None:
+            out["vramd_per_step"] = {
+                **{k: (b["core"][k] - a["core"][k]) / n
+                   for k in ("allocs", "frees", "grants", "maps", "unmaps", "returns", "fences",
+                             "fence_queries") if k in b["core"]},
+                "fast_allocs": (b["fast_allocs"] - a["fast_allocs"]) / n,
+            }
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def _vramd_stats():
+    """A function giving vramd's allocator statistics under vramd, None otherwise."""
     try:
         import vramd_torch
 
         if vramd_torch.installed():
-            out["vramd_held_peak"] = vramd_torch.stats()["stats"]["core"]["held_peak"]
+            return lambda: vramd_torch.stats()["stats"]
     except ImportError:
         pass
-    print("RESULT " + json.dumps(out), flush=True)
+    return lambda: None
 
 
 def worker_tenant(args):
@@ -427,7 +463,10 @@ class Run:
         out = {}
         for model in self.o.models:
             per = {}
-            wa = ["train", "--model", model, "--steps", str(self.o.steps), "--seed", "1234"]
+            wa = ["train", "--model", model, "--steps", str(self.o.steps), "--seed", "1234",
+                  "--warmup", str(self.o.warmup)]
+            if self.o.batch:
+                wa += ["--batch", str(self.o.batch)]
             # Interleaved rounds (each allocator once per round), so that a drift of the machine
             # over the minutes of the runs does not favour one allocator; the order turns by one
             # each round, so that none always runs first or last (on the H200 VM, pool mode, where
@@ -548,8 +587,19 @@ def summarize_training(per, warmup):
             "first_loss_difference": first_diff,
             "peak_device_bytes": peak,
             "peak_reserved_by_torch": max(r["peak_reserved"] for r in rs),
+            "step_ms_median": _median_over(rs, "times", warmup, 1e3),
+            "gpu_ms_median": _median_over(rs, "gpu_ms", warmup, 1.0),
+            "cpu_ms_median": _median_over(rs, "cpu_s", warmup, 1e3),
+            "vramd_per_step": next((r["vramd_per_step"] for r in rs if "vramd_per_step" in r),
+                                   None),
         }
     return summary
+
+
+def _median_over(runs, key, warmup, scale):
+    """The median, over every run's steps after warm-up, of `key`, times `scale`."""
+    xs = [x * scale for r in runs for x in r.get(key, [])[warmup:]]
+    return statistics.median(xs) if xs else None
 
 
 def plot(three, outdir):
@@ -652,6 +702,19 @@ def markdown(res):
                      f"{'' if typical is None else f'{typical:.3f}'} | "
                      f"{v['losses_identical_to_plain']} | {v['peak_device_bytes']:,} B "
                      f"({v['peak_device_bytes'] / GIB:.2f} GiB) |")
+        L += ["", "Where a step's time goes (medians over every timed step of every run; CPU is "
+              "the process's, every thread; vramd's counts are per timed step):", "",
+              "| allocator | step ms | GPU ms | CPU ms | allocs in the core | from thread caches | fences "
+              "recorded | fence queries | grants | maps | unmaps |", "|---|" + "---|" * 10]
+        for mode, v in s["modes"].items():
+            if "error" in v:
+                continue
+            f = lambda x: "" if x is None else f"{x:.2f}"
+            c = v.get("vramd_per_step") or {}
+            L.append(f"| {mode} | {f(v.get('step_ms_median'))} | {f(v.get('gpu_ms_median'))} | "
+                     f"{f(v.get('cpu_ms_median'))} | " + " | ".join(
+                         f(c.get(k)) for k in ("allocs", "fast_allocs", "fences", "fence_queries",
+                                               "grants", "maps", "unmaps")) + " |")
         L.append("")
     three = res.get("three_tenants") or {}
     if three:
@@ -679,6 +742,7 @@ def main():
     p.add_argument("--runs", type=int, default=2, help="runs per allocator, for the medians")
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, help="batch size (default: 32 for resnet50, 16 for bert)")
     p.add_argument("--models", nargs="+", default=["resnet50", "bert"])
     p.add_argument("--train-modes", nargs="+", default=list(MODES),
                    help="vramd modes to train under, each optionally with settings for the "
@@ -692,6 +756,8 @@ def main():
         w.add_argument("--model")
         w.add_argument("--steps", type=int)
         w.add_argument("--seed", type=int)
+        w.add_argument("--batch", type=int)
+        w.add_argument("--warmup", type=int, default=0)
         w.add_argument("--role")
         w.add_argument("--base-gib", type=float, default=0)
         w.add_argument("--step-gib", type=float, default=0)

@@ -2,6 +2,8 @@
 # One device call: interleaved training rounds of one model (bert by default), against plain
 # PyTorch and expandable segments. Usage: training.sh [MODEL] [RUNS] [MODE...]; modes default to
 # `full pool`; a mode may carry settings, as in full:VRAMD_ALLOC=min_grow=8MiB,grow_slack=0.03.
+# Environment: BATCH (the model's batch size, else the script's default), STEPS (100), LIMIT (480 s),
+# TAG (the results' folder under $OUT/r, else the model's name).
 set -u
 R=${OUT:?run on the device machine, where OUT is set}/r
 MODEL=${1:-bert}
@@ -12,8 +14,9 @@ MODES=("$@")
 mkdir -p "$R"
 # 480 s leaves room for a cold start within a 600 s call; results are saved after every round
 # and on SIGTERM, so a round cut short costs only itself.
-( time timeout 480 python3 scripts/torch_on_vramd.py --bin .gpu/bin --out "$R/$MODEL" \
-    --skip compat allocbench tenants --models "$MODEL" --runs "$RUNS" --steps 100 --warmup 20 \
-    --train-modes "${MODES[@]}" ) > "$R/$MODEL.log" 2>&1
+TAG=${TAG:-$MODEL}
+( time timeout "${LIMIT:-480}" python3 scripts/torch_on_vramd.py --bin .gpu/bin --out "$R/$TAG" \
+    --skip compat allocbench tenants --models "$MODEL" --runs "$RUNS" --steps "${STEPS:-100}" \
+    --warmup 20 ${BATCH:+--batch "$BATCH"} --train-modes "${MODES[@]}" ) > "$R/$TAG.log" 2>&1
 rm -f "$R"/*/vramd.sock
 tar czf "$OUT/r.tgz" -C "$OUT" r

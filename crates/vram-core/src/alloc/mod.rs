@@ -357,6 +357,10 @@ impl<B: Backing> Allocator<B> {
         fences: &F,
     ) -> Result<Bytes, AllocError> {
         let b = self.take_live(offset)?;
+        if fence != Fence::NEVER {
+            self.stats.fences += 1;
+            self.stats.fence_queries += 1;
+        }
         let (owner, seq) = if fence == Fence::NEVER {
             // No fence will ever release it: a sequence number no completed fence reaches.
             (Owner::Stream(stream), Seq::MAX)
@@ -428,6 +432,7 @@ impl<B: Backing> Allocator<B> {
         };
         // A stream being captured cannot take a fence now: its frees wait for a later seal.
         if let Some(fence) = fences.record(stream) {
+            self.stats.fences += 1;
             self.unsealed.remove(&stream);
             self.pending.push(stream, seq, fence);
         }
@@ -471,7 +476,7 @@ impl<B: Backing> Allocator<B> {
         if self.pending.is_empty() {
             return;
         }
-        for (stream, seq) in self.pending.poll(fences) {
+        for (stream, seq) in self.pending.poll(fences, &mut self.stats.fence_queries) {
             for heap in &mut self.heaps {
                 heap.free.complete(stream, seq);
             }

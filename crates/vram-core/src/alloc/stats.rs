@@ -23,6 +23,10 @@ pub struct AllocStats {
     pub granted_bytes: Bytes,
     pub mapped_bytes: Bytes,
     pub refused: u64,
+    /// Fences the allocator recorded (one covers a batch of deferred frees of a stream).
+    pub fences: u64,
+    /// Times the allocator asked whether a fence completed (a driver call each on CUDA).
+    pub fence_queries: u64,
 }
 
 impl AllocStats {

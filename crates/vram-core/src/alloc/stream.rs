@@ -71,12 +71,18 @@ impl PendingFences {
     }
 
     /// For each stream, the latest sequence number whose fence has completed. Stops at a stream's
-    /// first incomplete fence: later ones cannot be complete before it.
-    pub(crate) fn poll<F: Fences + ?Sized>(&mut self, fences: &F) -> Vec<(StreamId, Seq)> {
+    /// first incomplete fence: later ones cannot be complete before it. `queries` counts the
+    /// fences asked about.
+    pub(crate) fn poll<F: Fences + ?Sized>(
+        &mut self,
+        fences: &F,
+        queries: &mut u64,
+    ) -> Vec<(StreamId, Seq)> {
         let mut done = Vec::new();
         self.queues.retain(|&stream, queue| {
             let mut last = None;
             while let Some(&(seq, fence)) = queue.front() {
+                *queries += 1;
                 if !fences.is_complete(fence) {
                     break;
                 }
