@@ -16,9 +16,11 @@
 //!   map again, no new memory held), then by a grant of what is still missing.
 //! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once a
 //!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
-//!   fenced together: every `seal_every` frees of a stream, before growing, on `trim`, and on a
-//!   `tick` after a tick period without allocations or frees (a background thread ticks, maybe
-//!   while another thread captures a graph: only an idle program is fenced from there). Fences are
+//!   fenced together: before growing, on `trim`, on a `tick` after a tick period without
+//!   allocations or frees (a background thread ticks, maybe while another thread captures a graph:
+//!   only an idle program is fenced from there), and — once a second stream has used the
+//!   allocator — every `seal_every` frees of a stream. A program on one stream (most training
+//!   loops) thus records no fence in its steady state: no other stream could use one. Fences are
 //!   polled every `poll_every` allocations, and by any allocation that finds no room.
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
 //!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
@@ -74,8 +76,10 @@ pub struct AllocConfig {
     pub release_delay_us: u64,
     /// Headroom kept above the recent peak of allocated bytes, as a fraction of it.
     pub keep_fraction: f64,
-    /// Deferred frees of one stream that one recorded fence covers at most: fewer driver calls
-    /// against memory that other streams, moves and returns must wait longer for.
+    /// Once a second stream has used the allocator, deferred frees of one stream that one
+    /// recorded fence covers at most: fewer driver calls against memory that other streams, moves
+    /// and returns must wait longer for. (Before that, frees are fenced only when memory is
+    /// needed elsewhere: before growing, on trim and when idle.)
     pub seal_every: u32,
     /// Allocations that find room without growing ask whether pending fences completed only once
     /// per this many (each asking is a driver call per stream with pending frees); an allocation
@@ -212,6 +216,10 @@ pub struct Allocator<B> {
     /// Allocations since pending fences were last polled.
     allocs_since_poll: u32,
     next_scan: u64,
+    /// The first stream that used the allocator, and whether another has since: frees are fenced
+    /// every `seal_every` only then.
+    first_stream: Option<StreamId>,
+    many_streams: bool,
 }
 
 impl<B: Backing> Allocator<B> {
@@ -238,6 +246,8 @@ impl<B: Backing> Allocator<B> {
             busy_since_tick: false,
             allocs_since_poll: 0,
             next_scan: 0,
+            first_stream: None,
+            many_streams: false,
         }
     }
 
@@ -288,6 +298,7 @@ impl<B: Backing> Allocator<B> {
         fences: &F,
     ) -> Result<Block, AllocError> {
         self.busy_since_tick = true;
+        self.note_stream(stream);
         self.allocs_since_poll += 1;
         if self.allocs_since_poll >= self.config.poll_every {
             self.poll(fences);
@@ -394,10 +405,21 @@ impl<B: Backing> Allocator<B> {
         let freed = self.add_free(offset, b, Owner::Stream(stream), self.seq);
         let entry = self.unsealed.entry(stream).or_insert((0, 0));
         *entry = (self.seq, entry.1 + 1);
-        if entry.1 >= self.config.seal_every {
+        if entry.1 >= self.config.seal_every && self.note_stream(stream) {
             self.seal_stream(stream, fences);
         }
         Ok(freed)
+    }
+
+    /// Notes that `stream` uses the allocator; whether more than one stream has.
+    fn note_stream(&mut self, stream: StreamId) -> bool {
+        if !self.many_streams {
+            match self.first_stream {
+                None => self.first_stream = Some(stream),
+                Some(first) => self.many_streams = first != stream,
+            }
+        }
+        self.many_streams
     }
 
     /// Takes the live block at `offset` out of the books for a free, under a new sequence number.

@@ -491,6 +491,50 @@ fn deferred_frees_are_fenced_together_when_another_stream_needs_the_memory() {
 }
 
 #[test]
+fn one_stream_records_no_fence_until_memory_is_needed_elsewhere() {
+    let config = AllocConfig {
+        seal_every: 2,
+        ..small_config()
+    };
+    let mut a = Allocator::new(config, ModelBacking::new());
+    let fences = TestFences::default();
+    // A training loop's steady state on one stream: every free deferred, nothing fenced.
+    let keep = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    for _ in 0..50 {
+        let b: Vec<_> = (1..4)
+            .map(|i| a.alloc(Bytes::mib(i), StreamId(1), &fences).unwrap())
+            .collect();
+        for b in b {
+            a.free_deferred(b.offset, StreamId(1), &fences).unwrap();
+        }
+    }
+    assert_eq!(fences.recorded(1), 0, "one stream, no fence");
+    assert_eq!(a.stats().fences, 0);
+    // Growth fences what is there before taking new memory.
+    let big = a.alloc(Bytes::mib(40), StreamId(1), &fences).unwrap();
+    assert_eq!(fences.recorded(1), 1, "one fence before growing");
+    a.free_deferred(big.offset, StreamId(1), &fences).unwrap();
+    // A second stream: from now on every `seal_every` frees of a stream are fenced.
+    let other = a.alloc(Bytes::mib(1), StreamId(2), &fences).unwrap();
+    assert_eq!(
+        fences.recorded(1),
+        2,
+        "stream 2 found no room: stream 1's frees fenced"
+    );
+    a.free_deferred(other.offset, StreamId(2), &fences).unwrap();
+    let x = a.alloc(Bytes::mib(1), StreamId(1), &fences).unwrap();
+    a.free_deferred(x.offset, StreamId(1), &fences).unwrap();
+    assert_eq!(fences.recorded(1), 2, "one free since the last fence");
+    a.free_deferred(keep.offset, StreamId(1), &fences).unwrap();
+    assert_eq!(
+        fences.recorded(1),
+        3,
+        "the second free since the last fence is fenced"
+    );
+    assert_eq!(a.stats().fences, 3);
+}
+
+#[test]
 fn allocations_that_find_room_ask_about_fences_once_per_poll_every() {
     let config = AllocConfig {
         poll_every: 4,
@@ -501,9 +545,9 @@ fn allocations_that_find_room_ask_about_fences_once_per_poll_every() {
     let fences = TestFences::default();
     // A fence stays pending on stream 1; stream 2 allocates and frees in memory of its own.
     let x = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    let warm = a.alloc(Bytes::mib(1), StreamId(2), &fences).unwrap();
     a.free_deferred(x.offset, StreamId(1), &fences).unwrap();
     assert_eq!(fences.recorded(1), 1);
-    let warm = a.alloc(Bytes::mib(1), StreamId(2), &fences).unwrap();
     a.free(warm.offset, StreamId(2), Fence(0), &AlwaysComplete)
         .unwrap();
     let before = fences.inner.borrow().queries;
