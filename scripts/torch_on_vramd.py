@@ -423,7 +423,12 @@ class Run:
             k, _, v = setting.partition("=")
             env[k] = v
         c = self.cmd(mode, worker_args, **kw)
-        r = subprocess.run(c, capture_output=True, text=True, timeout=timeout, env=env)
+        pin = None
+        if self.o.cpus:
+            # Every run on the same cores: on a VM, where a CPU-bound run lands moves its speed.
+            pin = lambda: os.sched_setaffinity(0, self.o.cpus)
+        r = subprocess.run(c, capture_output=True, text=True, timeout=timeout, env=env,
+                           preexec_fn=pin)
         for line in r.stdout.splitlines():
             if line.startswith("RESULT "):
                 return json.loads(line[7:]), r
@@ -733,6 +738,14 @@ def markdown(res):
     return "\n".join(L)
 
 
+def _cpu_list(text):
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", nargs=argparse.REMAINDER)
@@ -743,6 +756,7 @@ def main():
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, help="batch size (default: 32 for resnet50, 16 for bert)")
+    p.add_argument("--cpus", type=_cpu_list, help="run every worker on these CPUs, e.g. 1-8")
     p.add_argument("--models", nargs="+", default=["resnet50", "bert"])
     p.add_argument("--train-modes", nargs="+", default=list(MODES),
                    help="vramd modes to train under, each optionally with settings for the "
@@ -769,6 +783,8 @@ def main():
         return
     os.makedirs(o.out, exist_ok=True)
     run = Run(o)
+    if o.cpus:
+        run.results["worker_cpus"] = sorted(o.cpus)
     start = time.time()
 
     def stop(signum, frame):
