@@ -39,9 +39,13 @@ long long vram_trim(void);
 void vram_string_free(char *s);
 
 /* How many times the daemon has asked this process for memory back. A caching layer above
- * libvram (PyTorch's, in its pool mode) polls it, releases its idle segments, then calls
+ * libvram (PyTorch's, in its pool mode) watches it, releases its idle segments, then calls
  * vram_trim. */
 unsigned long long vram_reclaim_requests(void);
+
+/* Waits, at most timeout_ms, until the count of vram_reclaim_requests differs from `seen`;
+ * returns the count. Lets such a layer wait for a request without waking up to poll. */
+unsigned long long vram_wait_reclaim(unsigned long long seen, unsigned int timeout_ms);
 
 /* Pool mode (`vramd run --torch-mode pool` preloads libvram.so with VRAMD_TORCH_MODE=pool):
  * libvram.so also defines the CUDA runtime's

@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, LazyLock, OnceLock};
+use std::sync::{Arc, Condvar, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use vram_client::alloc::{
@@ -108,7 +108,8 @@ fn connect() -> Result<Tenant, String> {
         .map_err(|e| format!("vramd: cannot reserve address space: {e}"))?;
     let alloc = CachingAllocator::new(config, backing, events).with_limit(w.limit);
     client.on_reclaim(Box::new(|_, _| {
-        RECLAIM_REQUESTS.fetch_add(1, Ordering::Relaxed);
+        *RECLAIM_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        RECLAIM_ASKED.notify_all();
         match TENANT.get() {
             Some(Ok(t)) => t.alloc.trim(),
             _ => Bytes::ZERO,
@@ -276,8 +277,9 @@ pub fn last_error() -> Option<String> {
     Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
 }
 
-/// Reclaim requests the daemon has made of this process.
-static RECLAIM_REQUESTS: AtomicU64 = AtomicU64::new(0);
+/// Times the daemon asked for memory back; waiters on `RECLAIM_ASKED` learn of each.
+static RECLAIM_REQUESTS: Mutex<u64> = Mutex::new(0);
+static RECLAIM_ASKED: Condvar = Condvar::new();
 
 /// What the caller says is in use, for `vramd status` (`u64::MAX`: nothing said).
 static CALLER_IN_USE: AtomicU64 = AtomicU64::new(u64::MAX);
@@ -310,7 +312,18 @@ pub extern "C" fn vram_capture_end(_device: c_int) {
 /// See `include/vram.h`.
 #[no_mangle]
 pub extern "C" fn vram_reclaim_requests() -> u64 {
-    RECLAIM_REQUESTS.load(Ordering::Relaxed)
+    *RECLAIM_REQUESTS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_wait_reclaim(seen: u64, timeout_ms: u32) -> u64 {
+    let count = RECLAIM_REQUESTS.lock().unwrap_or_else(|p| p.into_inner());
+    let timeout = Duration::from_millis(timeout_ms.into());
+    let (count, _) = RECLAIM_ASKED
+        .wait_timeout_while(count, timeout, |n| *n == seen)
+        .unwrap_or_else(|p| p.into_inner());
+    *count
 }
 
 /// See `include/vram.h`.

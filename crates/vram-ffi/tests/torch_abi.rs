@@ -1,5 +1,5 @@
 //! What PyTorch's integration (`vramd_torch`) reads through the C ABI: the snapshot of segments and
-//! blocks, the peak reset and the count of reclaim requests.
+//! blocks, the peak reset, and the count of reclaim requests and the wait for one.
 
 use std::ffi::{c_char, CStr};
 
@@ -65,5 +65,11 @@ fn snapshot_lists_live_blocks_and_peaks_reset() {
     let after = take_json(vram::vram_stats_json());
     assert_eq!(core(&after, "allocated_peak"), core(&after, "allocated"));
     assert_eq!(vram::vram_reclaim_requests(), 0);
+    // Waiting for a request: at once when the count is not the one seen, else until the timeout.
+    let t = std::time::Instant::now();
+    assert_eq!(vram::vram_wait_reclaim(7, 10_000), 0);
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
+    assert_eq!(vram::vram_wait_reclaim(0, 30), 0);
+    assert!(t.elapsed() >= std::time::Duration::from_millis(30));
     vram::vram_free(small, 0, 0, stream);
 }

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::{Daemon, VRAMD};
+use common::{wait_until, Daemon, VRAMD};
 
 const CONFIG: &str = "capacity = \"8 GiB\"\n";
 
@@ -178,4 +178,80 @@ fn importing_torch_installs_the_allocator_and_mem_get_info_shows_the_tenant_view
         lines[3], "interposing 1",
         "the CUDA runtime's cudaMalloc is libvram.so's"
     );
+}
+
+#[test]
+fn pool_mode_empties_pytorchs_cache_when_the_daemon_asks_for_memory() {
+    use std::io::{BufRead, BufReader};
+    let Some(lib) = library() else {
+        eprintln!("skipped: libvram.so is not next to vramd (cargo build -p vram-ffi)");
+        return;
+    };
+    let d =
+        Daemon::start("capacity = \"1 GiB\"\npriority_reserve = \"0\"\n[pool]\nmax = \"64 MiB\"\n");
+    let fake = tempfile::tempdir().unwrap();
+    std::fs::create_dir(fake.path().join("torch")).unwrap();
+    std::fs::write(fake.path().join("torch/__init__.py"), FAKE_TORCH).unwrap();
+    // The program takes 768 MiB through the CUDA runtime's cudaMalloc (libvram's, preloaded) and
+    // frees it, as PyTorch's caching allocator does with a segment; then it waits, doing nothing,
+    // for vramd's thread to empty "PyTorch's" cache.
+    let script = r#"
+import sys, ctypes, time
+sys.path.append(sys.argv[1])
+import torch, vramd_torch
+emptied = []
+torch.cuda.empty_cache = lambda: emptied.append(time.time())
+lib = vramd_torch._lib.lib()
+p = ctypes.c_void_p()
+assert lib.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(768 << 20)) == 0, "cudaMalloc"
+assert lib.cudaFree(p) == 0, "cudaFree"
+print("ready", flush=True)
+deadline = time.time() + 20
+while not emptied and time.time() < deadline:
+    time.sleep(0.01)
+print("emptied" if emptied else "not emptied", flush=True)
+"#;
+    let mut child = Command::new(VRAMD)
+        .arg("run")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["--tenant", "py", "--torch-mode", "pool", "--"])
+        .args(["python3", "-c", script, fake.path().to_str().unwrap()])
+        .env("VRAMD_LIB", &lib)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut next = || lines.next().and_then(Result::ok).unwrap_or_default();
+    assert_eq!(next(), "ready");
+    let idle = |d: &Daemon| {
+        d.status()
+            .tenants
+            .iter()
+            .find(|t| t.name == "py")
+            .is_some_and(|t| t.cached.get() >= 512 << 20)
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || idle(&d)),
+        "the program's idle memory never showed in the daemon's status: {:?}",
+        d.status()
+    );
+    // Another tenant needs what the program keeps idle: the daemon asks the program for it.
+    let mut beta = d.tenant("beta", &[]);
+    let took = beta.cmd("take 512MiB 256MiB");
+    assert!(took["refused"].is_null(), "{took}");
+    assert_eq!(
+        next(),
+        "emptied",
+        "vramd's thread in the program saw the request"
+    );
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    beta.exit();
 }

@@ -28,6 +28,8 @@ def lib():
         l.vram_last_error.restype = ctypes.c_char_p
         l.vram_trim.restype = ctypes.c_longlong
         l.vram_reclaim_requests.restype = ctypes.c_ulonglong
+        l.vram_wait_reclaim.argtypes = [ctypes.c_ulonglong, ctypes.c_uint]
+        l.vram_wait_reclaim.restype = ctypes.c_ulonglong
         l.vram_reset_peak.restype = ctypes.c_int
         l.vram_report_in_use.argtypes = [ctypes.c_ulonglong]
         l.vram_report_in_use.restype = None
@@ -65,6 +67,12 @@ def trim():
 
 def reclaim_requests():
     return lib().vram_reclaim_requests()
+
+
+def wait_reclaim(seen, timeout_s):
+    """The count of reclaim requests once it differs from `seen`, or after `timeout_s`. Waits in
+    C, without the GIL (ctypes lets it go), so the training thread runs on meanwhile."""
+    return lib().vram_wait_reclaim(seen, int(timeout_s * 1000))
 
 
 def reset_peak():

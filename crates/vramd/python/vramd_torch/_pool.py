@@ -122,22 +122,31 @@ def _report_in_use():
 
 
 def _reclaim_loop():
+    """Waits for the daemon's requests without holding the GIL, and tells vramd what PyTorch's
+    tensors use once a second: a thread that woke up to poll would take the GIL from the training
+    thread each time."""
     seen = _lib.reclaim_requests()
-    ticks = 0
+    reported = 0.0
     while True:
-        time.sleep(0.05)
-        ticks += 1
-        if ticks % 4 == 0:
+        n = _lib.wait_reclaim(seen, REPORT_EVERY_S)
+        if time.monotonic() - reported >= REPORT_EVERY_S:
+            reported = time.monotonic()
             try:
                 _report_in_use()
             except Exception as e:
                 print(f"vramd: cannot read PyTorch's statistics: {e}", file=sys.stderr)
-        n = _lib.reclaim_requests()
         if n == seen:
             continue
         try:
             if release_idle():
                 seen = n
+            else:
+                # A capture is under way: ask again shortly, not at once.
+                time.sleep(0.05)
         except Exception as e:
             seen = n
             print(f"vramd: reclaim failed: {e}", file=sys.stderr)
+
+
+# How often `vramd status` learns what PyTorch's tensors use.
+REPORT_EVERY_S = 1.0
