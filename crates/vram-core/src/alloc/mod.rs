@@ -18,9 +18,10 @@
 //!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
 //!   fenced together: before growing, on `trim`, on a `tick` after a tick period without
 //!   allocations or frees (a background thread ticks, maybe while another thread captures a graph:
-//!   only an idle program is fenced from there), and — once a second stream has used the
-//!   allocator — every `seal_every` frees of a stream. A program on one stream (most training
-//!   loops) thus records no fence in its steady state: no other stream could use one. Fences are
+//!   only an idle program is fenced from there), and — while allocations change streams (within
+//!   the last `MIXED_WINDOW` allocations) — every `seal_every` frees of a stream. A program on one
+//!   stream (most training loops) thus records no fence in its steady state: no other stream could
+//!   use one. Fences are
 //!   polled every `poll_every` allocations, and by any allocation that finds no room.
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
 //!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
@@ -76,10 +77,10 @@ pub struct AllocConfig {
     pub release_delay_us: u64,
     /// Headroom kept above the recent peak of allocated bytes, as a fraction of it.
     pub keep_fraction: f64,
-    /// Once a second stream has used the allocator, deferred frees of one stream that one
-    /// recorded fence covers at most: fewer driver calls against memory that other streams, moves
-    /// and returns must wait longer for. (Before that, frees are fenced only when memory is
-    /// needed elsewhere: before growing, on trim and when idle.)
+    /// While allocations change streams, deferred frees of one stream that one recorded fence
+    /// covers at most: fewer driver calls against memory that other streams, moves and returns
+    /// must wait longer for. (On one stream, frees are fenced only when memory is needed
+    /// elsewhere: before growing, on trim and when idle.)
     pub seal_every: u32,
     /// Allocations that find room without growing ask whether pending fences completed only once
     /// per this many (each asking is a driver call per stream with pending frees); an allocation
@@ -216,11 +217,17 @@ pub struct Allocator<B> {
     /// Allocations since pending fences were last polled.
     allocs_since_poll: u32,
     next_scan: u64,
-    /// The first stream that used the allocator, and whether another has since: frees are fenced
-    /// every `seal_every` only then.
-    first_stream: Option<StreamId>,
-    many_streams: bool,
+    /// The stream of the latest allocation, and the count of allocations when it last changed:
+    /// frees are fenced every `seal_every` only while streams took turns within the last
+    /// `MIXED_WINDOW` allocations.
+    last_stream: Option<StreamId>,
+    switched_at: Option<u64>,
 }
+
+/// Allocations after the latest change of stream during which the allocator still counts the
+/// program as using several streams (a side stream used once, as for a CUDA graph's warm-up, does
+/// not cost a one-stream loop its fence-free steady state for good).
+const MIXED_WINDOW: u64 = 10_000;
 
 impl<B: Backing> Allocator<B> {
     /// # Panics
@@ -246,8 +253,8 @@ impl<B: Backing> Allocator<B> {
             busy_since_tick: false,
             allocs_since_poll: 0,
             next_scan: 0,
-            first_stream: None,
-            many_streams: false,
+            last_stream: None,
+            switched_at: None,
         }
     }
 
@@ -405,21 +412,26 @@ impl<B: Backing> Allocator<B> {
         let freed = self.add_free(offset, b, Owner::Stream(stream), self.seq);
         let entry = self.unsealed.entry(stream).or_insert((0, 0));
         *entry = (self.seq, entry.1 + 1);
-        if entry.1 >= self.config.seal_every && self.note_stream(stream) {
+        if entry.1 >= self.config.seal_every && self.streams_mixed() {
             self.seal_stream(stream, fences);
         }
         Ok(freed)
     }
 
-    /// Notes that `stream` uses the allocator; whether more than one stream has.
-    fn note_stream(&mut self, stream: StreamId) -> bool {
-        if !self.many_streams {
-            match self.first_stream {
-                None => self.first_stream = Some(stream),
-                Some(first) => self.many_streams = first != stream,
+    /// Notes that an allocation is for `stream`.
+    fn note_stream(&mut self, stream: StreamId) {
+        if self.last_stream != Some(stream) {
+            if self.last_stream.is_some() {
+                self.switched_at = Some(self.stats.allocs);
             }
+            self.last_stream = Some(stream);
         }
-        self.many_streams
+    }
+
+    /// Whether allocations changed stream within the last `MIXED_WINDOW` allocations.
+    fn streams_mixed(&self) -> bool {
+        self.switched_at
+            .is_some_and(|at| self.stats.allocs - at < MIXED_WINDOW)
     }
 
     /// Takes the live block at `offset` out of the books for a free, under a new sequence number.

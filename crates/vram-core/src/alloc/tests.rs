@@ -514,7 +514,7 @@ fn one_stream_records_no_fence_until_memory_is_needed_elsewhere() {
     let big = a.alloc(Bytes::mib(40), StreamId(1), &fences).unwrap();
     assert_eq!(fences.recorded(1), 1, "one fence before growing");
     a.free_deferred(big.offset, StreamId(1), &fences).unwrap();
-    // A second stream: from now on every `seal_every` frees of a stream are fenced.
+    // A second stream: now every `seal_every` frees of a stream are fenced.
     let other = a.alloc(Bytes::mib(1), StreamId(2), &fences).unwrap();
     assert_eq!(
         fences.recorded(1),
@@ -525,13 +525,30 @@ fn one_stream_records_no_fence_until_memory_is_needed_elsewhere() {
     let x = a.alloc(Bytes::mib(1), StreamId(1), &fences).unwrap();
     a.free_deferred(x.offset, StreamId(1), &fences).unwrap();
     assert_eq!(fences.recorded(1), 2, "one free since the last fence");
-    a.free_deferred(keep.offset, StreamId(1), &fences).unwrap();
+    let y = a.alloc(Bytes::mib(1), StreamId(1), &fences).unwrap();
+    a.free_deferred(y.offset, StreamId(1), &fences).unwrap();
     assert_eq!(
         fences.recorded(1),
         3,
         "the second free since the last fence is fenced"
     );
-    assert_eq!(a.stats().fences, 3);
+    // Back to one stream for long enough: no fences again.
+    for _ in 0..MIXED_WINDOW {
+        let b = a.alloc(Bytes::mib(1), StreamId(1), &fences).unwrap();
+        a.free_deferred(b.offset, StreamId(1), &fences).unwrap();
+    }
+    let recorded = fences.recorded(1);
+    for _ in 0..100 {
+        let b = a.alloc(Bytes::mib(1), StreamId(1), &fences).unwrap();
+        a.free_deferred(b.offset, StreamId(1), &fences).unwrap();
+    }
+    assert_eq!(
+        fences.recorded(1),
+        recorded,
+        "a side stream used once is forgotten"
+    );
+    a.free_deferred(keep.offset, StreamId(1), &fences).unwrap();
+    assert_eq!(a.stats().fences as usize, recorded);
 }
 
 #[test]
