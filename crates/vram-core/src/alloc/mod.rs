@@ -375,10 +375,6 @@ impl<B: Backing> Allocator<B> {
         fences: &F,
     ) -> Result<Bytes, AllocError> {
         let b = self.take_live(offset)?;
-        if fence != Fence::NEVER {
-            self.stats.fences += 1;
-            self.stats.fence_queries += 1;
-        }
         let (owner, seq) = if fence == Fence::NEVER {
             // No fence will ever release it: a sequence number no completed fence reaches.
             (Owner::Stream(stream), Seq::MAX)

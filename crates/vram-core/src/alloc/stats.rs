@@ -23,9 +23,10 @@ pub struct AllocStats {
     pub granted_bytes: Bytes,
     pub mapped_bytes: Bytes,
     pub refused: u64,
-    /// Fences the allocator recorded (one covers a batch of deferred frees of a stream).
+    /// Fences the allocator recorded for deferred frees (one covers a batch of a stream's).
     pub fences: u64,
-    /// Times the allocator asked whether a fence completed (a driver call each on CUDA).
+    /// Times the allocator asked whether a pending fence completed (a driver call each on CUDA).
+    /// Neither counts a fence a caller passes to `free`.
     pub fence_queries: u64,
 }
 
