@@ -595,15 +595,19 @@ def summarize_training(per, warmup):
             "step_ms_median": _median_over(rs, "times", warmup, 1e3),
             # Each run's fastest tenth of steps: what the step costs when nothing else on the VM
             # got in the way (a diagnostic beside the medians, not the throughput figure).
-            "step_ms_p10_median": statistics.median(
-                _quantile([x * 1e3 for x in r["times"][warmup:]], 0.1) for r in rs
-                if r["times"][warmup:]) if any(r["times"][warmup:] for r in rs) else None,
+            "step_ms_p10_median": _median_of_runs(rs, warmup, lambda t: _quantile(t, 0.1) * 1e3),
             "gpu_ms_median": _median_over(rs, "gpu_ms", warmup, 1.0),
             "cpu_ms_median": _median_over(rs, "cpu_s", warmup, 1e3),
             "vramd_per_step": next((r["vramd_per_step"] for r in rs if "vramd_per_step" in r),
                                    None),
         }
     return summary
+
+
+def _median_of_runs(runs, warmup, stat):
+    """The median over runs of `stat` of each run's step times after warm-up."""
+    xs = [stat(r["times"][warmup:]) for r in runs if r["times"][warmup:]]
+    return statistics.median(xs) if xs else None
 
 
 def _quantile(xs, q):
