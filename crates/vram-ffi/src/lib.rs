@@ -100,9 +100,6 @@ fn connect() -> Result<Tenant, String> {
             .set_all(&v)
             .map_err(|e| format!("vramd: VRAMD_ALLOC: {e}"))?;
     }
-    if config.seal_every == 0 {
-        return Err("vramd: VRAMD_ALLOC: seal_every must be at least 1".into());
-    }
     let device = client.device().clone();
     let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::new(client.clone()))
         .map_err(|e| format!("vramd: cannot reserve address space: {e}"))?;

@@ -21,8 +21,8 @@
 //!   only an idle program is fenced from there), and — while allocations change streams (within
 //!   the last `MIXED_WINDOW` allocations) — every `seal_every` frees of a stream. A program on one
 //!   stream (most training loops) thus records no fence in its steady state: no other stream could
-//!   use one. Fences are
-//!   polled every `poll_every` allocations, and by any allocation that finds no room.
+//!   use one. Fences are polled every `poll_every` allocations, and by any allocation that finds no
+//!   room.
 //! - Returning memory: [`Allocator::tick`] returns wholly free handles beyond the peak allocated over
 //!   the last one to two `release_delay_us` (plus `keep_fraction`), so a training loop's per-step
 //!   pattern keeps its memory; [`Allocator::trim`] returns every wholly free handle at once.
@@ -130,8 +130,17 @@ impl AllocConfig {
         let parsed = serde_json::from_str::<serde_json::Value>(value)
             .unwrap_or_else(|_| serde_json::Value::String(value.to_string()));
         fields.insert(key.to_string(), parsed);
-        *self = serde_json::from_value(serde_json::Value::Object(fields))
+        let changed: AllocConfig = serde_json::from_value(serde_json::Value::Object(fields))
             .map_err(|e| format!("`{setting}`: {e}"))?;
+        for (name, n) in [
+            ("seal_every", changed.seal_every),
+            ("poll_every", changed.poll_every),
+        ] {
+            if n == 0 {
+                return Err(format!("`{setting}`: {name} must be at least 1"));
+            }
+        }
+        *self = changed;
         Ok(())
     }
 

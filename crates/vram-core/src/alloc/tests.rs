@@ -710,6 +710,11 @@ fn settings_are_set_from_text_and_unknown_ones_refused() {
     );
     let e = c.set("seal_every=lots").unwrap_err();
     assert!(e.contains("seal_every=lots"), "{e}");
+    for zero in ["seal_every=0", "poll_every=0"] {
+        let e = c.set(zero).unwrap_err();
+        assert!(e.contains("must be at least 1"), "{e}");
+    }
+    assert_eq!(c.seal_every, 4, "a refused setting changes nothing");
     assert!(c.set("min_grow").is_err());
     assert_eq!(
         c.min_grow,
