@@ -146,16 +146,10 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         bail!("--size, --iterations and --tenants must be non-zero");
     }
     let machine = Machine::probe();
-    let own = match &args.socket {
-        Some(_) => None,
-        None => Some(start_own_daemon(&args)?),
-    };
-    let socket: PathBuf = match &own {
-        Some(d) => d.socket().to_path_buf(),
-        None => args
-            .socket
-            .clone()
-            .expect("no daemon of our own: --socket was given"),
+    let mut own = None;
+    let socket: PathBuf = match &args.socket {
+        Some(s) => s.clone(),
+        None => own.insert(start_own_daemon(&args)?).socket().to_path_buf(),
     };
     let measured = measure_all(&args, &socket);
     if let Some(d) = own {

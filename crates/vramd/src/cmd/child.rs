@@ -1,4 +1,5 @@
-//! A `vramd serve` child that a tool starts for itself (`demo`, `bench`) on a private socket.
+//! A `vramd serve` child that a tool starts for itself (`demo`, `bench`, `replay --through-daemon`)
+//! on a private socket.
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
