@@ -198,14 +198,14 @@ def worker_compat(args):
 
 
 def _model(torch, name, dev, batch_size=None):
-    _BATCH[name] = batch_size
+    bs = batch_size or (32 if name == "resnet50" else 16)
     if name == "resnet50":
         import torchvision
 
         m = torchvision.models.resnet50(weights=None, num_classes=1000)
         def batch(g):
-            x = torch.randn(args_batch(name), 3, 224, 224, generator=g)
-            y = torch.randint(0, 1000, (args_batch(name),), generator=g)
+            x = torch.randn(bs, 3, 224, 224, generator=g)
+            y = torch.randint(0, 1000, (bs,), generator=g)
             return x, y
         def loss(m, x, y):
             return torch.nn.functional.cross_entropy(m(x), y)
@@ -215,18 +215,13 @@ def _model(torch, name, dev, batch_size=None):
         cfg = transformers.BertConfig()  # bert-base: 12 layers, 768 hidden
         m = transformers.BertForMaskedLM(cfg)
         def batch(g):
-            ids = torch.randint(0, cfg.vocab_size, (args_batch(name), 128), generator=g)
+            ids = torch.randint(0, cfg.vocab_size, (bs, 128), generator=g)
             return ids, ids.clone()
         def loss(m, x, y):
             return m(input_ids=x, labels=y).loss
     return m.to(dev), batch, loss
 
 
-def args_batch(name):
-    return _BATCH.get(name) or (32 if name == "resnet50" else 16)
-
-
-_BATCH = {}
 
 
 def worker_allocbench(args):

@@ -207,7 +207,7 @@ fn diagnose() {
                 .iter()
                 .filter(|b| b.state != crate::alloc::BlockState::Allocated)
             {
-                let g = Bytes::mib(2).get();
+                let g = config.granularity.get();
                 let (lo, hi) = (b.offset.next_multiple_of(g), (b.offset + b.len) / g * g);
                 let whole = hi.saturating_sub(lo);
                 whole_granules += whole;

@@ -121,6 +121,10 @@ def _report_in_use():
         _lib.lib().vram_report_in_use(torch.cuda.memory_allocated())
 
 
+# How often `vramd status` learns what PyTorch's tensors use.
+REPORT_EVERY_S = 1.0
+
+
 def _reclaim_loop():
     """Waits for the daemon's requests without holding the GIL, and tells vramd what PyTorch's
     tensors use once a second: a thread that woke up to poll would take the GIL from the training
@@ -146,7 +150,3 @@ def _reclaim_loop():
         except Exception as e:
             seen = n
             print(f"vramd: reclaim failed: {e}", file=sys.stderr)
-
-
-# How often `vramd status` learns what PyTorch's tensors use.
-REPORT_EVERY_S = 1.0
