@@ -246,6 +246,10 @@ def worker_allocbench(args):
 def worker_train(args):
     torch = _torch()
     torch.manual_seed(args.seed)
+    if args.deterministic:
+        # Kernels whose results do not depend on timing (atomics), so that runs at batch sizes
+        # where PyTorch's defaults differ from run to run can still be compared loss for loss.
+        torch.use_deterministic_algorithms(True)
     dev = torch.device("cuda")
     m, batch, loss_fn = _model(torch, args.model, dev, args.batch)
     opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
@@ -467,6 +471,8 @@ class Run:
                   "--warmup", str(self.o.warmup)]
             if self.o.batch:
                 wa += ["--batch", str(self.o.batch)]
+            if self.o.deterministic:
+                wa += ["--deterministic"]
             # Interleaved rounds (each allocator once per round), so that a drift of the machine
             # over the minutes of the runs does not favour one allocator; the order turns by one
             # each round, so that none always runs first or last (on the H200 VM, pool mode, where
@@ -677,6 +683,11 @@ def svg(series, outdir):
 
 def markdown(res):
     L = ["# PyTorch on vramd", "", f"Run {res.get('started')}.", ""]
+    ts = res.get("training_settings")
+    if ts:
+        L += [f"Training: batch {ts['batch'] or 'default'}, {ts['steps']} steps of which the "
+              f"first {ts['warmup']} are not timed"
+              + (", deterministic algorithms" if ts.get("deterministic") else "") + ".", ""]
     compat = res.get("compat", {})
     if compat:
         L += ["## Compatibility", "", "| check | " + " | ".join(MODES) + " |",
@@ -768,6 +779,9 @@ def main():
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, help="batch size (default: 32 for resnet50, 16 for bert)")
     p.add_argument("--cpus", type=_cpu_list, help="run every worker on these CPUs, e.g. 1-8")
+    p.add_argument("--deterministic", action="store_true",
+                   help="train with torch.use_deterministic_algorithms(True): needed for identical "
+                        "losses at batch sizes where PyTorch's default kernels are not (BERT at 32)")
     p.add_argument("--models", nargs="+", default=["resnet50", "bert"])
     p.add_argument("--train-modes", nargs="+", default=list(MODES),
                    help="vramd modes to train under, each optionally with settings for the "
@@ -782,6 +796,7 @@ def main():
         w.add_argument("--steps", type=int)
         w.add_argument("--seed", type=int)
         w.add_argument("--batch", type=int)
+        w.add_argument("--deterministic", action="store_true")
         w.add_argument("--warmup", type=int, default=0)
         w.add_argument("--role")
         w.add_argument("--base-gib", type=float, default=0)
@@ -796,6 +811,8 @@ def main():
     run = Run(o)
     if o.cpus:
         run.results["worker_cpus"] = sorted(o.cpus)
+    run.results["training_settings"] = {"batch": o.batch, "steps": o.steps, "warmup": o.warmup,
+                                        "deterministic": o.deterministic}
     start = time.time()
 
     def stop(signum, frame):
