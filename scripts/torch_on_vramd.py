@@ -309,6 +309,10 @@ def _vramd_stats():
     return lambda: None
 
 
+# Borrower-a's size at which borrower-b starts (see `tenants`).
+MARK_AT_GIB = 20
+
+
 def worker_tenant(args):
     """trainer: keeps a base, needs `--step-gib` more each step. borrower: grows by 1 GiB chunks
     until refused, holds, and exits after --life seconds. Reports held memory over time."""
@@ -331,6 +335,11 @@ def worker_tenant(args):
         events.append({"t": round(time.time() - t0, 3), "kind": kind, "held": held(), **kw})
 
     chunks, ooms = [], 0
+    if args.after:
+        # Start once another tenant says so (it was refused), or after half this one's life.
+        give_up = time.time() + args.life / 2
+        while not os.path.exists(args.after) and time.time() < give_up:
+            time.sleep(0.05)
     end = time.time() + args.life
     if args.role == "trainer":
         base = torch.empty(int(args.base_gib * GIB), dtype=torch.uint8, device=dev)
@@ -351,9 +360,13 @@ def worker_tenant(args):
             try:
                 chunks.append(torch.empty(GIB, dtype=torch.uint8, device=dev))
                 note("grow", chunks=len(chunks))
+                if args.mark and len(chunks) == MARK_AT_GIB:
+                    open(args.mark, "w").close()
             except torch.OutOfMemoryError as e:
                 ooms += 1
                 note("oom", chunks=len(chunks), error=str(e)[:300])
+                if args.mark and ooms == 1:
+                    open(args.mark, "w").close()  # refused before MARK_AT_GIB
                 torch.cuda.empty_cache()
                 time.sleep(0.3)
             time.sleep(0.05)
@@ -498,14 +511,23 @@ class Run:
         """Trainer (guarantee) and two borrowers whose limits together exceed what is left."""
         t0 = time.time() + 2
         life = self.o.tenant_seconds
+        full_marker = os.path.join(os.path.abspath(self.o.out), f"borrower-a-refused-{mode}")
+        if os.path.exists(full_marker):
+            os.remove(full_marker)
         common = ["--t0", str(t0)]
         specs = [
             ("trainer", ["tenant", "--role", "trainer", "--base-gib", "12", "--step-gib", "4",
                          "--life", str(life)] + common,
              ["--priority", "train", "--guarantee", "20GiB", "--limit", "24GiB"]),
-            ("borrower-a", ["tenant", "--role", "borrower", "--life", str(life * 0.4)] + common,
+            ("borrower-a", ["tenant", "--role", "borrower", "--life", str(life * 0.4),
+                            "--mark", full_marker] + common,
              ["--priority", "borrow", "--limit", "24GiB"]),
-            ("borrower-b", ["tenant", "--role", "borrower", "--life", str(life)] + common,
+            # Borrower-b starts growing once borrower-a holds MARK_AT_GIB or was refused (or
+            # after half b's life), so that the order is the same in every run: a takes most
+            # of what is left, b is refused at the remainder, and once a exits (its life is
+            # shorter) b grows into what a gave back.
+            ("borrower-b", ["tenant", "--role", "borrower", "--life", str(life),
+                            "--after", full_marker] + common,
              ["--priority", "borrow", "--limit", "24GiB"]),
         ]
         procs = []
@@ -803,6 +825,8 @@ def main():
         w.add_argument("--step-gib", type=float, default=0)
         w.add_argument("--life", type=float, default=10)
         w.add_argument("--t0", type=float, default=0)
+        w.add_argument("--mark", help="a file to create at MARK_AT_GIB held or the first refusal")
+        w.add_argument("--after", help="start growing once this file exists")
         a = w.parse_args(o.worker)
         {"compat": worker_compat, "train": worker_train, "tenant": worker_tenant,
          "allocbench": worker_allocbench}[a.kind](a)
