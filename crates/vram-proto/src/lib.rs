@@ -20,7 +20,7 @@ pub use message::{
 pub use shared::{
     LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,
 };
-pub use status::{DaemonInfo, DeviceStatus, StatusReport, TenantStatus};
+pub use status::{DaemonInfo, DeviceStatus, PoolTakes, StatusReport, TenantStatus};
 
 /// The protocol version this build speaks. A peer speaking another gets an error and is closed.
 pub const PROTOCOL_VERSION: u16 = 2;

@@ -41,6 +41,21 @@ pub struct DeviceStatus {
     pub free: Bytes,
     /// Physical memory the daemon has created and not released (held + pooled + in flight).
     pub device_used: Bytes,
+    /// How grants found their handle since start.
+    #[serde(default)]
+    pub pool: PoolTakes,
+}
+
+/// Handles taken for grants since the daemon started, by where they came from. A miss costs the
+/// grant a create and an export (about 1.1 ms on an H200) instead of an fd handed over.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolTakes {
+    /// Made ahead of demand and waiting.
+    pub hits: u64,
+    /// A handle the same tenant gave back, kept for it.
+    pub recycled: u64,
+    /// Made on the spot.
+    pub misses: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

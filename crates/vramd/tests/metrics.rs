@@ -103,6 +103,17 @@ fn assert_matches(m: &BTreeMap<String, f64>, s: &StatusReport) {
         ] {
             assert_eq!(get(&format!("vramd_{name}{l}")), v.get() as f64, "{name}");
         }
+        for (source, n) in [
+            ("hit", d.pool.hits),
+            ("recycled", d.pool.recycled),
+            ("miss", d.pool.misses),
+        ] {
+            let k = format!(
+                "vramd_pool_takes_total{{gpu=\"{}\",uuid=\"{}\",source=\"{source}\"}}",
+                d.index, d.uuid
+            );
+            assert_eq!(get(&k), n as f64, "{k}");
+        }
     }
     for t in &s.tenants {
         for (name, v) in [
@@ -128,6 +139,14 @@ fn assert_matches(m: &BTreeMap<String, f64>, s: &StatusReport) {
         let count = tenant_series("tenant_grant_duration_seconds_count", t);
         assert_eq!(get(&count), t.grants as f64, "{count}");
     }
+    // Every grant took one handle from somewhere (tenants gone since are not listed).
+    let takes: u64 = s
+        .devices
+        .iter()
+        .map(|d| d.pool.hits + d.pool.recycled + d.pool.misses)
+        .sum();
+    let grants: u64 = s.tenants.iter().map(|t| t.grants).sum();
+    assert!(takes >= grants, "{takes} handles taken for {grants} grants");
     assert_eq!(get("vramd_tenants"), s.tenants.len() as f64);
     assert_eq!(
         get("vramd_protocol_errors_total"),

@@ -97,6 +97,15 @@ fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() 
         let all = o["measured_allocator_us"].as_f64().unwrap();
         assert!(calls > 0.0 && calls <= all, "calls {calls} µs of {all} µs");
     }
+    // Through the daemon, every grant's handle is accounted for: ready in the pool, given back
+    // earlier, or made on the grant's path. In process there is no pool to report.
+    assert!(a.get("pool_takes").is_none());
+    let takes = &b["pool_takes"];
+    let sum: u64 = ["hits", "recycled", "misses"]
+        .iter()
+        .map(|k| takes[k].as_u64().unwrap())
+        .sum();
+    assert_eq!(sum, b["grants"].as_u64().unwrap(), "{takes}");
 }
 
 #[test]

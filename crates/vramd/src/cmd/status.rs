@@ -72,6 +72,17 @@ pub fn render(r: &StatusReport) -> String {
             d.free.to_string()
         );
     }
+    for d in &r.devices {
+        let p = d.pool;
+        if p.hits + p.recycled + p.misses > 0 {
+            let _ = writeln!(
+                out,
+                "GPU {}: handles for grants: {} from the pool, {} given back earlier by the same \
+                 tenant, {} made on the grant's path",
+                d.index, p.hits, p.recycled, p.misses
+            );
+        }
+    }
     let _ = writeln!(
         out,
         "\n{:<16} {:>3} {:<7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}",

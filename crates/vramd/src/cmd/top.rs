@@ -463,6 +463,7 @@ mod tests {
                 reserved: Bytes::ZERO,
                 free: Bytes::gib(10),
                 device_used: Bytes::gib(6),
+                pool: Default::default(),
             }],
             tenants,
             shared: Default::default(),

@@ -82,6 +82,31 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
         Gauge,
         dev(|d| d.pooled.get()),
     )?;
+    let takes = r.devices.iter().flat_map(|d| {
+        let p = d.pool;
+        [
+            ("hit", p.hits),
+            ("recycled", p.recycled),
+            ("miss", p.misses),
+        ]
+        .map(|(source, n)| {
+            let labels = [
+                ("gpu", d.index.to_string()),
+                ("uuid", d.uuid.clone()),
+                ("source", source.to_string()),
+            ];
+            (labels, n)
+        })
+    });
+    family(
+        e,
+        "pool_takes",
+        "Handles taken for grants, by source: hit (made ahead of demand), recycled (given back \
+         earlier by the same tenant), miss (made on the grant's path: a create and an export)",
+        None,
+        Counter,
+        takes,
+    )?;
     family(
         e,
         "device_reserved",

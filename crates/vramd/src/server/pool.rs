@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use vram_core::Bytes;
 use vram_device::{Device, DeviceError, Handle};
+use vram_proto::PoolTakes;
 
 use crate::config::PoolConfig;
 
@@ -45,6 +46,7 @@ struct PoolState {
     /// The refill thread waits for work: only then does it need waking (a wake-up per grant would
     /// cost the grant's round trip a context switch on a small machine).
     sleeping: bool,
+    takes: PoolTakes,
 }
 
 pub struct Pool {
@@ -82,6 +84,7 @@ impl Pool {
                 room: Bytes::ZERO,
                 recycled: HashMap::new(),
                 sleeping: false,
+                takes: PoolTakes::default(),
             }),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -103,6 +106,11 @@ impl Pool {
     }
 
     /// Memory held ready.
+    /// How grants found their handle since start.
+    pub fn takes(&self) -> PoolTakes {
+        self.lock().takes
+    }
+
     pub fn pooled(&self) -> Bytes {
         self.lock().pooled
     }
@@ -127,6 +135,7 @@ impl Pool {
     /// create tried once more.
     pub fn take(&self, tenant: u64, size: Bytes) -> Result<Ready, DeviceError> {
         if let Some(r) = self.take_recycled(tenant, size) {
+            self.lock().takes.recycled += 1;
             return Ok(r);
         }
         {
@@ -141,6 +150,7 @@ impl Pool {
                 // Refill in batches: wake the refill thread once half the target is gone.
                 let low = entry.ready.len() <= entry.target / 2;
                 s.pooled -= size;
+                s.takes.hits += 1;
                 let wake = low && s.sleeping;
                 drop(s);
                 if wake {
@@ -151,6 +161,7 @@ impl Pool {
             // A miss: keep more of this size ready from now on.
             let max_count = (self.config.max.get() / size.get().max(1)) as usize;
             entry.target = (entry.target * 2).clamp(1, max_count.max(1));
+            s.takes.misses += 1;
         }
         self.wake.notify_all();
         // The device may be full of pooled memory, or of a handle the refill thread is making
@@ -340,6 +351,12 @@ mod tests {
         pool.set_room(Bytes::ZERO);
         let b = pool.take(1, Bytes::mib(6)).unwrap();
         assert_eq!(dev.used(), Bytes::mib(8));
+        let takes = pool.takes();
+        assert_eq!((takes.hits, takes.recycled, takes.misses), (1, 0, 1));
+        // Given back, `a` is kept for its tenant's next grant of its size.
+        assert!(pool.recycle(1, a, Bytes::mib(2)).is_none());
+        let a = pool.take(1, Bytes::mib(2)).unwrap();
+        assert_eq!(pool.takes().recycled, 1);
         drop((a, b));
         pool.stop();
         t.join().unwrap();

@@ -331,6 +331,7 @@ impl Slot {
             reserved: snap.reserved,
             free: snap.free,
             device_used: self.device.used(),
+            pool: self.pool.takes(),
         };
         let tenants = snap
             .tenants
