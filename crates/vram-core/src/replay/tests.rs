@@ -129,7 +129,9 @@ fn counts_and_fragmentation_of_a_small_trace() {
 /// --ignored --nocapture`): per trace, the figures; at the moment of peak held, the layout of every
 /// segment (live block sizes in MiB, free ones in brackets) and a histogram of the free regions;
 /// and, for the traces named in `LOG_GROWTH`, one line per allocation that mapped memory (what it
-/// granted, mapped and unmapped). `VRAMD_SCALE=0.99` scales every request as `robustness` does.
+/// granted, mapped and unmapped). `VRAMD_SCALE=0.99` scales every request as `robustness` does;
+/// `VRAMD_DIAG_AT=N` shows the layout after event N instead of at the peak (the moment before a
+/// growth that set the peak is often the telling one).
 #[test]
 #[ignore]
 fn diagnose() {
@@ -146,6 +148,9 @@ fn diagnose() {
         let log = LOG_GROWTH.contains(&name);
         let mut peak = 0;
         let mut at_peak = (0, Vec::new(), crate::alloc::AllocStats::default());
+        let diag_at: Option<usize> = std::env::var("VRAMD_DIAG_AT")
+            .ok()
+            .map(|v| v.parse().expect("VRAMD_DIAG_AT is an event index"));
         for (i, e) in trace.events.iter().enumerate() {
             let s = StreamId(e.stream);
             match e.action {
@@ -175,8 +180,9 @@ fn diagnose() {
                 }
             }
             a.tick(e.time_us, &AlwaysComplete);
-            if a.backing().held().get() > peak {
-                peak = a.backing().held().get();
+            let held = a.backing().held().get();
+            if diag_at.map_or(held > peak, |at| at == i) {
+                peak = peak.max(held);
                 at_peak = (i, a.segments(), a.stats());
             }
         }
@@ -193,8 +199,8 @@ fn diagnose() {
         ));
         let (i, segs, st) = at_peak;
         eprintln!(
-            "== {name}: peak held {} MiB at event {i}/{}; allocated {} MiB, requested {} MiB",
-            peak >> 20,
+            "== {name}: held {} MiB at event {i}/{}; allocated {} MiB, requested {} MiB",
+            st.held.get() >> 20,
             trace.events.len(),
             st.allocated.get() >> 20,
             st.requested.get() >> 20
