@@ -58,6 +58,17 @@ pub struct PoolTakes {
     pub misses: u64,
 }
 
+impl PoolTakes {
+    /// The takes since `earlier`, a reading of the same counters.
+    pub fn since(self, earlier: PoolTakes) -> PoolTakes {
+        PoolTakes {
+            hits: self.hits.saturating_sub(earlier.hits),
+            recycled: self.recycled.saturating_sub(earlier.recycled),
+            misses: self.misses.saturating_sub(earlier.misses),
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TenantStatus {
     pub id: u64,

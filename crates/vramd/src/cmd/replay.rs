@@ -228,12 +228,7 @@ pub fn replay_through(
         backend,
         config,
     )?;
-    let after = takes(&client)?;
-    outcome.pool_takes = Some(PoolTakes {
-        hits: after.hits - before.hits,
-        recycled: after.recycled - before.recycled,
-        misses: after.misses - before.misses,
-    });
+    outcome.pool_takes = Some(takes(&client)?.since(before));
     Ok(outcome)
 }
 

@@ -105,12 +105,12 @@ impl Pool {
         self.wake.notify_all();
     }
 
-    /// Memory held ready.
     /// How grants found their handle since start.
     pub fn takes(&self) -> PoolTakes {
         self.lock().takes
     }
 
+    /// Memory held ready.
     pub fn pooled(&self) -> Bytes {
         self.lock().pooled
     }
@@ -135,7 +135,6 @@ impl Pool {
     /// create tried once more.
     pub fn take(&self, tenant: u64, size: Bytes) -> Result<Ready, DeviceError> {
         if let Some(r) = self.take_recycled(tenant, size) {
-            self.lock().takes.recycled += 1;
             return Ok(r);
         }
         {
@@ -225,6 +224,7 @@ impl Pool {
         let i = bin.iter().position(|r| r.handle.size() == size)?;
         let r = bin.swap_remove(i);
         s.pooled -= size;
+        s.takes.recycled += 1;
         Some(r)
     }
 
