@@ -154,6 +154,34 @@ fn assert_matches(m: &BTreeMap<String, f64>, s: &StatusReport) {
     );
 }
 
+/// Every `vramd_*` series the shipped Grafana dashboard queries is one the daemon serves (a
+/// renamed metric must not leave a panel empty).
+fn assert_dashboard_series_exist(m: &BTreeMap<String, f64>) {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../deploy/grafana-dashboard.json"
+    );
+    let dashboard = std::fs::read_to_string(path).unwrap();
+    let served: std::collections::BTreeSet<&str> = m
+        .keys()
+        .map(|k| k.split_once('{').map_or(k.as_str(), |(name, _)| name))
+        .collect();
+    let mut queried = std::collections::BTreeSet::new();
+    for (i, _) in dashboard.match_indices("vramd_") {
+        let name: String = dashboard[i..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        queried.insert(name);
+    }
+    assert!(queried.len() > 10, "{queried:?}");
+    let missing: Vec<&String> = queried
+        .iter()
+        .filter(|q| !served.contains(q.as_str()))
+        .collect();
+    assert!(missing.is_empty(), "queried, not served: {missing:?}");
+}
+
 fn tenant<'a>(s: &'a StatusReport, name: &str) -> &'a TenantStatus {
     s.tenants.iter().find(|t| t.name == name).unwrap()
 }
@@ -214,7 +242,9 @@ fn scraped_figures_match_status_while_tenants_take_and_return() {
     assert!(m["vramd_reclaim_outcomes_total{outcome=\"satisfied\"}"] >= 1.0);
     let s = status_json(&d);
     assert!(tenant(&s, "alpha").returns >= 1);
-    assert_matches(&scrape(addr), &s);
+    let m = scrape(addr);
+    assert_matches(&m, &s);
+    assert_dashboard_series_exist(&m);
 
     // /status is the same document as `vramd status --json`, less what moves by itself.
     let (code, body) = get(addr, "/status");
