@@ -21,7 +21,7 @@ use super::SocketArg;
 pub struct Args {
     #[command(flatten)]
     pub socket: SocketArg,
-    /// The tenant's name [default: pid-<pid of the program>].
+    /// The tenant's name [default: pid-N, N the program's pid].
     #[arg(long)]
     pub tenant: Option<String>,
     /// Memory the daemon keeps for the tenant (e.g. 20GiB).

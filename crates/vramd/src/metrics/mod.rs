@@ -1,8 +1,8 @@
 //! Prometheus metrics. Two kinds, so that the grant path pays almost nothing:
 //!
 //! - Figures the daemon already keeps (bytes per device and tenant, grants, returns, refusals,
-//!   protocol errors) are read from [`Daemon::status`] at scrape time by a collector
-//!   ([`collector`]); the grant path does no extra work for them.
+//!   protocol errors) are read from [`Daemon::status`](crate::server::Daemon::status) at scrape
+//!   time by a collector (`collector.rs`); the grant path does no extra work for them.
 //! - What nothing else records — the grant latency histogram and the reclaim counters — lives in
 //!   [`Instruments`], updated from `server/` through a few hooks. Each session looks up its own
 //!   histogram once, at registration, so a grant costs one clock read and one uncontended lock.
