@@ -7,16 +7,13 @@ round, so that a drift of the machine between rounds cancels).
 Usage: python3 scripts/pooled_training.py [--model bert] [--warmup 20] RESULTS.json...
 
 Steps/s of a run is its number of timed steps over their total time, the steps after the first
-`--warmup` (the same as the script's own summary)."""
+`--warmup`, as in the script's own summary (`torch_on_vramd.steps_per_s`)."""
 
 import argparse
 import json
 import statistics
 
-
-def steps_per_s(run, warmup):
-    t = run["times"][warmup:]
-    return len(t) / sum(t) if t else None
+from torch_on_vramd import steps_per_s
 
 
 def main():

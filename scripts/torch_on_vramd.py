@@ -565,10 +565,15 @@ class Run:
             self.results["plot"] = f"failed: {e}"
 
 
+def steps_per_s(run, warmup):
+    """A training run's speed: its timed steps (those after `warmup`) over their total time."""
+    t = run["times"][warmup:]
+    return len(t) / sum(t) if t else None
+
+
 def summarize_training(per, warmup):
     def thr(r):
-        t = r["times"][warmup:]
-        return len(t) / sum(t) if t else None
+        return steps_per_s(r, warmup)
 
     def thr_typical(r):
         # Steps per second at the median step time: a stall of the machine in one step (the VM's
