@@ -11,8 +11,9 @@
 //! - Allocation: the request is rounded up to `align` (512 B size classes) and served best fit from
 //!   the free regions the stream may use. When none fits, the heap grows next to the usable free
 //!   region that needs the least new memory. While held memory stays within `grow_slack` of the
-//!   peak allocated, by a grant sized to the need (at least `min_grow`, split into handles of at
-//!   most `max_handle`); above it, first by moving wholly free handles from elsewhere (unmap and
+//!   peak allocated, by a grant sized to the need (at least `min_grow`; above `max_handle`, split
+//!   into handles that are small at both ends and large in the middle, so that the part of a large
+//!   block's region that a later, smaller block leaves free lies in handles of its own); above it, first by moving wholly free handles from elsewhere (unmap and
 //!   map again, no new memory held), then by a grant of what is still missing.
 //! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once a
 //!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
@@ -68,8 +69,16 @@ pub struct AllocConfig {
     pub align: Bytes,
     /// The least a large-heap grant adds, so that many small growths do not each cost a grant.
     pub min_grow: Bytes,
-    /// Grants larger than this are split into several handles, which can be moved or returned alone.
+    /// Grants larger than this are split into several handles, which can be moved or returned
+    /// alone (see `edge_handle`).
     pub max_handle: Bytes,
+    /// A grant larger than `max_handle` is split into handles that start at this size at both
+    /// ends and double toward the middle, up to `large_handle` (0: every handle `max_handle`).
+    /// A large block's region is later reused in part, from either end: small handles at its
+    /// edges can then be moved or returned, and large ones in its middle keep the count low.
+    pub edge_handle: Bytes,
+    /// The largest handle of a grant split by `edge_handle`.
+    pub large_handle: Bytes,
     /// Held memory may exceed the peak of allocated bytes by this fraction before growth moves
     /// free handles instead of granting new ones.
     pub grow_slack: f64,
@@ -95,8 +104,10 @@ impl Default for AllocConfig {
             va_bytes: Bytes(Bytes::TIB),
             small_limit: Bytes::mib(1),
             align: Bytes(512),
-            min_grow: Bytes::mib(2),
+            min_grow: Bytes::mib(8),
             max_handle: Bytes::mib(64),
+            edge_handle: Bytes::mib(24),
+            large_handle: Bytes::mib(256),
             grow_slack: 0.01,
             release_delay_us: 10_000_000,
             keep_fraction: 0.0625,
@@ -183,6 +194,34 @@ struct Live {
     len: u64,
     requested: u64,
     heap: usize,
+}
+
+/// The handle sizes, in address order, that a grant of `bytes` (a multiple of `gran`) is split
+/// into: one handle up to `max_handle`; above it, handles of `edge_handle`, twice that, and so on
+/// from both ends toward the middle, and the middle in handles of at most `large_handle`.
+fn split_grant(bytes: u64, gran: u64, config: &AllocConfig) -> Vec<u64> {
+    let down = |b: Bytes| b.get() / gran * gran;
+    let max = down(config.max_handle).max(gran);
+    let edge = down(config.edge_handle);
+    let large = down(config.large_handle).max(max);
+    let mut ends = Vec::new();
+    let mut left = bytes;
+    if edge > 0 && bytes > max {
+        let mut rung = edge.min(large);
+        while left >= 2 * rung {
+            ends.push(rung);
+            left -= 2 * rung;
+            rung = (rung * 2).min(large);
+        }
+    }
+    let middle = if ends.is_empty() { max } else { large };
+    let mut out = ends.clone();
+    while left > 0 {
+        out.push(left.min(middle));
+        left -= left.min(middle);
+    }
+    out.extend(ends.iter().rev());
+    out
 }
 
 /// The peak of a value over the last one to two windows of `width`.
@@ -290,6 +329,14 @@ impl<B: Backing> Allocator<B> {
         let mut out = layout::segments(&self.heaps[LARGE], &self.live, false);
         out.extend(layout::segments(&self.heaps[SMALL], &self.live, true));
         out
+    }
+
+    /// The mapped handles as `(offset, len)`, large heap first, each in address order.
+    pub fn handles(&self) -> Vec<(u64, u64)> {
+        self.heaps
+            .iter()
+            .flat_map(|h| h.handles.iter().map(|(&va, m)| (va, m.len)))
+            .collect()
     }
 
     pub fn backing(&self) -> &B {
@@ -627,19 +674,15 @@ impl<B: Backing> Allocator<B> {
         out
     }
 
-    /// Grants `bytes` as handles of at most `max_handle`; gives back what it got if one is refused.
+    /// Grants `bytes` as the handles of [`split_grant`]; gives back what it got if one is refused.
     fn grant(&mut self, bytes: u64, wanted: u64) -> Result<Vec<Mapped>, AllocError> {
         let gran = self.config.granularity.get();
-        let max = self.config.max_handle.get().max(gran) / gran * gran;
         let mut out = Vec::new();
-        let mut left = bytes;
-        while left > 0 {
-            let len = left.min(max);
+        for len in split_grant(bytes, gran, &self.config) {
             match self.backing.grant(Bytes(len)) {
                 Ok(grant) => {
                     self.stats.on_grant(len);
                     out.push(Mapped { grant, len });
-                    left -= len;
                 }
                 Err(source) => {
                     for m in out {

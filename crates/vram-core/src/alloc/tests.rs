@@ -722,3 +722,35 @@ fn settings_are_set_from_text_and_unknown_ones_refused() {
         "a refused setting changes nothing"
     );
 }
+
+#[test]
+fn large_grants_have_small_handles_at_both_ends_and_large_ones_in_the_middle() {
+    let mib = |n: u64| n << 20;
+    let gran = mib(2);
+    let c = AllocConfig::default();
+    let split = |bytes: u64| super::split_grant(mib(bytes), gran, &c);
+    // Up to max_handle (64 MiB): one handle.
+    assert_eq!(split(8), vec![mib(8)]);
+    assert_eq!(split(64), vec![mib(64)]);
+    // Above it: 24, 48, 96, 192, then 256 MiB rungs from each end; the rest in the middle.
+    assert_eq!(split(66), vec![mib(24), mib(18), mib(24)]);
+    assert_eq!(split(144), vec![mib(24), mib(48), mib(48), mib(24)]);
+    assert_eq!(
+        split(160),
+        vec![mib(24), mib(48), mib(16), mib(48), mib(24)]
+    );
+    let big = split(1430);
+    assert_eq!(big.iter().sum::<u64>(), mib(1430));
+    assert_eq!(&big[..4], &[mib(24), mib(48), mib(96), mib(192)]);
+    assert_eq!(big, big.iter().rev().copied().collect::<Vec<_>>());
+    assert!(
+        big.iter().all(|&h| h % gran == 0 && h <= mib(256)),
+        "{big:?}"
+    );
+    assert_eq!(big.len(), 11, "{big:?}"); // against 23 handles of at most 64 MiB
+                                          // Off: every handle max_handle, the last one what is left.
+    let mut off = c.clone();
+    off.set("edge_handle=0").unwrap();
+    let flat = super::split_grant(mib(200), gran, &off);
+    assert_eq!(flat, vec![mib(64), mib(64), mib(64), mib(8)]);
+}
