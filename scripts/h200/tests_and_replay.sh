@@ -13,11 +13,12 @@ step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
   python3 -c "import torch; print('torch', torch.__version__)"; } > "$R/env.txt" 2>&1
 step gpu_tests 120 bash .gpu/run
-step replay_cuda 120 .gpu/bin/vramd replay --backend cuda .gpu/traces/*.gz
-step replay_cuda_through_daemon 150 .gpu/bin/vramd replay --backend cuda --through-daemon .gpu/traces/*.gz
-# The setting that trades gpt2's moves for larger growth steps (docs/benchmarks.md, robustness grid).
-step replay_cuda_through_daemon_min_grow_8 150 .gpu/bin/vramd replay --backend cuda --through-daemon \
-  --set min_grow=8MiB .gpu/traces/*.gz
+step replay_cuda 120 .gpu/bin/vramd replay --backend cuda --json .gpu/traces/*.gz
+step replay_cuda_through_daemon 150 .gpu/bin/vramd replay --backend cuda --through-daemon --json .gpu/traces/*.gz
+# The defaults before the sixth session (2 MiB growth steps, large grants cut into 64 MiB handles),
+# for comparison.
+step replay_cuda_old_defaults 120 .gpu/bin/vramd replay --backend cuda \
+  --set min_grow=2MiB --set edge_handle=0 .gpu/traces/*.gz
 if [ -x .gpu/bench/alloc_pair ]; then
   step alloc_pair 60 .gpu/bench/alloc_pair --bench --warm-up-time 1 --measurement-time 4
 fi

@@ -12,25 +12,37 @@ const VRAMD: &str = env!("CARGO_BIN_EXE_vramd");
 /// A snapshot of `n` rounds of allocations of assorted sizes on two streams, freed in another
 /// order, gzipped; written with Python's own pickle and gzip.
 fn write_snapshot(path: &Path, n: usize) {
+    write_snapshot_spaced(path, n, 1);
+}
+
+/// The same, with the events `us` times as far apart (3 µs between allocations, 5 between frees,
+/// times `us`).
+fn write_snapshot_spaced(path: &Path, n: usize, us: u64) {
     let script = r#"
 import gzip, pickle, sys
 ev, t, live = [], 0, []
 for i in range(int(sys.argv[2])):
     for j, size in enumerate([512, 3 << 20, (12 << 20) + 4096 * i, 70 << 20, 100]):
         addr = (i * 16 + j + 1) << 30
-        t += 3
+        t += 3 * int(sys.argv[3])
         ev.append({"action": "alloc", "addr": addr, "size": size, "stream": j % 2, "time_us": t})
         live.append((addr, j % 2))
     while len(live) > 3:
         addr, s = live.pop(1)
-        t += 5
+        t += 5 * int(sys.argv[3])
         ev.append({"action": "free_requested", "addr": addr, "size": 0, "stream": s, "time_us": t})
         ev.append({"action": "free_completed", "addr": addr, "size": 0, "stream": s, "time_us": t})
 with gzip.open(sys.argv[1], "wb") as f:
     pickle.dump({"segments": [], "device_traces": [ev], "allocator_settings": {}}, f)
 "#;
     let st = Command::new("python3")
-        .args(["-c", script, path.to_str().unwrap(), &n.to_string()])
+        .args([
+            "-c",
+            script,
+            path.to_str().unwrap(),
+            &n.to_string(),
+            &us.to_string(),
+        ])
         .status()
         .expect("python3 runs");
     assert!(st.success());
@@ -166,5 +178,26 @@ fn scales_replay_the_trace_at_other_sizes_and_absurd_ones_are_refused() {
     for bad in ["0", "-1", "NaN", "100"] {
         let scale = format!("--scale={bad}");
         replay_fails(&[scale.as_str(), trace.to_str().unwrap()], None, "--scale");
+    }
+}
+
+#[test]
+fn realtime_keeps_the_traces_pace_and_gives_the_same_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("paced.pickle.gz");
+    // 12 rounds, 3 ms between allocations and 5 ms between frees: about half a second.
+    write_snapshot_spaced(&trace, 12, 1000);
+    let fast = replay_json(&[trace.to_str().unwrap()]);
+    let started = std::time::Instant::now();
+    let paced = replay_json(&["--realtime", trace.to_str().unwrap()]);
+    let took = started.elapsed();
+    let wall_us = paced[0]["wall_us"].as_u64().unwrap();
+    assert!(wall_us >= 400_000, "{paced:?}");
+    assert!(
+        took.as_micros() as u64 >= wall_us,
+        "took {took:?} for a trace spanning {wall_us} µs"
+    );
+    for key in ["peak_requested", "peak_held", "grants", "maps", "unmaps"] {
+        assert_eq!(fast[0][key], paced[0][key], "{key}");
     }
 }

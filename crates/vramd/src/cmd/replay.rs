@@ -50,6 +50,12 @@ pub struct Args {
     /// swing by several points between such neighbours, so judge settings over several scales.
     #[arg(long, value_delimiter = ',', value_name = "FACTOR")]
     pub scale: Vec<f64>,
+    /// Replay at the pace the trace was recorded (each event waits for its time since the trace's
+    /// first), as the program ran, instead of as fast as possible: with `--through-daemon`, the
+    /// daemon's pool then refills between grants as it would for the real program. Takes each
+    /// trace's wall span.
+    #[arg(long)]
+    pub realtime: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -124,9 +130,10 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                     (format!("{name}@{f}"), &scaled)
                 }
             };
+            let pace = Pace(args.realtime);
             let o = match &daemon {
-                Some(d) => replay_through(&name, trace, d, &config)?,
-                None => replay(&name, trace, args.backend, &config)?,
+                Some(d) => replay_through(&name, trace, d, &config, pace)?,
+                None => replay(&name, trace, args.backend, &config, pace)?,
             };
             if args.json {
                 println!("{}", serde_json::to_string(&o)?);
@@ -169,6 +176,10 @@ fn progress_bar(name: &str, total: usize) -> ProgressBar {
     bar
 }
 
+/// Whether a replay keeps the trace's own pace (`--realtime`) or runs as fast as it can.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pace(pub bool);
+
 /// Replays one trace through a fresh allocator on a device of `backend` (host: sparse memfds;
 /// cuda: GPU 0), its handles created in process.
 pub fn replay(
@@ -176,6 +187,7 @@ pub fn replay(
     trace: &Trace,
     backend: ReplayBackend,
     config: &AllocConfig,
+    pace: Pace,
 ) -> anyhow::Result<Outcome> {
     let device: Arc<dyn Device> = match backend {
         // Sparse: only the pages the replay writes would cost memory, and it writes none.
@@ -186,7 +198,7 @@ pub fn replay(
         ReplayBackend::Cuda => Arc::new(CudaDevice::open("0").context("--backend cuda")?),
     };
     let source = LocalSource::new(device.clone());
-    run_trace(name, trace, device, source, backend, config)
+    run_trace(name, trace, device, source, backend, config, pace)
 }
 
 /// Replays one trace through a fresh allocator whose handles come from `daemon`, as a tenant of
@@ -196,6 +208,7 @@ pub fn replay_through(
     trace: &Trace,
     daemon: &OwnDaemon,
     config: &AllocConfig,
+    pace: Pace,
 ) -> anyhow::Result<Outcome> {
     let opts = TenantOptions::named(format!("replay-{}-{name}", std::process::id()));
     let client = Arc::new(
@@ -227,6 +240,7 @@ pub fn replay_through(
         DaemonSource::new(client.clone()),
         backend,
         config,
+        pace,
     )?;
     outcome.pool_takes = Some(takes(&client)?.since(before));
     Ok(outcome)
@@ -239,6 +253,7 @@ fn run_trace<S: HandleSource>(
     source: S,
     backend: ReplayBackend,
     config: &AllocConfig,
+    pace: Pace,
 ) -> anyhow::Result<Outcome> {
     let config = AllocConfig {
         granularity: device.info().granularity,
@@ -252,7 +267,17 @@ fn run_trace<S: HandleSource>(
     // are still allocated in the core's books, so its `requested` is not the application's.
     let (mut live, mut peak_requested) = (0u64, 0u64);
     let mut spent = std::time::Duration::ZERO;
+    let (t0, first_us) = (
+        std::time::Instant::now(),
+        trace.events.first().map_or(0, |e| e.time_us),
+    );
     for (i, e) in trace.events.iter().enumerate() {
+        if pace.0 {
+            let due = t0 + std::time::Duration::from_micros(e.time_us.saturating_sub(first_us));
+            if let Some(wait) = due.checked_duration_since(std::time::Instant::now()) {
+                std::thread::sleep(wait);
+            }
+        }
         let started = std::time::Instant::now();
         let stream = StreamId(e.stream);
         match e.action {
