@@ -104,7 +104,7 @@ impl Default for AllocConfig {
             va_bytes: Bytes(Bytes::TIB),
             small_limit: Bytes::mib(1),
             align: Bytes(512),
-            min_grow: Bytes::mib(8),
+            min_grow: Bytes::mib(2),
             max_handle: Bytes::mib(64),
             edge_handle: Bytes::mib(24),
             large_handle: Bytes::mib(256),
