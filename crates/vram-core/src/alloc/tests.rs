@@ -747,8 +747,9 @@ fn large_grants_have_small_handles_at_both_ends_and_large_ones_in_the_middle() {
         big.iter().all(|&h| h % gran == 0 && h <= mib(256)),
         "{big:?}"
     );
-    assert_eq!(big.len(), 11, "{big:?}"); // against 23 handles of at most 64 MiB
-                                          // Off: every handle max_handle, the last one what is left.
+    // Against 23 handles of at most 64 MiB.
+    assert_eq!(big.len(), 11, "{big:?}");
+    // Off: every handle max_handle, the last one what is left.
     let mut off = c.clone();
     off.set("edge_handle=0").unwrap();
     let flat = super::split_grant(mib(200), gran, &off);
