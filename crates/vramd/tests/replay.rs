@@ -108,6 +108,21 @@ fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() 
         let calls = o["measured_driver_us"].as_f64().unwrap();
         let all = o["measured_allocator_us"].as_f64().unwrap();
         assert!(calls > 0.0 && calls <= all, "calls {calls} µs of {all} µs");
+        // The same time by kind of call, and one take's spread.
+        let by_kind: f64 = ["take", "map", "unmap", "release"]
+            .iter()
+            .map(|k| o["measured_calls_us"][k].as_f64().unwrap())
+            .sum();
+        assert!((by_kind - calls).abs() < 1.0, "{by_kind} against {calls}");
+        let spread = |k: &str| o["take_us"][k].as_f64().unwrap();
+        assert!(
+            0.0 < spread("p50")
+                && spread("p50") <= spread("p90")
+                && spread("p90") <= spread("p99")
+                && spread("p99") <= spread("max"),
+            "{}",
+            o["take_us"]
+        );
     }
     // Through the daemon, every grant's handle is accounted for: ready in the pool, given back
     // earlier, or made on the grant's path. In process there is no pool to report.

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use vram_core::alloc::{Backing, GrantId, Refused};
 use vram_core::Bytes;
@@ -73,6 +74,33 @@ impl HandleSource for LocalSource {
     fn give(&mut self, _ticket: u64) {}
 }
 
+/// Wall time a [`MappedBacking`] spent in each kind of call.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CallTimes {
+    /// Taking handles from the source (from the daemon: the round trip and the import; locally:
+    /// the creation).
+    pub take: Duration,
+    /// Mapping with read-write access.
+    pub map: Duration,
+    pub unmap: Duration,
+    /// Dropping handles and giving them back to the source.
+    pub release: Duration,
+}
+
+impl CallTimes {
+    pub fn total(&self) -> Duration {
+        self.take + self.map + self.unmap + self.release
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Call {
+    Take,
+    Map,
+    Unmap,
+    Release,
+}
+
 /// Maps handles from `S` into one reservation, as the core allocator directs.
 pub struct MappedBacking<S> {
     device: Arc<dyn Device>,
@@ -80,8 +108,10 @@ pub struct MappedBacking<S> {
     source: S,
     handles: HashMap<GrantId, (Handle, u64)>,
     next: u64,
-    /// Wall time spent in the source and the device: taking, mapping, unmapping, giving back.
-    spent: std::time::Duration,
+    /// Wall time spent in the source and the device, by kind of call.
+    spent: CallTimes,
+    /// How long each take lasted, in order.
+    takes: Vec<Duration>,
 }
 
 impl<S: HandleSource> MappedBacking<S> {
@@ -97,7 +127,8 @@ impl<S: HandleSource> MappedBacking<S> {
             source,
             handles: HashMap::new(),
             next: 1,
-            spent: std::time::Duration::ZERO,
+            spent: CallTimes::default(),
+            takes: Vec::new(),
         })
     }
 
@@ -116,21 +147,41 @@ impl<S: HandleSource> MappedBacking<S> {
 
     /// Wall time this backing has spent in its source and device calls (on CUDA: the daemon round
     /// trip and import, or the creation, and every map, set-access, unmap and release).
-    pub fn call_time(&self) -> std::time::Duration {
+    pub fn call_time(&self) -> Duration {
+        self.spent.total()
+    }
+
+    /// The same, by kind of call.
+    pub fn call_times(&self) -> CallTimes {
         self.spent
     }
 
-    fn timed<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
-        let started = std::time::Instant::now();
+    /// How long each take from the source lasted, in the order they were made.
+    pub fn take_times(&self) -> &[Duration] {
+        &self.takes
+    }
+
+    fn timed<R>(&mut self, call: Call, f: impl FnOnce(&mut Self) -> R) -> R {
+        let started = Instant::now();
         let r = f(self);
-        self.spent += started.elapsed();
+        let took = started.elapsed();
+        let slot = match call {
+            Call::Take => {
+                self.takes.push(took);
+                &mut self.spent.take
+            }
+            Call::Map => &mut self.spent.map,
+            Call::Unmap => &mut self.spent.unmap,
+            Call::Release => &mut self.spent.release,
+        };
+        *slot += took;
         r
     }
 }
 
 impl<S: HandleSource> Backing for MappedBacking<S> {
     fn grant(&mut self, bytes: Bytes) -> Result<GrantId, Refused> {
-        let (handle, ticket) = self.timed(|b| b.source.take(bytes))?;
+        let (handle, ticket) = self.timed(Call::Take, |b| b.source.take(bytes))?;
         let id = GrantId(self.next);
         self.next += 1;
         self.handles.insert(id, (handle, ticket));
@@ -138,7 +189,7 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
     }
 
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused> {
-        self.timed(|b| {
+        self.timed(Call::Map, |b| {
             let (handle, _) = &b.handles[&grant];
             b.device
                 .map(&b.res, Bytes(va), handle, Access::ReadWrite)
@@ -151,14 +202,14 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
 
     fn unmap(&mut self, grant: GrantId, va: u64) {
         let size = self.handles[&grant].0.size();
-        if let Err(e) = self.timed(|b| b.device.unmap(&b.res, Bytes(va), size)) {
+        if let Err(e) = self.timed(Call::Unmap, |b| b.device.unmap(&b.res, Bytes(va), size)) {
             tracing::error!("unmapping {size} at offset {va:#x} failed: {e}");
         }
     }
 
     fn release(&mut self, grant: GrantId) {
         if let Some((handle, ticket)) = self.handles.remove(&grant) {
-            self.timed(|b| {
+            self.timed(Call::Release, |b| {
                 drop(handle);
                 b.source.give(ticket);
             });

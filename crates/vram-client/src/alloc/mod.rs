@@ -18,7 +18,7 @@ use vram_core::alloc::{
 };
 use vram_core::Bytes;
 
-pub use backing::{DaemonSource, HandleSource, LocalSource, MappedBacking};
+pub use backing::{CallTimes, DaemonSource, HandleSource, LocalSource, MappedBacking};
 
 use live::LiveTable;
 use thread_cache::{ThreadCaches, CACHE_LIMIT};

@@ -11,7 +11,7 @@ use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use vram_client::alloc::{
-    CachingAllocator, DaemonSource, HandleSource, HostEvents, LocalSource, MappedBacking,
+    CachingAllocator, CallTimes, DaemonSource, HandleSource, HostEvents, LocalSource, MappedBacking,
 };
 use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, BackingCounts, StreamId};
@@ -80,10 +80,64 @@ pub struct Outcome {
     /// unmapping and releasing handles: on `--backend cuda` the driver calls), measured.
     pub measured_driver_us: f64,
     pub measured_driver_time_share: f64,
+    /// That time by kind of call.
+    pub measured_calls_us: CallsUs,
+    /// How long one take of a handle lasted (from a daemon: the round trip and the import;
+    /// in process: the creation), in microseconds.
+    pub take_us: Spread,
     /// With `--through-daemon`: where the daemon found the handles it granted during this trace
     /// (a miss is a create and an export on the grant's path, about 1.1 ms on an H200).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool_takes: Option<PoolTakes>,
+}
+
+/// Microseconds spent in each kind of backing call (see [`CallTimes`]).
+#[derive(Debug, Serialize)]
+pub struct CallsUs {
+    pub take: f64,
+    pub map: f64,
+    pub unmap: f64,
+    pub release: f64,
+}
+
+impl From<CallTimes> for CallsUs {
+    fn from(t: CallTimes) -> Self {
+        let us = |d: std::time::Duration| d.as_secs_f64() * 1e6;
+        CallsUs {
+            take: us(t.take),
+            map: us(t.map),
+            unmap: us(t.unmap),
+            release: us(t.release),
+        }
+    }
+}
+
+/// Median, 90th and 99th percentile and maximum of a set of durations, in microseconds (all 0
+/// for an empty set).
+#[derive(Debug, Default, PartialEq, Serialize)]
+pub struct Spread {
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+impl Spread {
+    pub fn of(times: &[std::time::Duration]) -> Spread {
+        let mut us: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1e6).collect();
+        us.sort_by(f64::total_cmp);
+        let at = |q: f64| {
+            us.get(((us.len() as f64 * q).ceil() as usize).saturating_sub(1))
+                .copied()
+                .unwrap_or(0.0)
+        };
+        Spread {
+            p50: at(0.5),
+            p90: at(0.9),
+            p99: at(0.99),
+            max: us.last().copied().unwrap_or(0.0),
+        }
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
@@ -315,7 +369,8 @@ fn run_trace<S: HandleSource>(
         mapped_bytes: s.mapped_bytes.get(),
     };
     let measured_us = spent.as_secs_f64() * 1e6;
-    let driver_us = alloc.with_backing(|b| b.call_time()).as_secs_f64() * 1e6;
+    let (calls, take_us) = alloc.with_backing(|b| (b.call_times(), Spread::of(b.take_times())));
+    let driver_us = calls.total().as_secs_f64() * 1e6;
     Ok(Outcome {
         result: ReplayResult::new(
             name,
@@ -334,6 +389,8 @@ fn run_trace<S: HandleSource>(
         measured_allocator_time_share: trace.share_of_wall(measured_us),
         measured_driver_us: driver_us,
         measured_driver_time_share: trace.share_of_wall(driver_us),
+        measured_calls_us: calls.into(),
+        take_us,
         pool_takes: None,
     })
 }
@@ -399,4 +456,21 @@ fn table(outcomes: &[Outcome]) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::Spread;
+
+    #[test]
+    fn a_spread_takes_nearest_rank_percentiles() {
+        assert_eq!(Spread::of(&[]), Spread::default());
+        let times: Vec<Duration> = (1..=200).rev().map(Duration::from_micros).collect();
+        let s = Spread::of(&times);
+        assert_eq!((s.p50, s.p90, s.p99, s.max), (100.0, 180.0, 198.0, 200.0));
+        let one = Spread::of(&[Duration::from_micros(7)]);
+        assert_eq!((one.p50, one.p99, one.max), (7.0, 7.0, 7.0));
+    }
 }
