@@ -114,7 +114,7 @@ fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() 
             .map(|k| o["measured_calls_us"][k].as_f64().unwrap())
             .sum();
         assert!((by_kind - calls).abs() < 1.0, "{by_kind} against {calls}");
-        let spread = |k: &str| o["take_us"][k].as_f64().unwrap();
+        let spread = |k: &str| o["take_us"][format!("{k}_us")].as_f64().unwrap();
         assert!(
             0.0 < spread("p50")
                 && spread("p50") <= spread("p90")

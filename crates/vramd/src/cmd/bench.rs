@@ -16,6 +16,7 @@ use vram_core::Bytes;
 use vram_device::{Access, Reservation};
 
 use super::child::OwnDaemon;
+use super::spread::Spread;
 use crate::config::BackendChoice;
 
 #[derive(Debug, clap::Args)]
@@ -69,35 +70,6 @@ impl Machine {
             cpu,
             cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
             kernel,
-        }
-    }
-}
-
-/// Percentiles of one phase or of the whole round trip, in microseconds.
-#[derive(Debug, Serialize)]
-struct Spread {
-    p50_us: f64,
-    p90_us: f64,
-    p99_us: f64,
-    max_us: f64,
-    mean_us: f64,
-}
-
-impl Spread {
-    fn of(nanos: &mut [u64]) -> Spread {
-        nanos.sort_unstable();
-        let us = |ns: u64| ns as f64 / 1e3;
-        // Nearest rank: the smallest sample with at least q of all samples at or below it.
-        let at = |q: f64| {
-            us(nanos[((q * nanos.len() as f64).ceil() as usize).clamp(1, nanos.len()) - 1])
-        };
-        let sum: u64 = nanos.iter().sum();
-        Spread {
-            p50_us: at(0.50),
-            p90_us: at(0.90),
-            p99_us: at(0.99),
-            max_us: us(*nanos.last().expect("samples")),
-            mean_us: us(sum / nanos.len() as u64),
         }
     }
 }

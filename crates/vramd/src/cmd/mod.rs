@@ -6,6 +6,7 @@ pub mod demo;
 pub mod replay;
 pub mod run;
 pub mod serve;
+mod spread;
 pub mod status;
 pub mod tenant;
 pub mod top;

@@ -22,6 +22,7 @@ use vram_device::{CudaDevice, Device, HostDevice};
 use vram_proto::PoolTakes;
 
 use super::child::OwnDaemon;
+use super::spread::Spread;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -83,7 +84,7 @@ pub struct Outcome {
     /// That time by kind of call.
     pub measured_calls_us: CallsUs,
     /// How long one take of a handle lasted (from a daemon: the round trip and the import;
-    /// in process: the creation), in microseconds.
+    /// in process: the creation).
     pub take_us: Spread,
     /// With `--through-daemon`: where the daemon found the handles it granted during this trace
     /// (a miss is a create and an export on the grant's path, about 1.1 ms on an H200).
@@ -108,34 +109,6 @@ impl From<CallTimes> for CallsUs {
             map: us(t.map),
             unmap: us(t.unmap),
             release: us(t.release),
-        }
-    }
-}
-
-/// Median, 90th and 99th percentile and maximum of a set of durations, in microseconds (all 0
-/// for an empty set).
-#[derive(Debug, Default, PartialEq, Serialize)]
-pub struct Spread {
-    pub p50: f64,
-    pub p90: f64,
-    pub p99: f64,
-    pub max: f64,
-}
-
-impl Spread {
-    pub fn of(times: &[std::time::Duration]) -> Spread {
-        let mut us: Vec<f64> = times.iter().map(|d| d.as_secs_f64() * 1e6).collect();
-        us.sort_by(f64::total_cmp);
-        let at = |q: f64| {
-            us.get(((us.len() as f64 * q).ceil() as usize).saturating_sub(1))
-                .copied()
-                .unwrap_or(0.0)
-        };
-        Spread {
-            p50: at(0.5),
-            p90: at(0.9),
-            p99: at(0.99),
-            max: us.last().copied().unwrap_or(0.0),
         }
     }
 }
@@ -369,7 +342,8 @@ fn run_trace<S: HandleSource>(
         mapped_bytes: s.mapped_bytes.get(),
     };
     let measured_us = spent.as_secs_f64() * 1e6;
-    let (calls, take_us) = alloc.with_backing(|b| (b.call_times(), Spread::of(b.take_times())));
+    let (calls, take_us) =
+        alloc.with_backing(|b| (b.call_times(), Spread::of_durations(b.take_times())));
     let driver_us = calls.total().as_secs_f64() * 1e6;
     Ok(Outcome {
         result: ReplayResult::new(
@@ -456,21 +430,4 @@ fn table(outcomes: &[Outcome]) -> String {
         }
     }
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::Spread;
-
-    #[test]
-    fn a_spread_takes_nearest_rank_percentiles() {
-        assert_eq!(Spread::of(&[]), Spread::default());
-        let times: Vec<Duration> = (1..=200).rev().map(Duration::from_micros).collect();
-        let s = Spread::of(&times);
-        assert_eq!((s.p50, s.p90, s.p99, s.max), (100.0, 180.0, 198.0, 200.0));
-        let one = Spread::of(&[Duration::from_micros(7)]);
-        assert_eq!((one.p50, one.p99, one.max), (7.0, 7.0, 7.0));
-    }
 }
