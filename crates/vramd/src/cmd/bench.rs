@@ -39,6 +39,15 @@ pub struct Args {
     /// Also map each grant into a reservation (and unmap it) inside the round trip.
     #[arg(long)]
     pub map: bool,
+    /// Keep every measured grant until the end instead of giving it back inside the round trip,
+    /// so that each take is a handle this tenant never had (the daemon keeps a handle given back
+    /// for the same tenant's next grant of its size, and hands that one back first).
+    #[arg(long)]
+    pub fresh: bool,
+    /// Wait this long between round trips (e.g. `--pause-us 3000`), as a program does between its
+    /// growths: the daemon's pool refills meanwhile.
+    #[arg(long, default_value_t = 0, value_name = "MICROSECONDS")]
+    pub pause_us: u64,
     /// Backend of our own daemon (ignored with `--socket`).
     #[arg(long, value_enum, default_value = "host")]
     pub backend: BackendChoice,
@@ -282,18 +291,36 @@ fn tenant_loop(
         None
     };
     for _ in 0..args.warmup {
-        round_trip(&client, size, res.as_ref())?;
+        round_trip(&client, size, res.as_ref(), None)?;
     }
     let mut samples = Vec::with_capacity(args.iterations as usize);
-    let started = Instant::now();
+    let mut kept = Vec::new();
+    let mut busy = Duration::ZERO;
     for _ in 0..args.iterations {
-        samples.push(round_trip(&client, size, res.as_ref())?);
+        if args.pause_us > 0 {
+            std::thread::sleep(Duration::from_micros(args.pause_us));
+        }
+        let started = Instant::now();
+        samples.push(round_trip(
+            &client,
+            size,
+            res.as_ref(),
+            args.fresh.then_some(&mut kept),
+        )?);
+        busy += started.elapsed();
         done.fetch_add(1, Ordering::Relaxed);
     }
-    Ok((backend, samples, started.elapsed()))
+    client.give_back(kept).context("give back")?;
+    Ok((backend, samples, busy))
 }
 
-fn round_trip(client: &Client, size: Bytes, res: Option<&Reservation>) -> anyhow::Result<Sample> {
+/// One grant, mapped and unmapped if `res`, then given back, or kept in `keep` if given.
+fn round_trip(
+    client: &Client,
+    size: Bytes,
+    res: Option<&Reservation>,
+    keep: Option<&mut Vec<vram_client::Grant>>,
+) -> anyhow::Result<Sample> {
     let t0 = Instant::now();
     let grant = client
         .grant(size)
@@ -308,7 +335,12 @@ fn round_trip(client: &Client, size: Bytes, res: Option<&Reservation>) -> anyhow
         dev.unmap(res, Bytes::ZERO, grant.size())?;
     }
     let t3 = Instant::now();
-    client.give_back(vec![grant]).context("give back")?;
+    match keep {
+        Some(kept) => kept.push(grant),
+        None => {
+            client.give_back(vec![grant]).context("give back")?;
+        }
+    }
     let t4 = Instant::now();
     let ns = |a: Instant, b: Instant| (b - a).as_nanos() as u64;
     Ok(Sample {

@@ -1,0 +1,37 @@
+//! `vramd bench` as a user runs it, against a daemon of its own on the host backend.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+fn bench_json(extra: &[&str]) -> Value {
+    let out = Command::new(env!("CARGO_BIN_EXE_vramd"))
+        .args(["bench", "--json", "--size", "2MiB", "--iterations", "40"])
+        .args(["--warmup", "4", "--map"])
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn round_trips_give_back_inside_the_trip_unless_fresh_handles_are_kept() {
+    let plain = bench_json(&[]);
+    let fresh = bench_json(&["--fresh", "--pause-us", "200"]);
+    let us = |r: &Value, phase: &str, q: &str| r["results"][0][phase][q].as_f64().unwrap();
+    for r in [&plain, &fresh] {
+        assert_eq!(r["results"][0]["round_trips"], 40, "{r}");
+        assert!(us(r, "grant", "p50_us") > 0.0, "{r}");
+        assert!(us(r, "map", "p50_us") > 0.0, "{r}");
+    }
+    // Kept grants are given back after the measurement: no socket round trip inside it.
+    assert!(
+        us(&fresh, "give_back", "max_us") < us(&plain, "give_back", "p50_us"),
+        "fresh {fresh} plain {plain}"
+    );
+}
