@@ -41,7 +41,8 @@ pub struct Args {
     pub map: bool,
     /// Keep every measured grant until the end instead of giving it back inside the round trip,
     /// so that each take is a handle this tenant never had (the daemon keeps a handle given back
-    /// for the same tenant's next grant of its size, and hands that one back first).
+    /// for the same tenant's next grant of its size, and hands that one back first). Each tenant
+    /// then holds iterations × size at the end.
     #[arg(long)]
     pub fresh: bool,
     /// Wait this long between round trips (e.g. `--pause-us 3000`), as a program does between its
@@ -310,7 +311,9 @@ fn tenant_loop(
         busy += started.elapsed();
         done.fetch_add(1, Ordering::Relaxed);
     }
-    client.give_back(kept).context("give back")?;
+    if !kept.is_empty() {
+        client.give_back(kept).context("give back")?;
+    }
     Ok((backend, samples, busy))
 }
 
