@@ -15,6 +15,9 @@ step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/
 step gpu_tests 120 bash .gpu/run
 step replay_cuda 120 .gpu/bin/vramd replay --backend cuda --json .gpu/traces/*.gz
 step replay_cuda_through_daemon 150 .gpu/bin/vramd replay --backend cuda --through-daemon --json .gpu/traces/*.gz
+# At the traces' own pace (about 14 s), as a tenant's grants come.
+step replay_cuda_through_daemon_realtime 60 .gpu/bin/vramd replay --backend cuda --through-daemon \
+  --realtime --json .gpu/traces/*.gz
 # The defaults before the sixth session (2 MiB growth steps, large grants cut into 64 MiB handles),
 # for comparison.
 step replay_cuda_old_defaults 120 .gpu/bin/vramd replay --backend cuda \
