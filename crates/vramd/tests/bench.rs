@@ -1,22 +1,13 @@
 //! `vramd bench` as a user runs it, against a daemon of its own on the host backend.
 
-use std::process::Command;
-
 use serde_json::Value;
 
+mod common;
+
 fn bench_json(extra: &[&str]) -> Value {
-    let out = Command::new(env!("CARGO_BIN_EXE_vramd"))
-        .args(["bench", "--json", "--size", "2MiB", "--iterations", "40"])
-        .args(["--warmup", "4", "--map"])
-        .args(extra)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+    let args = ["bench", "--json", "--size", "2MiB", "--iterations", "40"];
+    let args = [&args[..], &["--warmup", "4", "--map"], extra].concat();
+    serde_json::from_str(&common::vramd_stdout(&args)).unwrap()
 }
 
 #[test]

@@ -7,7 +7,9 @@ use std::process::Command;
 
 use serde_json::Value;
 
-const VRAMD: &str = env!("CARGO_BIN_EXE_vramd");
+mod common;
+
+use common::VRAMD;
 
 /// A snapshot of `n` rounds of allocations of assorted sizes on two streams, freed in another
 /// order, gzipped; written with Python's own pickle and gzip.
@@ -49,18 +51,7 @@ with gzip.open(sys.argv[1], "wb") as f:
 }
 
 fn replay_json(args: &[&str]) -> Vec<Value> {
-    let out = Command::new(VRAMD)
-        .arg("replay")
-        .arg("--json")
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
+    common::vramd_stdout(&[&["replay", "--json"], args].concat())
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()

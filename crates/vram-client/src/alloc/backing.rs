@@ -145,13 +145,9 @@ impl<S: HandleSource> MappedBacking<S> {
         &self.res
     }
 
-    /// Wall time this backing has spent in its source and device calls (on CUDA: the daemon round
-    /// trip and import, or the creation, and every map, set-access, unmap and release).
-    pub fn call_time(&self) -> Duration {
-        self.spent.total()
-    }
-
-    /// The same, by kind of call.
+    /// Wall time this backing has spent in its source and device calls, by kind of call (on
+    /// CUDA: the daemon round trip and import, or the creation, and every map, set-access, unmap
+    /// and release).
     pub fn call_times(&self) -> CallTimes {
         self.spent
     }

@@ -13,6 +13,17 @@ use vramd::cmd::tenant::Scripted;
 
 pub const VRAMD: &str = env!("CARGO_BIN_EXE_vramd");
 
+/// Runs `vramd ARGS...`, which must succeed (its stderr in the failure message); its stdout.
+pub fn vramd_stdout<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
+    let out = Command::new(VRAMD).args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// A daemon of the test's own. Dropping it kills it; [`Daemon::stop`] checks a clean shutdown.
 pub struct Daemon {
     child: Option<Child>,
