@@ -156,24 +156,79 @@ impl Client {
 
     /// Takes one handle of at least `bytes` (rounded up to the device's granularity).
     pub fn grant(&self, bytes: Bytes) -> Result<Grant, ClientError> {
-        let r = self.shared.call(&Request::Grant { bytes })?;
-        let Reply::Granted { grant, size } = r.msg else {
-            return Err(unexpected("Grant", &r.msg));
-        };
-        let Some(fd) = r.fds.into_iter().next() else {
-            return Err(ClientError::Proto(ProtoError::MissingFds {
-                announced: 1,
-                received: 0,
-            }));
-        };
-        if size < bytes {
-            return Err(ClientError::Short {
-                got: size,
-                want: bytes,
-            });
+        let mut one = self.grant_many(&[bytes])?;
+        Ok(one.pop().expect("one grant asked, one granted"))
+    }
+
+    /// Takes handles of at least these sizes, in order: all of them or none. Up to
+    /// [`vram_proto::MAX_FDS`] come in one round trip; more take one round trip per that many
+    /// (and what earlier ones brought goes back if a later one is refused).
+    pub fn grant_many(&self, sizes: &[Bytes]) -> Result<Vec<Grant>, ClientError> {
+        let mut out = Vec::with_capacity(sizes.len());
+        for chunk in sizes.chunks(vram_proto::MAX_FDS) {
+            match self.grant_round_trip(chunk) {
+                Ok(grants) => out.extend(grants),
+                Err(e) => {
+                    if !out.is_empty() {
+                        if let Err(back) = self.give_back(out) {
+                            tracing::warn!("giving back a partial grant failed: {back}");
+                        }
+                    }
+                    return Err(e);
+                }
+            }
         }
-        let handle = self.device.import(fd, size)?;
-        Ok(Grant { id: grant, handle })
+        Ok(out)
+    }
+
+    /// One `Grant` (one size) or `GrantMany` round trip, and the imports.
+    fn grant_round_trip(&self, sizes: &[Bytes]) -> Result<Vec<Grant>, ClientError> {
+        let request = match sizes {
+            [bytes] => Request::Grant { bytes: *bytes },
+            _ => Request::GrantMany {
+                sizes: sizes.to_vec(),
+            },
+        };
+        let r = self.shared.call(&request)?;
+        let granted = match r.msg {
+            Reply::Granted { grant, size } => vec![(grant, size)],
+            Reply::GrantedMany { grants } => grants,
+            other => return Err(unexpected("Grant", &other)),
+        };
+        let mut out = Vec::with_capacity(granted.len());
+        let mut fds = r.fds.into_iter();
+        let imported = (|| {
+            if granted.len() != sizes.len() {
+                return Err(ClientError::Unexpected {
+                    request: "GrantMany",
+                    reply: format!("{} grants for {} sizes asked", granted.len(), sizes.len()),
+                });
+            }
+            for (&(id, size), &want) in granted.iter().zip(sizes) {
+                let fd = fds
+                    .next()
+                    .ok_or(ClientError::Proto(ProtoError::MissingFds {
+                        announced: granted.len(),
+                        received: out.len(),
+                    }))?;
+                if size < want {
+                    return Err(ClientError::Short { got: size, want });
+                }
+                let handle = self.device.import(fd, size)?;
+                out.push(Grant { id, handle });
+            }
+            Ok(())
+        })();
+        if let Err(e) = imported {
+            // The daemon holds every one of them for us: give them all back (imports first).
+            let ids = granted.iter().map(|g| g.0).collect();
+            drop(out);
+            if let Err(back) = self.give_back_ids(ids) {
+                tracing::warn!("giving back a grant that could not be used failed: {back}");
+            }
+            return Err(e);
+        }
+        Ok(out)
     }
 
     /// Returns grants to the daemon; answers what this tenant holds afterwards.

@@ -23,7 +23,7 @@ pub use shared::{
 pub use status::{DaemonInfo, DeviceStatus, PoolTakes, StatusReport, TenantStatus};
 
 /// The protocol version this build speaks. A peer speaking another gets an error and is closed.
-pub const PROTOCOL_VERSION: u16 = 2;
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// The largest payload accepted, in bytes. Anything larger is refused and the connection closed.
 pub const MAX_PAYLOAD: usize = 256 * 1024;

@@ -65,6 +65,11 @@ pub enum Request {
     Ping,
     /// Shared buffers: see [`crate::SharedRequest`].
     Shared(crate::SharedRequest),
+    /// Asks for handles of these sizes (each rounded up to the device granularity) in one round
+    /// trip: all of them or none. At most [`crate::MAX_FDS`] at a time.
+    GrantMany {
+        sizes: Vec<Bytes>,
+    },
 }
 
 /// What a device is, as a tenant needs to know it.
@@ -168,4 +173,9 @@ pub enum Reply {
     },
     /// Answer to a `Shared` request; some carry one fd.
     Shared(crate::SharedReply),
+    /// Answer to `GrantMany`: `(grant, size)` in the order asked; one fd each travels with this
+    /// frame, in the same order.
+    GrantedMany {
+        grants: Vec<(GrantId, Bytes)>,
+    },
 }

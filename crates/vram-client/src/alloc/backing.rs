@@ -13,8 +13,8 @@ use crate::Client;
 
 /// Where handles come from.
 pub trait HandleSource: Send {
-    /// A handle of exactly `bytes`, and a ticket to give it back with.
-    fn take(&mut self, bytes: Bytes) -> Result<(Handle, u64), Refused>;
+    /// Handles of exactly these sizes, each with a ticket to give it back with: all or none.
+    fn take(&mut self, sizes: &[Bytes]) -> Result<Vec<(Handle, u64)>, Refused>;
     /// Gives a handle back (it is unmapped and dropped by then).
     fn give(&mut self, ticket: u64);
 }
@@ -31,11 +31,12 @@ impl DaemonSource {
 }
 
 impl HandleSource for DaemonSource {
-    fn take(&mut self, bytes: Bytes) -> Result<(Handle, u64), Refused> {
-        match self.client.grant(bytes) {
-            Ok(g) => Ok((g.handle, g.id.0)),
+    /// One round trip for up to 16 handles (the daemon's `GrantMany`).
+    fn take(&mut self, sizes: &[Bytes]) -> Result<Vec<(Handle, u64)>, Refused> {
+        match self.client.grant_many(sizes) {
+            Ok(grants) => Ok(grants.into_iter().map(|g| (g.handle, g.id.0)).collect()),
             Err(e) => Err(Refused {
-                bytes,
+                bytes: sizes.iter().copied().sum(),
                 reason: e.to_string(),
             }),
         }
@@ -61,14 +62,19 @@ impl LocalSource {
 }
 
 impl HandleSource for LocalSource {
-    fn take(&mut self, bytes: Bytes) -> Result<(Handle, u64), Refused> {
-        self.device
-            .create(bytes)
-            .map(|h| (h, 0))
-            .map_err(|e| Refused {
-                bytes,
-                reason: e.to_string(),
+    fn take(&mut self, sizes: &[Bytes]) -> Result<Vec<(Handle, u64)>, Refused> {
+        sizes
+            .iter()
+            .map(|&bytes| {
+                self.device
+                    .create(bytes)
+                    .map(|h| (h, 0))
+                    .map_err(|e| Refused {
+                        bytes,
+                        reason: e.to_string(),
+                    })
             })
+            .collect()
     }
 
     fn give(&mut self, _ticket: u64) {}
@@ -152,7 +158,8 @@ impl<S: HandleSource> MappedBacking<S> {
         self.spent
     }
 
-    /// How long each take from the source lasted, in the order they were made.
+    /// How long each take from the source lasted (one request, for one or more handles), in the
+    /// order they were made.
     pub fn take_times(&self) -> &[Duration] {
         &self.takes
     }
@@ -176,12 +183,17 @@ impl<S: HandleSource> MappedBacking<S> {
 }
 
 impl<S: HandleSource> Backing for MappedBacking<S> {
-    fn grant(&mut self, bytes: Bytes) -> Result<GrantId, Refused> {
-        let (handle, ticket) = self.timed(Call::Take, |b| b.source.take(bytes))?;
-        let id = GrantId(self.next);
-        self.next += 1;
-        self.handles.insert(id, (handle, ticket));
-        Ok(id)
+    fn grant(&mut self, sizes: &[Bytes]) -> Result<Vec<GrantId>, Refused> {
+        let taken = self.timed(Call::Take, |b| b.source.take(sizes))?;
+        Ok(taken
+            .into_iter()
+            .map(|(handle, ticket)| {
+                let id = GrantId(self.next);
+                self.next += 1;
+                self.handles.insert(id, (handle, ticket));
+                id
+            })
+            .collect())
     }
 
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused> {

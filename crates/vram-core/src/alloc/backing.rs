@@ -21,8 +21,9 @@ pub struct Refused {
 /// `AllocConfig::va_bytes` that the implementation made. A handle is mapped whole, at one offset, at
 /// most once at a time; the allocator never asks otherwise.
 pub trait Backing {
-    /// A new handle of exactly `bytes` (a multiple of the granularity).
-    fn grant(&mut self, bytes: Bytes) -> Result<GrantId, Refused>;
+    /// New handles of exactly these sizes (multiples of the granularity), in one request to the
+    /// daemon: all of them, in order, or none (`Refused` with nothing held).
+    fn grant(&mut self, sizes: &[Bytes]) -> Result<Vec<GrantId>, Refused>;
     /// Maps the whole handle at `va` (granularity-aligned) with read-write access.
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused>;
     /// Unmaps the handle, which is mapped at `va`.
@@ -34,7 +35,10 @@ pub trait Backing {
 /// Counts of the calls a backing received.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct BackingCounts {
+    /// Handles granted.
     pub grants: u64,
+    /// Requests that granted them (one per growth: a daemon round trip each).
+    pub grant_requests: u64,
     pub maps: u64,
     pub unmaps: u64,
     pub releases: u64,
@@ -101,23 +105,31 @@ impl ModelBacking {
 }
 
 impl Backing for ModelBacking {
-    fn grant(&mut self, bytes: Bytes) -> Result<GrantId, Refused> {
+    fn grant(&mut self, sizes: &[Bytes]) -> Result<Vec<GrantId>, Refused> {
+        let total: u64 = sizes.iter().map(|b| b.get()).sum();
         if let Some(cap) = self.capacity {
-            if self.held + bytes.get() > cap {
+            if self.held + total > cap {
                 return Err(Refused {
-                    bytes,
+                    bytes: Bytes(total),
                     reason: format!("{} of {} held", Bytes(self.held), Bytes(cap)),
                 });
             }
         }
-        self.next += 1;
-        let id = GrantId(self.next);
-        self.grants.insert(id, (bytes.get(), None));
-        self.held += bytes.get();
+        self.counts.grant_requests += 1;
+        let ids = sizes
+            .iter()
+            .map(|&bytes| {
+                self.next += 1;
+                let id = GrantId(self.next);
+                self.grants.insert(id, (bytes.get(), None));
+                self.counts.grants += 1;
+                self.counts.granted_bytes += bytes.get();
+                id
+            })
+            .collect();
+        self.held += total;
         self.peak_held = self.peak_held.max(self.held);
-        self.counts.grants += 1;
-        self.counts.granted_bytes += bytes.get();
-        Ok(id)
+        Ok(ids)
     }
 
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused> {

@@ -675,26 +675,34 @@ impl<B: Backing> Allocator<B> {
         out
     }
 
-    /// Grants `bytes` as the handles of [`split_grant`]; gives back what it got if one is refused.
+    /// Grants `bytes` as the handles of [`split_grant`], in one request.
     fn grant(&mut self, bytes: u64, wanted: u64) -> Result<Vec<Mapped>, AllocError> {
         let gran = self.config.granularity.get();
-        let mut out = Vec::new();
-        for len in split_grant(bytes, gran, &self.config) {
-            match self.backing.grant(Bytes(len)) {
-                Ok(grant) => {
-                    self.stats.on_grant(len);
-                    out.push(Mapped { grant, len });
+        let sizes: Vec<Bytes> = split_grant(bytes, gran, &self.config)
+            .into_iter()
+            .map(Bytes)
+            .collect();
+        let grants = self
+            .backing
+            .grant(&sizes)
+            .map_err(|source| self.out_of_memory(wanted, source))?;
+        assert_eq!(
+            grants.len(),
+            sizes.len(),
+            "the backing granted another count"
+        );
+        self.stats.grant_requests += 1;
+        Ok(grants
+            .into_iter()
+            .zip(sizes)
+            .map(|(grant, len)| {
+                self.stats.on_grant(len.get());
+                Mapped {
+                    grant,
+                    len: len.get(),
                 }
-                Err(source) => {
-                    for m in out {
-                        self.backing.release(m.grant);
-                        self.stats.on_return(m.len);
-                    }
-                    return Err(self.out_of_memory(wanted, source));
-                }
-            }
-        }
-        Ok(out)
+            })
+            .collect())
     }
 
     fn out_of_memory(&self, wanted: u64, source: Refused) -> AllocError {

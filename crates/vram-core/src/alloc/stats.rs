@@ -16,7 +16,9 @@ pub struct AllocStats {
     pub cached: Bytes,
     pub allocs: u64,
     pub frees: u64,
+    /// Handles granted, and the requests that granted them (one per growth).
     pub grants: u64,
+    pub grant_requests: u64,
     pub maps: u64,
     pub unmaps: u64,
     pub returns: u64,

@@ -375,8 +375,31 @@ fn blocks_span_handles_that_were_granted_apart() {
     let b = a
         .alloc(Bytes::mib(10), StreamId(0), &AlwaysComplete)
         .unwrap();
-    assert_eq!(a.backing().counts().grants, 5);
+    let c = a.backing().counts();
+    assert_eq!(
+        (c.grants, c.grant_requests),
+        (5, 1),
+        "five handles, one request"
+    );
+    assert_eq!(a.stats().grant_requests, 1);
     assert!(a.backing().is_mapped(b.offset, b.size.get()));
+}
+
+#[test]
+fn a_growth_refused_in_part_holds_none_of_it() {
+    let config = AllocConfig {
+        max_handle: Bytes::mib(2),
+        ..small_config()
+    };
+    let mut a = Allocator::new(config, ModelBacking::with_capacity(Bytes::mib(8)));
+    let f = AlwaysComplete;
+    let err = a.alloc(Bytes::mib(10), StreamId(0), &f).unwrap_err();
+    assert!(matches!(err, AllocError::OutOfMemory { .. }), "{err}");
+    assert_eq!(a.backing().held(), Bytes::ZERO);
+    assert_eq!(a.backing().outstanding(), 0);
+    assert_eq!(a.stats().held, Bytes::ZERO);
+    let x = a.alloc(Bytes::mib(8), StreamId(0), &f).unwrap();
+    assert!(a.backing().is_mapped(x.offset, x.size.get()));
 }
 
 #[test]

@@ -2,13 +2,15 @@
 
 use crate::alloc::BackingCounts;
 
-/// Per-call costs in microseconds. A grant is the daemon round trip plus the import of the handle
-/// (creating and exporting it is the daemon's, ahead of need, hidden by its pool); each map is a
-/// `cuMemMap` and a `cuMemSetAccess` of the whole handle.
+/// Per-call costs in microseconds. A grant request is one daemon round trip, whatever the number of
+/// handles it brings, and each handle is then imported (creating and exporting it is the daemon's,
+/// ahead of need, hidden by its pool); each map is a `cuMemMap` and a `cuMemSetAccess` of the whole
+/// handle.
 #[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
 pub struct CostModel {
     pub name: &'static str,
-    pub grant_us: f64,
+    pub grant_request_us: f64,
+    pub import_us: f64,
     pub map_us: f64,
     pub set_access_per_map_us: f64,
     pub set_access_per_mib_us: f64,
@@ -21,7 +23,8 @@ impl CostModel {
     /// 2 MiB handles; it overstates the cost of large handles by two orders of magnitude.
     pub const DESIGN_TABLE: CostModel = CostModel {
         name: "design-table",
-        grant_us: 30.0 + 31.0,
+        grant_request_us: 30.0,
+        import_us: 31.0,
         map_us: 1.5,
         set_access_per_map_us: 0.0,
         set_access_per_mib_us: 15.0,
@@ -43,7 +46,8 @@ impl CostModel {
     /// Modelled driver time of the calls in `c`, in microseconds.
     pub fn driver_us(&self, c: &BackingCounts) -> f64 {
         let mib = c.mapped_bytes as f64 / (1u64 << 20) as f64;
-        c.grants as f64 * self.grant_us
+        c.grant_requests as f64 * self.grant_request_us
+            + c.grants as f64 * self.import_us
             + c.maps as f64 * (self.map_us + self.set_access_per_map_us)
             + mib * self.set_access_per_mib_us
             + c.unmaps as f64 * self.unmap_us

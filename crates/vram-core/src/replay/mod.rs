@@ -30,7 +30,9 @@ pub struct ReplayResult {
     pub peak_requested: u64,
     pub peak_held: u64,
     pub fragmentation: f64,
+    /// Handles granted, and the daemon requests that granted them (one per growth).
     pub grants: u64,
+    pub grant_requests: u64,
     pub maps: u64,
     pub unmaps: u64,
     pub returns: u64,
@@ -136,6 +138,7 @@ impl ReplayResult {
                 1.0 - peak_requested as f64 / peak_held as f64
             },
             grants: counts.grants,
+            grant_requests: counts.grant_requests,
             maps: counts.maps,
             unmaps: counts.unmaps,
             returns: counts.releases,

@@ -335,6 +335,7 @@ fn run_trace<S: HandleSource>(
     let s = alloc.stats().core;
     let counts = BackingCounts {
         grants: s.grants,
+        grant_requests: s.grant_requests,
         maps: s.maps,
         unmaps: s.unmaps,
         releases: s.returns,

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::histogram::Histogram;
 use vram_core::broker::{TenantId, TenantRequest};
 use vram_core::Bytes;
-use vram_proto::{Conn, ErrorCode, ErrorReply, Hello, ProtoError, Reply, Request, Role, Welcome};
+use vram_proto::{
+    Conn, ErrorCode, ErrorReply, GrantId, Hello, ProtoError, Reply, Request, Role, Welcome,
+};
 
 use super::slot::ReclaimSender;
 use super::Daemon;
@@ -101,6 +103,7 @@ impl Session {
             Request::Status => Ok(Reply::Status(Box::new(self.daemon.status()))),
             Request::Ping => Ok(Reply::Pong),
             Request::Grant { bytes } => return self.grant(id, bytes),
+            Request::GrantMany { sizes } => return self.grant_many(id, sizes, true),
             Request::Shared(r) => {
                 return super::shared::serve(&self.daemon, &self.conn, self.registered(), id, r)
             }
@@ -202,40 +205,73 @@ impl Session {
     }
 
     fn grant(&mut self, id: u64, bytes: Bytes) -> bool {
+        self.grant_many(id, vec![bytes], false)
+    }
+
+    /// Grants handles of `sizes`, all or none, and sends them in one reply: `Granted` for a
+    /// single `Grant`, else `GrantedMany`.
+    fn grant_many(&mut self, id: u64, sizes: Vec<Bytes>, many: bool) -> bool {
         let (slot, tenant) = match self.registered() {
             Ok(r) => r,
             Err(e) => return self.conn.send(id, &Reply::Error(e), &[]).is_ok(),
         };
+        if sizes.is_empty() || sizes.len() > vram_proto::MAX_FDS {
+            let e = ErrorReply {
+                code: ErrorCode::Refused,
+                reason: Some("bad_size".into()),
+                message: format!(
+                    "one GrantMany asks for 1 to {} handles; this one asked for {}",
+                    vram_proto::MAX_FDS,
+                    sizes.len()
+                ),
+            };
+            return self.conn.send(id, &Reply::Error(e), &[]).is_ok();
+        }
         let timeout = self.daemon.reclaim_timeout;
-        let asker = Asker(&self.daemon);
         let started = Instant::now();
-        let granted = self.daemon.slots[slot].grant(tenant, bytes, timeout, &asker);
-        if let (Ok(_), Some((_, h))) = (
-            &granted,
-            self.tenant.as_ref().and_then(|t| t.grant_seconds.as_ref()),
-        ) {
+        let mut granted = Vec::with_capacity(sizes.len());
+        for &bytes in &sizes {
+            let asker = Asker(&self.daemon);
+            match self.daemon.slots[slot].grant(tenant, bytes, timeout, &asker) {
+                Ok(g) => granted.push(g),
+                Err(e) => {
+                    // All or none: what this request took already goes back.
+                    let ids: Vec<GrantId> = granted.iter().map(|g| g.0).collect();
+                    if !ids.is_empty() {
+                        if let Err(back) = self.daemon.slots[slot].give_back(tenant, &ids) {
+                            tracing::error!("giving back a partial GrantMany failed: {back}");
+                        }
+                    }
+                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                    tracing::warn!(
+                        tenant = name,
+                        gpu = slot,
+                        asked = bytes.get(),
+                        handles = sizes.len(),
+                        reason = e.reason.as_deref().unwrap_or(""),
+                        "refused: {}",
+                        e.message
+                    );
+                    return self.conn.send(id, &Reply::Error(e), &[]).is_ok();
+                }
+            }
+        }
+        if let Some((_, h)) = self.tenant.as_ref().and_then(|t| t.grant_seconds.as_ref()) {
             h.observe(started.elapsed().as_secs_f64());
         }
-        match granted {
-            Ok((grant, size, fd)) => {
-                use std::os::fd::AsFd;
-                let reply = Reply::Granted { grant, size };
-                // If the tenant is gone by now, the grant is taken back with everything else.
-                self.conn.send(id, &reply, &[fd.as_fd()]).is_ok()
-            }
-            Err(e) => {
-                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                tracing::warn!(
-                    tenant = name,
-                    gpu = slot,
-                    asked = bytes.get(),
-                    reason = e.reason.as_deref().unwrap_or(""),
-                    "refused: {}",
-                    e.message
-                );
-                self.conn.send(id, &Reply::Error(e), &[]).is_ok()
-            }
-        }
+        use std::os::fd::AsFd;
+        let fds: Vec<_> = granted.iter().map(|g| g.2.as_fd()).collect();
+        let reply = match (many, granted.as_slice()) {
+            (false, [(grant, size, _)]) => Reply::Granted {
+                grant: *grant,
+                size: *size,
+            },
+            _ => Reply::GrantedMany {
+                grants: granted.iter().map(|g| (g.0, g.1)).collect(),
+            },
+        };
+        // If the tenant is gone by now, the grants are taken back with everything else.
+        self.conn.send(id, &reply, &fds).is_ok()
     }
 
     fn send_error(&self, id: u64, code: ErrorCode, message: String) {
