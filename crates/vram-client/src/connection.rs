@@ -1,7 +1,7 @@
 //! The tenant's and the tools' API over a [`Transport`]: registering, grants, returns, status, and
 //! the worker that answers the daemon's reclaim requests.
 
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{self, Receiver};
@@ -183,6 +183,43 @@ impl Client {
 
     /// One `Grant` (one size) or `GrantMany` round trip, and the imports.
     fn grant_round_trip(&self, sizes: &[Bytes]) -> Result<Vec<Grant>, ClientError> {
+        let granted = self.request_grants(sizes)?;
+        let mut out = Vec::with_capacity(granted.len());
+        let mut ids = Vec::with_capacity(granted.len());
+        let mut failed = None;
+        for (id, size, fd) in granted {
+            ids.push(id);
+            if failed.is_none() {
+                match self.device.import(fd, size) {
+                    Ok(handle) => out.push(Grant { id, handle }),
+                    Err(e) => failed = Some(e),
+                }
+            }
+        }
+        if let Some(e) = failed {
+            // The daemon holds every one of them for us: give them all back (imports first).
+            drop(out);
+            if let Err(back) = self.give_back_ids(ids) {
+                tracing::warn!("giving back a grant that could not be imported failed: {back}");
+            }
+            return Err(e.into());
+        }
+        Ok(out)
+    }
+
+    /// Takes one handle of at least `bytes` and leaves the import to the caller: the round trip
+    /// alone, as `vramd bench` times it. The handle is this tenant's until given back by id.
+    pub fn grant_fd(&self, bytes: Bytes) -> Result<(GrantId, Bytes, OwnedFd), ClientError> {
+        let mut one = self.request_grants(&[bytes])?;
+        Ok(one.pop().expect("one grant asked, one granted"))
+    }
+
+    /// The round trip of a grant request: `(id, size, fd)` per size, in order. On a reply that
+    /// does not match the request, whatever it granted goes back.
+    fn request_grants(
+        &self,
+        sizes: &[Bytes],
+    ) -> Result<Vec<(GrantId, Bytes, OwnedFd)>, ClientError> {
         let request = match sizes {
             [bytes] => Request::Grant { bytes: *bytes },
             _ => Request::GrantMany {
@@ -195,40 +232,37 @@ impl Client {
             Reply::GrantedMany { grants } => grants,
             other => return Err(unexpected("Grant", &other)),
         };
-        let mut out = Vec::with_capacity(granted.len());
-        let mut fds = r.fds.into_iter();
-        let imported = (|| {
-            if granted.len() != sizes.len() {
-                return Err(ClientError::Unexpected {
-                    request: "GrantMany",
-                    reply: format!("{} grants for {} sizes asked", granted.len(), sizes.len()),
-                });
-            }
-            for (&(id, size), &want) in granted.iter().zip(sizes) {
-                let fd = fds
-                    .next()
-                    .ok_or(ClientError::Proto(ProtoError::MissingFds {
-                        announced: granted.len(),
-                        received: out.len(),
-                    }))?;
-                if size < want {
-                    return Err(ClientError::Short { got: size, want });
-                }
-                let handle = self.device.import(fd, size)?;
-                out.push(Grant { id, handle });
-            }
-            Ok(())
-        })();
-        if let Err(e) = imported {
-            // The daemon holds every one of them for us: give them all back (imports first).
-            let ids = granted.iter().map(|g| g.0).collect();
-            drop(out);
-            if let Err(back) = self.give_back_ids(ids) {
-                tracing::warn!("giving back a grant that could not be used failed: {back}");
+        let bad = if granted.len() != sizes.len() {
+            Some(ClientError::Unexpected {
+                request: "GrantMany",
+                reply: format!("{} grants for {} sizes asked", granted.len(), sizes.len()),
+            })
+        } else if r.fds.len() != granted.len() {
+            Some(ClientError::Proto(ProtoError::MissingFds {
+                announced: granted.len(),
+                received: r.fds.len(),
+            }))
+        } else {
+            granted
+                .iter()
+                .zip(sizes)
+                .find(|((_, got), want)| got < want)
+                .map(|(&(_, got), &want)| ClientError::Short { got, want })
+        };
+        if let Some(e) = bad {
+            drop(r.fds);
+            if let Err(back) = self.give_back_ids(granted.iter().map(|g| g.0).collect()) {
+                tracing::warn!(
+                    "giving back a grant that does not match the request failed: {back}"
+                );
             }
             return Err(e);
         }
-        Ok(out)
+        Ok(granted
+            .into_iter()
+            .zip(r.fds)
+            .map(|((id, size), fd)| (id, size, fd))
+            .collect())
     }
 
     /// Returns grants to the daemon; answers what this tenant holds afterwards.

@@ -18,6 +18,13 @@ fn round_trips_give_back_inside_the_trip_unless_fresh_handles_are_kept() {
     for r in [&plain, &fresh] {
         assert_eq!(r["results"][0]["round_trips"], 40, "{r}");
         assert!(us(r, "grant", "p50_us") > 0.0, "{r}");
+        // The grant's two parts: the round trip with the fd, and the import.
+        assert!(us(r, "grant_reply", "p50_us") > 0.0, "{r}");
+        assert!(us(r, "import", "p50_us") > 0.0, "{r}");
+        assert!(
+            us(r, "grant_reply", "p50_us") <= us(r, "grant", "p99_us"),
+            "{r}"
+        );
         assert!(us(r, "map", "p50_us") > 0.0, "{r}");
     }
     // Kept grants are given back after the measurement: no socket round trip inside it.

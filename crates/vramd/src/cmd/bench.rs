@@ -93,6 +93,10 @@ struct SizeResult {
     round_trip: Spread,
     /// Request, reply with the fd, and import.
     grant: Spread,
+    /// Of which the request and the reply with the fd.
+    grant_reply: Spread,
+    /// Of which the import of the fd.
+    import: Spread,
     /// Map with read-write access into a reservation made once per tenant (zero without `--map`).
     map: Spread,
     /// Grant, import and map: how long until a tenant can use new memory.
@@ -117,7 +121,8 @@ struct Report {
 /// One round trip's phases, in nanoseconds.
 #[derive(Clone, Copy, Default)]
 struct Sample {
-    grant: u64,
+    grant_reply: u64,
+    import: u64,
     map: u64,
     unmap: u64,
     give_back: u64,
@@ -261,10 +266,12 @@ fn measure(args: &Args, socket: &Path, size: Bytes) -> anyhow::Result<(String, S
         tenants: args.tenants,
         round_trips: samples.len(),
         ops_per_second: samples.len() as f64 / busy.as_secs_f64(),
-        round_trip: spread(|s| s.grant + s.map + s.unmap + s.give_back),
-        grant: spread(|s| s.grant),
+        round_trip: spread(|s| s.grant_reply + s.import + s.map + s.unmap + s.give_back),
+        grant: spread(|s| s.grant_reply + s.import),
+        grant_reply: spread(|s| s.grant_reply),
+        import: spread(|s| s.import),
         map: spread(|s| s.map),
-        usable: spread(|s| s.grant + s.map),
+        usable: spread(|s| s.grant_reply + s.import + s.map),
         unmap: spread(|s| s.unmap),
         give_back: spread(|s| s.give_back),
     };
@@ -325,32 +332,41 @@ fn round_trip(
     keep: Option<&mut Vec<vram_client::Grant>>,
 ) -> anyhow::Result<Sample> {
     let t0 = Instant::now();
-    let grant = client
-        .grant(size)
+    let (id, granted, fd) = client
+        .grant_fd(size)
         .with_context(|| format!("grant of {size}"))?;
     let t1 = Instant::now();
     let dev = client.device();
+    let grant = match dev.import(fd, granted) {
+        Ok(handle) => vram_client::Grant { id, handle },
+        Err(e) => {
+            client.give_back_ids(vec![id])?;
+            return Err(e).context("import");
+        }
+    };
+    let t2 = Instant::now();
     if let Some(res) = res {
         dev.map(res, Bytes::ZERO, &grant.handle, Access::ReadWrite)?;
     }
-    let t2 = Instant::now();
+    let t3 = Instant::now();
     if let Some(res) = res {
         dev.unmap(res, Bytes::ZERO, grant.size())?;
     }
-    let t3 = Instant::now();
+    let t4 = Instant::now();
     match keep {
         Some(kept) => kept.push(grant),
         None => {
             client.give_back(vec![grant]).context("give back")?;
         }
     }
-    let t4 = Instant::now();
+    let t5 = Instant::now();
     let ns = |a: Instant, b: Instant| (b - a).as_nanos() as u64;
     Ok(Sample {
-        grant: ns(t0, t1),
-        map: ns(t1, t2),
-        unmap: ns(t2, t3),
-        give_back: ns(t3, t4),
+        grant_reply: ns(t0, t1),
+        import: ns(t1, t2),
+        map: ns(t2, t3),
+        unmap: ns(t3, t4),
+        give_back: ns(t4, t5),
     })
 }
 
@@ -395,10 +411,14 @@ fn render(r: &Report) -> String {
         );
         let _ = writeln!(
             out,
-            "{:>9}   phases p50 / p99: grant+import {:.1} / {:.1} µs, map {:.1} / {:.1} µs, unmap {:.1} / {:.1} µs, return {:.1} / {:.1} µs",
+            "{:>9}   phases p50 / p99: grant+import {:.1} / {:.1} µs (reply {:.1} / {:.1}, import {:.1} / {:.1}), map {:.1} / {:.1} µs, unmap {:.1} / {:.1} µs, return {:.1} / {:.1} µs",
             "",
             s.grant.p50_us,
             s.grant.p99_us,
+            s.grant_reply.p50_us,
+            s.grant_reply.p99_us,
+            s.import.p50_us,
+            s.import.p99_us,
             s.map.p50_us,
             s.map.p99_us,
             s.unmap.p50_us,
