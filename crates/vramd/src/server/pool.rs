@@ -25,10 +25,16 @@ pub struct Ready {
 
 struct SizeState {
     ready: Vec<Ready>,
+    /// Handles of this size a refill thread is making now.
+    making: usize,
     /// How many handles of this size to keep ready; grows on misses, shrinks when idle.
     target: usize,
     last_demand: Instant,
 }
+
+/// Threads that refill the pool: exports run in parallel on an H200 (1.1 ms each alone, 0.52 ms
+/// each on 8 threads), so a burst of misses is made up several times faster than by one.
+const REFILL_THREADS: usize = 4;
 
 /// The `tenant` for [`Pool::take`] that no recycled handle belongs to: fresh memory only.
 pub const FRESH_ONLY: u64 = u64::MAX;
@@ -69,6 +75,7 @@ impl Pool {
             .map(|s| {
                 let state = SizeState {
                     ready: Vec::new(),
+                    making: 0,
                     target: config.initial,
                     last_demand: now,
                 };
@@ -91,13 +98,17 @@ impl Pool {
         })
     }
 
-    /// Starts the background thread that keeps the pool filled.
-    pub fn start(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
-        let pool = self.clone();
-        std::thread::Builder::new()
-            .name("vramd-pool".into())
-            .spawn(move || pool.refill_loop())
-            .expect("spawn pool thread")
+    /// Starts the background threads that keep the pool filled.
+    pub fn start(self: &Arc<Self>) -> Vec<std::thread::JoinHandle<()>> {
+        (0..REFILL_THREADS)
+            .map(|i| {
+                let pool = self.clone();
+                std::thread::Builder::new()
+                    .name(format!("vramd-pool-{i}"))
+                    .spawn(move || pool.refill_loop())
+                    .expect("spawn pool thread")
+            })
+            .collect()
     }
 
     pub fn stop(&self) {
@@ -134,37 +145,86 @@ impl Pool {
     /// else a new one made now. On the device running out, pooled memory is given up and the
     /// create tried once more.
     pub fn take(&self, tenant: u64, size: Bytes) -> Result<Ready, DeviceError> {
+        let mut one = self.take_many(tenant, &[size])?;
+        Ok(one.pop().expect("one size asked, one handle"))
+    }
+
+    /// Ready handles of `sizes`, in order, as [`Pool::take`] finds each; the ones the pool does
+    /// not have are made at once, side by side (one create and export costs about 1.1 ms on an
+    /// H200, and several run in parallel). All of them, or the first error.
+    pub fn take_many(&self, tenant: u64, sizes: &[Bytes]) -> Result<Vec<Ready>, DeviceError> {
+        let mut found: Vec<Option<Ready>> = sizes
+            .iter()
+            .map(|&size| self.take_ready(tenant, size))
+            .collect();
+        let missing: Vec<usize> = (0..sizes.len()).filter(|&i| found[i].is_none()).collect();
+        if !missing.is_empty() {
+            self.wake.notify_all();
+        }
+        let made: Vec<(usize, Result<Ready, DeviceError>)> = match missing.as_slice() {
+            [] => Vec::new(),
+            &[i] => vec![(i, self.make_now(sizes[i]))],
+            _ => std::thread::scope(|scope| {
+                let workers: Vec<_> = missing
+                    .iter()
+                    .map(|&i| (i, scope.spawn(move || self.make_now(sizes[i]))))
+                    .collect();
+                workers
+                    .into_iter()
+                    .map(|(i, w)| {
+                        let r = w.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+                        (i, r)
+                    })
+                    .collect()
+            }),
+        };
+        for (i, r) in made {
+            // On an error, what was found and made is dropped: released, never handed out.
+            found[i] = Some(r?);
+        }
+        Ok(found
+            .into_iter()
+            .map(|r| r.expect("every size found or made"))
+            .collect())
+    }
+
+    /// A handle of `size` that is ready now (recycled for `tenant`, or pooled), counting the take;
+    /// on a miss, the pool keeps more of that size ready from then on.
+    fn take_ready(&self, tenant: u64, size: Bytes) -> Option<Ready> {
         if let Some(r) = self.take_recycled(tenant, size) {
-            return Ok(r);
+            return Some(r);
         }
-        {
-            let mut s = self.lock();
-            let entry = s.sizes.entry(size).or_insert_with(|| SizeState {
-                ready: Vec::new(),
-                target: 0,
-                last_demand: Instant::now(),
-            });
-            entry.last_demand = Instant::now();
-            if let Some(r) = entry.ready.pop() {
-                // Refill in batches: wake the refill thread once half the target is gone.
-                let low = entry.ready.len() <= entry.target / 2;
-                s.pooled -= size;
-                s.takes.hits += 1;
-                let wake = low && s.sleeping;
-                drop(s);
-                if wake {
-                    self.wake.notify_all();
-                }
-                return Ok(r);
+        let mut s = self.lock();
+        let entry = s.sizes.entry(size).or_insert_with(|| SizeState {
+            ready: Vec::new(),
+            making: 0,
+            target: 0,
+            last_demand: Instant::now(),
+        });
+        entry.last_demand = Instant::now();
+        if let Some(r) = entry.ready.pop() {
+            // Refill in batches: wake the refill threads once half the target is gone.
+            let low = entry.ready.len() <= entry.target / 2;
+            s.pooled -= size;
+            s.takes.hits += 1;
+            let wake = low && s.sleeping;
+            drop(s);
+            if wake {
+                self.wake.notify_all();
             }
-            // A miss: keep more of this size ready from now on.
-            let max_count = (self.config.max.get() / size.get().max(1)) as usize;
-            entry.target = (entry.target * 2).clamp(1, max_count.max(1));
-            s.takes.misses += 1;
+            return Some(r);
         }
-        self.wake.notify_all();
-        // The device may be full of pooled memory, or of a handle the refill thread is making
-        // right now (not evictable until it lands): give way, and give the refill a moment.
+        // A miss: keep more of this size ready from now on.
+        let max_count = (self.config.max.get() / size.get().max(1)) as usize;
+        entry.target = (entry.target * 2).clamp(1, max_count.max(1));
+        s.takes.misses += 1;
+        None
+    }
+
+    /// A handle made now for a grant. The device may be full of pooled memory, or of a handle a
+    /// refill thread is making right now (not evictable until it lands): give way, and give the
+    /// refill a moment.
+    fn make_now(&self, size: Bytes) -> Result<Ready, DeviceError> {
         let mut attempt = 0;
         loop {
             match self.make(size) {
@@ -275,12 +335,22 @@ impl Pool {
                 }
                 let room = s.room.min(self.config.max);
                 let pooled = s.pooled;
+                let making: Bytes = s
+                    .sizes
+                    .iter()
+                    .map(|(size, st)| Bytes(size.get() * st.making as u64))
+                    .sum();
                 let want = s
                     .sizes
                     .iter()
-                    .filter(|(size, st)| st.ready.len() < st.target && pooled + **size <= room)
+                    .filter(|(size, st)| {
+                        st.ready.len() + st.making < st.target && pooled + making + **size <= room
+                    })
                     .map(|(size, _)| *size)
                     .min();
+                if let Some(st) = want.and_then(|size| s.sizes.get_mut(&size)) {
+                    st.making += 1;
+                }
                 if want.is_none() {
                     s.sleeping = true;
                     let mut s = self
@@ -294,9 +364,13 @@ impl Pool {
                 want
             };
             let Some(size) = want else { continue };
-            match self.make(size) {
+            let made = self.make(size);
+            let mut s = self.lock();
+            if let Some(st) = s.sizes.get_mut(&size) {
+                st.making -= 1;
+            }
+            match made {
                 Ok(r) => {
-                    let mut s = self.lock();
                     s.pooled += size;
                     if let Some(st) = s.sizes.get_mut(&size) {
                         st.ready.push(r);
@@ -304,7 +378,6 @@ impl Pool {
                 }
                 Err(e) => {
                     tracing::debug!(%size, "pool refill stopped: {e}");
-                    let mut s = self.lock();
                     s.sleeping = true;
                     let mut s = self
                         .wake
@@ -339,7 +412,7 @@ mod tests {
     fn fills_ahead_within_its_room_and_gives_way() {
         let (dev, pool) = pool(Bytes::mib(8));
         pool.set_room(Bytes::mib(8));
-        let t = pool.start();
+        let threads = pool.start();
         let deadline = Instant::now() + Duration::from_secs(5);
         while pool.pooled() < Bytes::mib(4) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -359,7 +432,29 @@ mod tests {
         assert_eq!(pool.takes().recycled, 1);
         drop((a, b));
         pool.stop();
-        t.join().unwrap();
+        for t in threads {
+            t.join().unwrap();
+        }
+        assert_eq!(dev.used(), Bytes::ZERO);
+    }
+
+    #[test]
+    fn take_many_makes_what_it_lacks_and_leaks_nothing_when_one_cannot_be_made() {
+        let (dev, pool) = pool(Bytes::mib(16));
+        // Not started: nothing pooled, so every size is a miss, made at once.
+        let sizes = [Bytes::mib(2), Bytes::mib(4), Bytes::mib(6)];
+        let got = pool.take_many(1, &sizes).unwrap();
+        let made: Vec<Bytes> = got.iter().map(|r| r.handle.size()).collect();
+        assert_eq!(made, sizes);
+        assert_eq!(pool.takes().misses, 3);
+        assert_eq!(dev.used(), Bytes::mib(12));
+        // 12 MiB used of 16: a request for 2 + 4 MiB cannot all be made; none of it is kept.
+        let Err(err) = pool.take_many(1, &[Bytes::mib(2), Bytes::mib(4)]) else {
+            panic!("made more than the device holds");
+        };
+        assert!(matches!(err, DeviceError::OutOfMemory { .. }), "{err}");
+        assert_eq!(dev.used(), Bytes::mib(12));
+        drop(got);
         assert_eq!(dev.used(), Bytes::ZERO);
     }
 }

@@ -7,9 +7,7 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::histogram::Histogram;
 use vram_core::broker::{TenantId, TenantRequest};
 use vram_core::Bytes;
-use vram_proto::{
-    Conn, ErrorCode, ErrorReply, GrantId, Hello, ProtoError, Reply, Request, Role, Welcome,
-};
+use vram_proto::{Conn, ErrorCode, ErrorReply, Hello, ProtoError, Reply, Request, Role, Welcome};
 
 use super::slot::ReclaimSender;
 use super::Daemon;
@@ -229,33 +227,23 @@ impl Session {
         }
         let timeout = self.daemon.reclaim_timeout;
         let started = Instant::now();
-        let mut granted = Vec::with_capacity(sizes.len());
-        for &bytes in &sizes {
-            let asker = Asker(&self.daemon);
-            match self.daemon.slots[slot].grant(tenant, bytes, timeout, &asker) {
-                Ok(g) => granted.push(g),
-                Err(e) => {
-                    // All or none: what this request took already goes back.
-                    let ids: Vec<GrantId> = granted.iter().map(|g| g.0).collect();
-                    if !ids.is_empty() {
-                        if let Err(back) = self.daemon.slots[slot].give_back(tenant, &ids) {
-                            tracing::error!("giving back a partial GrantMany failed: {back}");
-                        }
-                    }
-                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                    tracing::warn!(
-                        tenant = name,
-                        gpu = slot,
-                        asked = bytes.get(),
-                        handles = sizes.len(),
-                        reason = e.reason.as_deref().unwrap_or(""),
-                        "refused: {}",
-                        e.message
-                    );
-                    return self.conn.send(id, &Reply::Error(e), &[]).is_ok();
-                }
+        let asker = Asker(&self.daemon);
+        let granted = match self.daemon.slots[slot].grant_many(tenant, &sizes, timeout, &asker) {
+            Ok(g) => g,
+            Err(e) => {
+                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                tracing::warn!(
+                    tenant = name,
+                    gpu = slot,
+                    asked = sizes.iter().copied().sum::<Bytes>().get(),
+                    handles = sizes.len(),
+                    reason = e.reason.as_deref().unwrap_or(""),
+                    "refused: {}",
+                    e.message
+                );
+                return self.conn.send(id, &Reply::Error(e), &[]).is_ok();
             }
-        }
+        };
         if let Some((_, h)) = self.tenant.as_ref().and_then(|t| t.grant_seconds.as_ref()) {
             h.observe(started.elapsed().as_secs_f64());
         }

@@ -147,6 +147,79 @@ impl Slot {
         timeout: std::time::Duration,
         reclaim: &dyn ReclaimSender,
     ) -> Result<(GrantId, Bytes, std::os::fd::OwnedFd), ErrorReply> {
+        let mut one = self.grant_many(tenant, &[bytes], timeout, reclaim)?;
+        Ok(one.pop().expect("one size asked, one grant"))
+    }
+
+    /// Grants handles of `sizes` (each rounded up to the granularity), in order: all of them or
+    /// none. The books first, size by size (reclaiming as [`Slot::grant`] does); then the handles,
+    /// those the pool lacks made side by side.
+    pub fn grant_many(
+        &self,
+        tenant: TenantId,
+        sizes: &[Bytes],
+        timeout: std::time::Duration,
+        reclaim: &dyn ReclaimSender,
+    ) -> Result<Vec<(GrantId, Bytes, std::os::fd::OwnedFd)>, ErrorReply> {
+        let mut booked = Vec::with_capacity(sizes.len());
+        for &bytes in sizes {
+            match self.book(tenant, bytes, timeout, reclaim) {
+                Ok(size) => booked.push(size),
+                Err(e) => {
+                    self.unbook(tenant, &booked);
+                    return Err(e);
+                }
+            }
+        }
+        let readies = match self.pool.take_many(tenant.0, &booked) {
+            Ok(r) => r,
+            Err(e) => {
+                self.unbook(tenant, &booked);
+                return Err(ErrorReply {
+                    code: ErrorCode::Device,
+                    reason: None,
+                    message: format!(
+                        "the device could not create {}: {e}",
+                        booked.iter().copied().sum::<Bytes>()
+                    ),
+                });
+            }
+        };
+        let mut s = self.lock();
+        Ok(readies
+            .into_iter()
+            .zip(booked)
+            .map(|(Ready { handle, fd }, size)| {
+                let id = GrantId(s.next_grant);
+                s.next_grant += 1;
+                // The grant table keeps the handle; the caller sends the fd.
+                s.grants.insert(id, (tenant, handle));
+                (id, size, fd)
+            })
+            .collect())
+    }
+
+    /// Gives back the books of grants that were booked but never handed out.
+    fn unbook(&self, tenant: TenantId, sizes: &[Bytes]) {
+        if sizes.is_empty() {
+            return;
+        }
+        let mut s = self.lock();
+        for &size in sizes {
+            s.broker.release(tenant, size);
+        }
+        self.pool.set_room(s.broker.free());
+    }
+
+    /// Books `bytes` (rounded up to the granularity) for `tenant`, asking tenants with idle memory
+    /// for it first when it does not fit; returns the rounded size.
+    fn book(
+        &self,
+        tenant: TenantId,
+        bytes: Bytes,
+        timeout: std::time::Duration,
+        reclaim: &dyn ReclaimSender,
+    ) -> Result<Bytes, ErrorReply> {
         let granularity = self.device.info().granularity;
         let size = match bytes.round_up(granularity) {
             Some(s) if bytes > Bytes::ZERO => s,
@@ -199,27 +272,7 @@ impl Slot {
         }
         s.broker.grant(tenant, size).map_err(|e| refused(&e))?;
         self.pool.set_room(s.broker.free());
-        drop(s);
-        let ready = match self.pool.take(tenant.0, size) {
-            Ok(r) => r,
-            Err(e) => {
-                let mut s = self.lock();
-                s.broker.release(tenant, size);
-                self.pool.set_room(s.broker.free());
-                return Err(ErrorReply {
-                    code: ErrorCode::Device,
-                    reason: None,
-                    message: format!("the device could not create {size}: {e}"),
-                });
-            }
-        };
-        let Ready { handle, fd } = ready;
-        let mut s = self.lock();
-        let id = GrantId(s.next_grant);
-        s.next_grant += 1;
-        // The grant table keeps the handle; the caller sends the fd.
-        s.grants.insert(id, (tenant, handle));
-        Ok((id, size, fd))
+        Ok(size)
     }
 
     /// Takes grants back. Every id must belong to `tenant`; otherwise nothing is taken.
