@@ -32,9 +32,10 @@ struct SizeState {
     last_demand: Instant,
 }
 
-/// Threads that refill the pool: exports run in parallel on an H200 (1.1 ms each alone, 0.52 ms
-/// each on 8 threads), so a burst of misses is made up several times faster than by one.
-const REFILL_THREADS: usize = 4;
+/// Threads that refill the pool. One: on the H200, four refill threads (with a request's missing
+/// handles made side by side) made a tenant's own import and map slower — fresh 2 MiB grant usable
+/// p50 103.7 µs against 89.9 µs — and its grants through a daemon no faster (docs/benchmarks.md).
+const REFILL_THREADS: usize = 1;
 
 /// The `tenant` for [`Pool::take`] that no recycled handle belongs to: fresh memory only.
 pub const FRESH_ONLY: u64 = u64::MAX;
@@ -150,42 +151,22 @@ impl Pool {
     }
 
     /// Ready handles of `sizes`, in order, as [`Pool::take`] finds each; the ones the pool does
-    /// not have are made at once, side by side (one create and export costs about 1.1 ms on an
-    /// H200, and several run in parallel). All of them, or the first error.
+    /// not have are made now, one after another (see [`REFILL_THREADS`]). All of them, or the
+    /// first error.
     pub fn take_many(&self, tenant: u64, sizes: &[Bytes]) -> Result<Vec<Ready>, DeviceError> {
-        let mut found: Vec<Option<Ready>> = sizes
+        let found: Vec<Option<Ready>> = sizes
             .iter()
             .map(|&size| self.take_ready(tenant, size))
             .collect();
-        let missing: Vec<usize> = (0..sizes.len()).filter(|&i| found[i].is_none()).collect();
-        if !missing.is_empty() {
+        if found.iter().any(Option::is_none) {
             self.wake.notify_all();
         }
-        let made: Vec<(usize, Result<Ready, DeviceError>)> = match missing.as_slice() {
-            [] => Vec::new(),
-            &[i] => vec![(i, self.make_now(sizes[i]))],
-            _ => std::thread::scope(|scope| {
-                let workers: Vec<_> = missing
-                    .iter()
-                    .map(|&i| (i, scope.spawn(move || self.make_now(sizes[i]))))
-                    .collect();
-                workers
-                    .into_iter()
-                    .map(|(i, w)| {
-                        let r = w.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-                        (i, r)
-                    })
-                    .collect()
-            }),
-        };
-        for (i, r) in made {
-            // On an error, what was found and made is dropped: released, never handed out.
-            found[i] = Some(r?);
-        }
-        Ok(found
+        // On an error, what was found and made is dropped: released, never handed out.
+        found
             .into_iter()
-            .map(|r| r.expect("every size found or made"))
-            .collect())
+            .zip(sizes)
+            .map(|(r, &size)| r.map_or_else(|| self.make_now(size), Ok))
+            .collect()
     }
 
     /// A handle of `size` that is ready now (recycled for `tenant`, or pooled), counting the take;
