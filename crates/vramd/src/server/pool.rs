@@ -151,7 +151,7 @@ impl Pool {
     }
 
     /// Ready handles of `sizes`, in order, as [`Pool::take`] finds each; the ones the pool does
-    /// not have are made now, one after another (see [`REFILL_THREADS`]). All of them, or the
+    /// not have are made now, one after another (see `REFILL_THREADS`). All of them, or the
     /// first error.
     pub fn take_many(&self, tenant: u64, sizes: &[Bytes]) -> Result<Vec<Ready>, DeviceError> {
         let found: Vec<Option<Ready>> = sizes
