@@ -15,8 +15,8 @@ use crate::Client;
 pub trait HandleSource: Send {
     /// Handles of exactly these sizes, each with a ticket to give it back with: all or none.
     fn take(&mut self, sizes: &[Bytes]) -> Result<Vec<(Handle, u64)>, Refused>;
-    /// Gives a handle back (it is unmapped and dropped by then).
-    fn give(&mut self, ticket: u64);
+    /// Gives handles back, in one request (they are unmapped and dropped by then).
+    fn give(&mut self, tickets: &[u64]);
 }
 
 /// Handles granted by the daemon.
@@ -42,8 +42,9 @@ impl HandleSource for DaemonSource {
         }
     }
 
-    fn give(&mut self, ticket: u64) {
-        if let Err(e) = self.client.give_back_ids(vec![vram_proto::GrantId(ticket)]) {
+    fn give(&mut self, tickets: &[u64]) {
+        let ids = tickets.iter().map(|&t| vram_proto::GrantId(t)).collect();
+        if let Err(e) = self.client.give_back_ids(ids) {
             // The daemon takes everything back when the connection ends; nothing is lost.
             tracing::warn!("returning a grant failed: {e}");
         }
@@ -77,7 +78,7 @@ impl HandleSource for LocalSource {
             .collect()
     }
 
-    fn give(&mut self, _ticket: u64) {}
+    fn give(&mut self, _tickets: &[u64]) {}
 }
 
 /// Wall time a [`MappedBacking`] spent in each kind of call.
@@ -215,12 +216,18 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         }
     }
 
-    fn release(&mut self, grant: GrantId) {
-        if let Some((handle, ticket)) = self.handles.remove(&grant) {
-            self.timed(Call::Release, |b| {
-                drop(handle);
-                b.source.give(ticket);
-            });
+    fn release(&mut self, grants: &[GrantId]) {
+        let taken: Vec<(Handle, u64)> = grants
+            .iter()
+            .filter_map(|g| self.handles.remove(g))
+            .collect();
+        if taken.is_empty() {
+            return;
         }
+        self.timed(Call::Release, |b| {
+            let tickets: Vec<u64> = taken.iter().map(|t| t.1).collect();
+            drop(taken);
+            b.source.give(&tickets);
+        });
     }
 }

@@ -28,8 +28,8 @@ pub trait Backing {
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused>;
     /// Unmaps the handle, which is mapped at `va`.
     fn unmap(&mut self, grant: GrantId, va: u64);
-    /// Gives the (unmapped) handle back to the daemon.
-    fn release(&mut self, grant: GrantId);
+    /// Gives the (unmapped) handles back to the daemon, in one request.
+    fn release(&mut self, grants: &[GrantId]);
 }
 
 /// Counts of the calls a backing received.
@@ -160,13 +160,15 @@ impl Backing for ModelBacking {
         self.counts.unmaps += 1;
     }
 
-    fn release(&mut self, grant: GrantId) {
-        let (len, at) = self
-            .grants
-            .remove(&grant)
-            .expect("releasing an unknown grant");
-        assert!(at.is_none(), "releasing {grant:?} while mapped");
-        self.held -= len;
-        self.counts.releases += 1;
+    fn release(&mut self, grants: &[GrantId]) {
+        for grant in grants {
+            let (len, at) = self
+                .grants
+                .remove(grant)
+                .expect("releasing an unknown grant");
+            assert!(at.is_none(), "releasing {grant:?} while mapped");
+            self.held -= len;
+            self.counts.releases += 1;
+        }
     }
 }

@@ -80,9 +80,16 @@ pub struct AllocConfig {
     pub edge_handle: Bytes,
     /// The largest handle of a grant split by `edge_handle`.
     pub large_handle: Bytes,
-    /// Held memory may exceed the peak of allocated bytes by this fraction before growth moves
-    /// free handles instead of granting new ones.
+    /// Held memory may exceed the peak of allocated bytes by this fraction before growth reuses
+    /// wholly free handles from elsewhere instead of adding memory.
     pub grow_slack: f64,
+    /// How growth at that cap reuses wholly free handles: `false` returns them to the daemon and
+    /// grants what the growth needs (a handle a tenant returned comes back to it first, so a
+    /// like-sized grant is a re-import); `true` unmaps them and maps them at the growth site (no
+    /// daemon call, but a moved handle brings its whole size, often more than the growth needs,
+    /// and the surplus sits free there: gpt2_generate fragments 7.04 % against 4.98 %, mean over
+    /// seven scales).
+    pub move_handles: bool,
     /// Memory above the recent peak is returned only after this long (allocator time, µs).
     pub release_delay_us: u64,
     /// Headroom kept above the recent peak of allocated bytes, as a fraction of it.
@@ -110,6 +117,7 @@ impl Default for AllocConfig {
             edge_handle: Bytes::mib(24),
             large_handle: Bytes::mib(256),
             grow_slack: 0.01,
+            move_handles: false,
             release_delay_us: 10_000_000,
             keep_fraction: 0.0625,
             seal_every: 8,
@@ -587,11 +595,17 @@ impl<B: Backing> Allocator<B> {
             .get()
             .max(self.stats.allocated.get() + len);
         let cap = peak + (peak as f64 * self.config.grow_slack) as u64;
-        let moves = if self.stats.held.get() + site.need <= cap {
+        let mut moves = if self.stats.held.get() + site.need <= cap {
             Vec::new()
         } else {
             self.pick_moves(h, &site)
         };
+        if !self.config.move_handles && !moves.is_empty() {
+            // Give them back first (room under the tenant's limit too), then grant the need below.
+            let handles: Vec<(usize, u64)> =
+                moves.drain(..).map(|(from, va, _)| (from, va)).collect();
+            self.return_handles(&handles);
+        }
         let moved: u64 = moves.iter().map(|m| m.2).sum();
         let missing = site.need.saturating_sub(moved);
         let grants = if missing == 0 {
@@ -625,8 +639,10 @@ impl<B: Backing> Allocator<B> {
         let mut pieces = pieces.into_iter();
         while let Some(m) = pieces.next() {
             if let Err(source) = self.backing.map(m.grant, va) {
-                for m in std::iter::once(m).chain(pieces) {
-                    self.backing.release(m.grant);
+                let unmapped: Vec<Mapped> = std::iter::once(m).chain(pieces).collect();
+                let grants: Vec<GrantId> = unmapped.iter().map(|m| m.grant).collect();
+                self.backing.release(&grants);
+                for m in unmapped {
                     self.stats.on_return(m.len);
                 }
                 return Err(self.out_of_memory(len, source));
@@ -727,17 +743,31 @@ impl<B: Backing> Allocator<B> {
         }
         handles.sort_by_key(|c| std::cmp::Reverse(c.2));
         let mut released = 0;
+        let mut chosen = Vec::new();
         for (h, va, l) in handles {
             if released + l > budget {
                 continue;
             }
+            chosen.push((h, va));
+            released += l;
+        }
+        self.return_handles(&chosen);
+        released
+    }
+
+    /// Unmaps the wholly free handles at `(heap, va)` and gives them back in one request.
+    fn return_handles(&mut self, handles: &[(usize, u64)]) {
+        if handles.is_empty() {
+            return;
+        }
+        let mut grants = Vec::with_capacity(handles.len());
+        for &(h, va) in handles {
             let m = self.heaps[h].remove(va);
             self.backing.unmap(m.grant, va);
             self.stats.unmaps += 1;
-            self.backing.release(m.grant);
             self.stats.on_return(m.len);
-            released += l;
+            grants.push(m.grant);
         }
-        released
+        self.backing.release(&grants);
     }
 }

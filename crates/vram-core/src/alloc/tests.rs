@@ -161,8 +161,12 @@ fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
     a < b + blen && b < a + alen
 }
 
-fn run_ops(ops: Vec<Op>) {
-    let mut a = Allocator::new(small_config(), ModelBacking::new());
+fn run_ops(ops: Vec<Op>, move_handles: bool) {
+    let config = AllocConfig {
+        move_handles,
+        ..small_config()
+    };
+    let mut a = Allocator::new(config, ModelBacking::new());
     let fences = TestFences::default();
     // Live blocks: offset -> (size, stream). Each is freed on its stream, as PyTorch does.
     let mut live: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
@@ -333,8 +337,11 @@ fn reset_peaks_starts_over_from_now() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
     #[test]
-    fn allocator_invariants_hold(ops in proptest::collection::vec(op(), 1..300)) {
-        run_ops(ops);
+    fn allocator_invariants_hold(
+        ops in proptest::collection::vec(op(), 1..300),
+        move_handles in any::<bool>(),
+    ) {
+        run_ops(ops, move_handles);
     }
 }
 
@@ -403,19 +410,39 @@ fn a_growth_refused_in_part_holds_none_of_it() {
 }
 
 #[test]
-fn growth_moves_free_handles_before_granting() {
-    let mut a = Allocator::new(small_config(), ModelBacking::new());
-    let f = AlwaysComplete;
-    let x = a.alloc(Bytes::mib(8), StreamId(0), &f).unwrap();
-    let _pin = a.alloc(Bytes::mib(2), StreamId(0), &f).unwrap();
-    a.free(x.offset, StreamId(0), Fence(0), &f).unwrap();
-    let held = a.stats().held;
-    let big = a.alloc(Bytes::mib(12), StreamId(0), &f).unwrap();
-    assert!(a.backing().is_mapped(big.offset, big.size.get()));
-    assert!(
-        a.stats().held <= held + Bytes::mib(4),
-        "moved the free 8 MiB instead of granting 12"
-    );
+fn growth_at_the_cap_reuses_free_handles_instead_of_adding_memory() {
+    for move_handles in [false, true] {
+        let config = AllocConfig {
+            move_handles,
+            ..small_config()
+        };
+        let mut a = Allocator::new(config, ModelBacking::new());
+        let f = AlwaysComplete;
+        let x = a.alloc(Bytes::mib(8), StreamId(0), &f).unwrap();
+        let _pin = a.alloc(Bytes::mib(2), StreamId(0), &f).unwrap();
+        a.free(x.offset, StreamId(0), Fence(0), &f).unwrap();
+        let held = a.stats().held;
+        let before = a.backing().counts();
+        let big = a.alloc(Bytes::mib(12), StreamId(0), &f).unwrap();
+        assert!(a.backing().is_mapped(big.offset, big.size.get()));
+        assert!(
+            a.stats().held <= held + Bytes::mib(4),
+            "move_handles={move_handles}: reused the free 8 MiB instead of granting 12"
+        );
+        let c = a.backing().counts();
+        let (releases, granted) = (
+            c.releases - before.releases,
+            c.granted_bytes - before.granted_bytes,
+        );
+        if move_handles {
+            // The free handle was unmapped and mapped again at the growth site.
+            assert_eq!((releases, granted), (0, 4 << 20));
+        } else {
+            // It went back to the daemon, and the growth was granted what it needs.
+            assert_eq!(releases, 1);
+            assert!((4 << 20..=12 << 20).contains(&granted), "{granted}");
+        }
+    }
 }
 
 #[test]

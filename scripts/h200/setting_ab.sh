@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# One device call: the build's default allocator settings against `--set SETTING` (e.g.
+# move_handles=true), interleaved on one machine: the in-process replay three times each, the
+# tenant's real path (`--through-daemon --realtime`) once each, then PyTorch full-mode peaks on the
+# default (BERT batch 64 deterministic, BERT batch 16, ResNet-50; plain and expandable once each
+# beside it). About 6 minutes. PEAKS=0 leaves the training runs out.
+set -u
+SETTING=${1:?usage: setting_ab.sh NAME=VALUE}
+R=${OUT:?run on the device machine, where OUT is set}/r
+mkdir -p "$R"
+step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  ( time timeout "$limit" "$@" ) > "$R/$name.log" 2>&1
+  echo "   exit $?"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$R/env.txt" 2>&1
+V=.gpu/bin/vramd
+for i in 1 2 3; do
+  step "replay_cuda_default_$i" 60 $V replay --backend cuda --json .gpu/traces/*.gz
+  step "replay_cuda_setting_$i" 60 $V replay --backend cuda --json --set "$SETTING" .gpu/traces/*.gz
+done
+T=(replay --backend cuda --through-daemon --realtime --json .gpu/traces/*.gz)
+step daemon_realtime_default 45 $V "${T[@]}"
+step daemon_realtime_setting 45 $V "${T[@]}" --set "$SETTING"
+if [ "${PEAKS:-1}" != 0 ]; then
+  BATCH=64 DETERMINISTIC=1 STEPS=80 TAG=bert64 LIMIT=150 bash scripts/h200/training.sh bert 1 full
+  TAG=bert16 LIMIT=120 bash scripts/h200/training.sh bert 1 full
+  TAG=resnet LIMIT=120 bash scripts/h200/training.sh resnet50 1 full
+fi
+rm -f "$R"/*/vramd.sock
+tar czf "$OUT/r.tgz" -C "$OUT" r
