@@ -84,10 +84,11 @@ pub struct AllocConfig {
     /// wholly free handles from elsewhere instead of adding memory.
     pub grow_slack: f64,
     /// How growth at that cap reuses wholly free handles: `false` returns them to the daemon and
-    /// grants what the growth needs (a handle a tenant returned comes back to it first, so a
-    /// like-sized grant is a re-import); `true` unmaps them and maps them at the growth site (no
-    /// daemon call, but a moved handle brings its whole size, often more than the growth needs,
-    /// and the surplus sits free there: gpt2_generate fragments 7.04 % against 4.98 %, mean over
+    /// grants what the growth needs as one handle (a handle a tenant returned comes back to it
+    /// first, so a like-sized grant is a re-import), except that one free handle of just the size
+    /// needed is moved; `true` always unmaps them and maps them at the growth site (no daemon
+    /// call, but a moved handle brings its whole size, often more than the growth needs, and
+    /// the surplus sits free there: gpt2_generate fragments 7.04 % against 4.98 %, mean over
     /// seven scales).
     pub move_handles: bool,
     /// Memory above the recent peak is returned only after this long (allocator time, µs).
@@ -600,8 +601,12 @@ impl<B: Backing> Allocator<B> {
         } else {
             self.pick_moves(h, &site)
         };
-        if !self.config.move_handles && !moves.is_empty() {
-            // Give them back first (room under the tenant's limit too), then grant the need below.
+        // One free handle of just the size needed is moved: returned, the daemon would hand the
+        // same handle back. Otherwise they go back first (room under the tenant's limit too), and
+        // the need is granted below as one handle: a move would bring their whole size, and
+        // several small ones in place of one.
+        let exact = matches!(moves.as_slice(), [(_, _, l)] if *l == site.need);
+        if !self.config.move_handles && !moves.is_empty() && !exact {
             let handles: Vec<(usize, u64)> =
                 moves.drain(..).map(|(from, va, _)| (from, va)).collect();
             self.return_handles(&handles);

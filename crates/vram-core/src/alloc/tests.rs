@@ -446,6 +446,31 @@ fn growth_at_the_cap_reuses_free_handles_instead_of_adding_memory() {
 }
 
 #[test]
+fn a_free_handle_of_just_the_size_needed_is_moved_not_returned() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let f = AlwaysComplete;
+    // Three 8 MiB blocks, each in a handle of its own, side by side; the outer two freed.
+    let blocks: Vec<Block> = (0..3)
+        .map(|_| a.alloc(Bytes::mib(8), StreamId(0), &f).unwrap())
+        .collect();
+    assert_eq!(a.backing().counts().grants, 3);
+    a.free(blocks[0].offset, StreamId(0), Fence(0), &f).unwrap();
+    a.free(blocks[2].offset, StreamId(0), Fence(0), &f).unwrap();
+    let before = a.backing().counts();
+    // 16 MiB fit nowhere; growing the last free region by 8 MiB would pass the cap (24 MiB held,
+    // 24 MiB peak), so the first handle, wholly free and of just that size, is moved there.
+    let big = a.alloc(Bytes::mib(16), StreamId(0), &f).unwrap();
+    assert!(a.backing().is_mapped(big.offset, big.size.get()));
+    let c = a.backing().counts();
+    assert_eq!(
+        (c.grants, c.releases, c.unmaps, c.maps),
+        (before.grants, 0, 1, before.maps + 1),
+        "{c:?}"
+    );
+    assert_eq!(a.stats().held, Bytes::mib(24));
+}
+
+#[test]
 fn a_repeated_step_does_not_thrash_and_idle_memory_goes_back_after_the_delay() {
     let config = AllocConfig {
         release_delay_us: 1_000_000,
