@@ -13,9 +13,11 @@
 //!   region that needs the least new memory. While held memory stays within `grow_slack` of the
 //!   peak allocated, by a grant sized to the need (at least `min_grow`; above `max_handle`, split
 //!   into handles that are small at both ends and large in the middle, so that the part of a large
-//!   block's region that a later, smaller block leaves free lies in handles of its own); above it,
-//!   first by moving wholly free handles from elsewhere (unmap and map again, no new memory held),
-//!   then by a grant of what is still missing.
+//!   block's region that a later, smaller block leaves free lies in handles of its own; all of a
+//!   growth's handles in one request); above it, wholly free handles elsewhere are returned first
+//!   and the need granted (a moved handle would bring its whole size, and small ones stay small),
+//!   except that one free handle of just the size needed is moved (unmapped and mapped again);
+//!   `move_handles` moves them all instead.
 //! - Streams: a block freed on stream `S` is reusable at once by `S`, and by other streams once a
 //!   fence recorded on `S` at or after the free completes (see `stream.rs`). Deferred frees are
 //!   fenced together: before growing, on `trim`, on a `tick` after a tick period without
