@@ -591,7 +591,7 @@ impl<B: Backing> Allocator<B> {
                 va: self.config.va_bytes,
             })?;
         // Below the cap, grant: the slack lets later blocks wrap around into old holes instead of
-        // every growth moving handles. At the cap, move wholly free handles first.
+        // every growth reusing handles. At the cap, reuse wholly free handles first.
         let peak = self
             .stats
             .allocated_peak
@@ -661,8 +661,9 @@ impl<B: Backing> Allocator<B> {
         Ok(())
     }
 
-    /// Wholly free handles to move next to the growth site instead of granting new memory, as
-    /// `(heap, va, len)`: the smallest one that covers the need, else the largest ones first.
+    /// Wholly free handles to reuse for the growth site instead of adding memory (returned, or
+    /// moved there), as `(heap, va, len)`: the smallest one that covers the need, else the
+    /// largest ones first.
     fn pick_moves(&self, h: usize, site: &Site) -> Vec<(usize, u64, u64)> {
         let gran = self.config.granularity.get();
         let room = site.gap.1;
