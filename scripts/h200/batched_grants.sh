@@ -5,16 +5,7 @@
 # and real-path replays, interleaved with this build's on the same machine. About 5 minutes with
 # two other builds (COMPAT=0 leaves out PyTorch's compatibility checks: 1 minute less).
 set -u
-R=${OUT:?run on the device machine, where OUT is set}/r
-mkdir -p "$R"
-step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/NAME.log
-  local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s)"
-  ( time timeout "$limit" "$@" ) > "$R/$name.log" 2>&1
-  echo "   exit $?"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
-  python3 -c "import torch; print('torch', torch.__version__)"; } > "$R/env.txt" 2>&1
+. "$(dirname "$0")/lib.sh"
 step gpu_tests 150 bash .gpu/run
 builds=(vramd)
 for b in .gpu/bin/vramd-*; do [ -x "$b" ] && builds+=("$(basename "$b")"); done

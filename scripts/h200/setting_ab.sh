@@ -6,15 +6,7 @@
 # beside it). About 6 minutes. PEAKS=0 leaves the training runs out.
 set -u
 SETTING=${1:?usage: setting_ab.sh NAME=VALUE}
-R=${OUT:?run on the device machine, where OUT is set}/r
-mkdir -p "$R"
-step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/NAME.log
-  local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s)"
-  ( time timeout "$limit" "$@" ) > "$R/$name.log" 2>&1
-  echo "   exit $?"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc; } > "$R/env.txt" 2>&1
+. "$(dirname "$0")/lib.sh"
 V=.gpu/bin/vramd
 for i in 1 2 3; do
   step "replay_cuda_default_$i" 60 $V replay --backend cuda --json .gpu/traces/*.gz

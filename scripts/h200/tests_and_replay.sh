@@ -2,16 +2,7 @@
 # One device call: GPU tests, replays on the device, C ABI pair, PyTorch compatibility (COMPAT=0
 # leaves that out).
 set -u
-R=${OUT:?run on the device machine, where OUT is set}/r
-mkdir -p "$R"
-step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/NAME.log
-  local name=$1 limit=$2; shift 2
-  echo "== $name (limit ${limit}s)"
-  ( time timeout "$limit" "$@" ) > "$R/$name.log" 2>&1
-  echo "   exit $?"
-}
-{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
-  python3 -c "import torch; print('torch', torch.__version__)"; } > "$R/env.txt" 2>&1
+. "$(dirname "$0")/lib.sh"
 step gpu_tests 120 bash .gpu/run
 step replay_cuda 120 .gpu/bin/vramd replay --backend cuda --json .gpu/traces/*.gz
 step replay_cuda_through_daemon 150 .gpu/bin/vramd replay --backend cuda --through-daemon --json .gpu/traces/*.gz

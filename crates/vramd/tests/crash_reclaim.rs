@@ -163,10 +163,7 @@ fn sigkilled_tenants_leave_nothing_behind() {
     assert_eq!(took["taken"], Bytes::mib(8).get(), "{took}");
     assert_eq!(fresh.cmd("verify")["ok"], true);
     fresh.exit();
-    assert!(wait_until(Duration::from_secs(5), || d
-        .status()
-        .tenants
-        .is_empty()));
+    d.wait_for_no_tenants();
     assert_eq!(unexplained_fds(&d), baseline);
     d.stop();
 }

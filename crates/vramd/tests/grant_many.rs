@@ -5,7 +5,7 @@ mod common;
 use std::os::unix::net::UnixStream;
 use std::time::Duration;
 
-use common::{wait_until, Daemon};
+use common::Daemon;
 use vram_client::{Client, TenantOptions};
 use vram_core::Bytes;
 use vram_proto::{Conn, ErrorCode, Hello, Reply, Request, Role, MAX_FDS};
@@ -60,10 +60,7 @@ fn one_reply_carries_every_handle_asked_for() {
     let t = d.status().tenants.into_iter().find(|t| t.name == "batch");
     assert_eq!(t.map(|t| t.grants), Some(3));
     drop(conn);
-    assert!(wait_until(Duration::from_secs(5), || d
-        .status()
-        .tenants
-        .is_empty()));
+    d.wait_for_no_tenants();
     assert_eq!(d.status().devices[0].held, Bytes::ZERO);
     d.stop();
 }

@@ -2,9 +2,9 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use common::{wait_until, Daemon};
+use common::Daemon;
 use vram_core::Bytes;
 
 const TENANTS: usize = 64;
@@ -42,10 +42,7 @@ fn sixty_four_tenants_cycle_concurrently_without_error() {
     for t in tenants {
         t.exit();
     }
-    assert!(wait_until(Duration::from_secs(5), || d
-        .status()
-        .tenants
-        .is_empty()));
+    d.wait_for_no_tenants();
     assert_eq!(d.status().devices[0].held, Bytes::ZERO);
     d.stop();
 }
@@ -84,9 +81,6 @@ fn threads_share_one_tenant_connection() {
         )
     );
     drop(client);
-    assert!(wait_until(Duration::from_secs(5), || d
-        .status()
-        .tenants
-        .is_empty()));
+    d.wait_for_no_tenants();
     d.stop();
 }

@@ -80,6 +80,12 @@ impl Daemon {
         self.child.as_ref().expect("running").id()
     }
 
+    /// Waits up to 5 s for every tenant's connection to be gone; panics if one is still there.
+    pub fn wait_for_no_tenants(&self) {
+        let gone = wait_until(Duration::from_secs(5), || self.status().tenants.is_empty());
+        assert!(gone, "tenants still connected: {:?}", self.status().tenants);
+    }
+
     pub fn status(&self) -> StatusReport {
         Observer::connect(Some(&self.socket))
             .and_then(|o| o.status())

@@ -1,0 +1,12 @@
+# Sourced by the scripts beside it: $R (the results folder, $OUT/r), `step`, and the machine's
+# description in $R/env.txt.
+R=${OUT:?run on the device machine, where OUT is set}/r
+mkdir -p "$R"
+step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s)"
+  ( time timeout "$limit" "$@" ) > "$R/$name.log" 2>&1
+  echo "   exit $?"
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
+  python3 -c "import torch; print('torch', torch.__version__)"; } > "$R/env.txt" 2>&1
