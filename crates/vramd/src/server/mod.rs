@@ -132,7 +132,7 @@ impl Server {
         for (i, device) in opts.devices.iter().enumerate() {
             let policy = (opts.policy)(device.as_ref());
             let pool = Pool::new(device.clone(), opts.pool.clone());
-            pool_threads.extend(pool.start());
+            pool_threads.push(pool.start());
             slots.push(Slot::new(i as u32, device.clone(), policy, pool)?);
         }
         let daemon = Arc::new(Daemon {

@@ -25,17 +25,10 @@ pub struct Ready {
 
 struct SizeState {
     ready: Vec<Ready>,
-    /// Handles of this size a refill thread is making now.
-    making: usize,
     /// How many handles of this size to keep ready; grows on misses, shrinks when idle.
     target: usize,
     last_demand: Instant,
 }
-
-/// Threads that refill the pool. One: on the H200, four refill threads (with a request's missing
-/// handles made side by side) made a tenant's own import and map slower — fresh 2 MiB grant usable
-/// p50 103.7 µs against 89.9 µs — and its grants through a daemon no faster (docs/benchmarks.md).
-const REFILL_THREADS: usize = 1;
 
 /// The `tenant` for [`Pool::take`] that no recycled handle belongs to: fresh memory only.
 pub const FRESH_ONLY: u64 = u64::MAX;
@@ -76,7 +69,6 @@ impl Pool {
             .map(|s| {
                 let state = SizeState {
                     ready: Vec::new(),
-                    making: 0,
                     target: config.initial,
                     last_demand: now,
                 };
@@ -99,17 +91,16 @@ impl Pool {
         })
     }
 
-    /// Starts the background threads that keep the pool filled.
-    pub fn start(self: &Arc<Self>) -> Vec<std::thread::JoinHandle<()>> {
-        (0..REFILL_THREADS)
-            .map(|i| {
-                let pool = self.clone();
-                std::thread::Builder::new()
-                    .name(format!("vramd-pool-{i}"))
-                    .spawn(move || pool.refill_loop())
-                    .expect("spawn pool thread")
-            })
-            .collect()
+    /// Starts the background thread that keeps the pool filled. One: on the H200, four refill
+    /// threads (with a request's missing handles made side by side) made a tenant's own import and
+    /// map slower — fresh 2 MiB grant usable p50 103.7 µs against 89.9 µs — and its grants through
+    /// a daemon no faster (docs/benchmarks.md, seventh session).
+    pub fn start(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
+        let pool = self.clone();
+        std::thread::Builder::new()
+            .name("vramd-pool".into())
+            .spawn(move || pool.refill_loop())
+            .expect("spawn pool thread")
     }
 
     pub fn stop(&self) {
@@ -151,7 +142,7 @@ impl Pool {
     }
 
     /// Ready handles of `sizes`, in order, as [`Pool::take`] finds each; the ones the pool does
-    /// not have are made now, one after another (see `REFILL_THREADS`). All of them, or the
+    /// not have are made now, one after another (see [`Pool::start`]). All of them, or the
     /// first error.
     pub fn take_many(&self, tenant: u64, sizes: &[Bytes]) -> Result<Vec<Ready>, DeviceError> {
         let found: Vec<Option<Ready>> = sizes
@@ -178,13 +169,12 @@ impl Pool {
         let mut s = self.lock();
         let entry = s.sizes.entry(size).or_insert_with(|| SizeState {
             ready: Vec::new(),
-            making: 0,
             target: 0,
             last_demand: Instant::now(),
         });
         entry.last_demand = Instant::now();
         if let Some(r) = entry.ready.pop() {
-            // Refill in batches: wake the refill threads once half the target is gone.
+            // Refill in batches: wake the refill thread once half the target is gone.
             let low = entry.ready.len() <= entry.target / 2;
             s.pooled -= size;
             s.takes.hits += 1;
@@ -316,22 +306,12 @@ impl Pool {
                 }
                 let room = s.room.min(self.config.max);
                 let pooled = s.pooled;
-                let making: Bytes = s
-                    .sizes
-                    .iter()
-                    .map(|(size, st)| Bytes(size.get() * st.making as u64))
-                    .sum();
                 let want = s
                     .sizes
                     .iter()
-                    .filter(|(size, st)| {
-                        st.ready.len() + st.making < st.target && pooled + making + **size <= room
-                    })
+                    .filter(|(size, st)| st.ready.len() < st.target && pooled + **size <= room)
                     .map(|(size, _)| *size)
                     .min();
-                if let Some(st) = want.and_then(|size| s.sizes.get_mut(&size)) {
-                    st.making += 1;
-                }
                 if want.is_none() {
                     s.sleeping = true;
                     let mut s = self
@@ -347,9 +327,6 @@ impl Pool {
             let Some(size) = want else { continue };
             let made = self.make(size);
             let mut s = self.lock();
-            if let Some(st) = s.sizes.get_mut(&size) {
-                st.making -= 1;
-            }
             match made {
                 Ok(r) => {
                     s.pooled += size;
@@ -393,7 +370,7 @@ mod tests {
     fn fills_ahead_within_its_room_and_gives_way() {
         let (dev, pool) = pool(Bytes::mib(8));
         pool.set_room(Bytes::mib(8));
-        let threads = pool.start();
+        let t = pool.start();
         let deadline = Instant::now() + Duration::from_secs(5);
         while pool.pooled() < Bytes::mib(4) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(5));
@@ -413,9 +390,7 @@ mod tests {
         assert_eq!(pool.takes().recycled, 1);
         drop((a, b));
         pool.stop();
-        for t in threads {
-            t.join().unwrap();
-        }
+        t.join().unwrap();
         assert_eq!(dev.used(), Bytes::ZERO);
     }
 
