@@ -4,9 +4,11 @@
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::{Duration, Instant};
 
 use vram_core::Bytes;
 use vram_device::{Device, Handle};
@@ -62,6 +64,8 @@ pub struct Client {
     welcome: Welcome,
     device: Arc<dyn Device>,
     reclaim: Arc<Mutex<Option<ReclaimHandler>>>,
+    /// Nanoseconds spent importing granted handles, in all.
+    import_ns: Arc<AtomicU64>,
     /// The application's handle (not the reclaim worker's view): closes the connection on drop.
     owner: bool,
 }
@@ -109,6 +113,7 @@ impl Client {
             welcome,
             device,
             reclaim: Arc::new(Mutex::new(None)),
+            import_ns: Arc::default(),
             owner: true,
         };
         client.start_reclaim_worker(reclaim_rx);
@@ -122,6 +127,7 @@ impl Client {
             welcome: self.welcome.clone(),
             device: self.device.clone(),
             reclaim: self.reclaim.clone(),
+            import_ns: self.import_ns.clone(),
             owner: false,
         };
         thread::Builder::new()
@@ -184,6 +190,7 @@ impl Client {
     /// One `Grant` (one size) or `GrantMany` round trip, and the imports.
     fn grant_round_trip(&self, sizes: &[Bytes]) -> Result<Vec<Grant>, ClientError> {
         let granted = self.request_grants(sizes)?;
+        let started = Instant::now();
         let mut out = Vec::with_capacity(granted.len());
         let mut ids = Vec::with_capacity(granted.len());
         let mut failed = None;
@@ -196,6 +203,8 @@ impl Client {
                 }
             }
         }
+        let spent = started.elapsed().as_nanos() as u64;
+        self.import_ns.fetch_add(spent, Ordering::Relaxed);
         if let Some(e) = failed {
             // The daemon holds every one of them for us: give them all back (imports first).
             drop(out);
@@ -205,6 +214,12 @@ impl Client {
             return Err(e.into());
         }
         Ok(out)
+    }
+
+    /// Time spent importing the handles [`Client::grant`] and [`Client::grant_many`] brought, in
+    /// all (the rest of a grant's time is its round trip).
+    pub fn import_time(&self) -> Duration {
+        Duration::from_nanos(self.import_ns.load(Ordering::Relaxed))
     }
 
     /// Takes one handle of at least `bytes` and leaves the import to the caller: the round trip

@@ -124,6 +124,14 @@ fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() 
         .map(|k| takes[k].as_u64().unwrap())
         .sum();
     assert_eq!(sum, b["grants"].as_u64().unwrap(), "{takes}");
+    // The takes' time splits into round trips and imports.
+    assert!(a.get("take_import_us").is_none());
+    let import = b["take_import_us"].as_f64().unwrap();
+    let take = b["measured_calls_us"]["take"].as_f64().unwrap();
+    assert!(
+        0.0 < import && import < take,
+        "import {import} µs of {take} µs"
+    );
 }
 
 #[test]

@@ -90,6 +90,10 @@ pub struct Outcome {
     /// (a miss is a create and an export on the grant's path, about 1.1 ms on an H200).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool_takes: Option<PoolTakes>,
+    /// With `--through-daemon`: of the takes' time, the part spent importing the handles (the
+    /// rest is the grant requests' round trips).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub take_import_us: Option<f64>,
 }
 
 /// Microseconds spent in each kind of backing call (see [`CallTimes`]).
@@ -260,6 +264,7 @@ pub fn replay_through(
             .unwrap_or_default())
     };
     let before = takes(&client)?;
+    let imported = client.import_time();
     let mut outcome = run_trace(
         name,
         trace,
@@ -270,6 +275,7 @@ pub fn replay_through(
         pace,
     )?;
     outcome.pool_takes = Some(takes(&client)?.since(before));
+    outcome.take_import_us = Some((client.import_time() - imported).as_secs_f64() * 1e6);
     Ok(outcome)
 }
 
@@ -367,6 +373,7 @@ fn run_trace<S: HandleSource>(
         measured_calls_us: calls.into(),
         take_us,
         pool_takes: None,
+        take_import_us: None,
     })
 }
 
