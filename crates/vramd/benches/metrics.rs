@@ -1,4 +1,4 @@
-//! What metrics add to one grant: a clock read before and after `Slot::grant` and one histogram
+//! What metrics add to one grant: a clock read before and after `Slot::grant_many` and one histogram
 //! observation (session.rs), against the grant itself (tens of microseconds on the host backend).
 
 use std::time::Instant;

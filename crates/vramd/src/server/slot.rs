@@ -138,22 +138,10 @@ impl Slot {
         Ok((id, tenant))
     }
 
-    /// Grants one handle of `bytes` (rounded up to the granularity). When memory is short, first
-    /// asks tenants with idle memory to give it back and waits up to `timeout` for them.
-    pub fn grant(
-        &self,
-        tenant: TenantId,
-        bytes: Bytes,
-        timeout: std::time::Duration,
-        reclaim: &dyn ReclaimSender,
-    ) -> Result<(GrantId, Bytes, std::os::fd::OwnedFd), ErrorReply> {
-        let mut one = self.grant_many(tenant, &[bytes], timeout, reclaim)?;
-        Ok(one.pop().expect("one size asked, one grant"))
-    }
-
     /// Grants handles of `sizes` (each rounded up to the granularity), in order: all of them or
-    /// none. The books first, size by size (reclaiming as [`Slot::grant`] does); then the handles,
-    /// those the pool lacks made side by side.
+    /// none. The books first, size by size: when memory is short, tenants with idle memory are
+    /// asked to give it back, and the grant waits up to `timeout` for them. Then the handles, from
+    /// the pool ([`super::pool::Pool::take_many`]).
     pub fn grant_many(
         &self,
         tenant: TenantId,
