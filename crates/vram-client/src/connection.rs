@@ -297,6 +297,14 @@ impl Client {
         }
     }
 
+    /// Returns grants by id without waiting for the daemon's answer: the return costs this
+    /// process a send, not a round trip. The daemon handles a connection's requests in order, so
+    /// every later request of this client (a grant, a status, [`Client::ping`]) finds them back;
+    /// a refusal (an id it does not know) is logged when its reply is read.
+    pub fn give_back_unanswered(&self, grants: Vec<GrantId>) -> Result<(), ClientError> {
+        self.shared.send_only(&Request::Return { grants })
+    }
+
     /// Tells the daemon what the allocator uses and caches, for status, metrics and reclaim.
     pub fn report_usage(&self, in_use: Bytes, cached: Bytes) -> Result<(), ClientError> {
         self.shared

@@ -117,6 +117,19 @@ impl Transport {
         result
     }
 
+    /// Sends `request` without waiting for its reply: the daemon answers the requests of a
+    /// connection one after another, so every request sent later is answered after this one was
+    /// handled. The reply is dropped when it is read; an error reply is logged.
+    pub(crate) fn send_only(&self, request: &Request) -> Result<(), ClientError> {
+        if self.dead.load(Ordering::Acquire) {
+            return Err(self.lost(lock(&self.dead_reason).clone()));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.calls.fetch_add(1, Ordering::AcqRel);
+        self.conn.send(id, request, &[])?;
+        Ok(())
+    }
+
     fn exchange(&self, id: u64, request: &Request) -> Result<Received<Reply>, ClientError> {
         if self.dead.load(Ordering::Acquire) {
             return Err(self.lost(lock(&self.dead_reason).clone()));
@@ -187,12 +200,16 @@ impl Transport {
         mail.reading = false;
         match frame {
             Ok(r) if r.id == 0 => self.unasked(r.msg),
-            Ok(r) => {
-                // A reply nobody waits for any more is dropped, with its fds.
-                if let Some(b) = mail.boxes.get_mut(&r.id) {
-                    *b = Some(Ok(r));
+            Ok(r) => match mail.boxes.get_mut(&r.id) {
+                Some(b) => *b = Some(Ok(r)),
+                // A reply nobody waits for (a request sent with `send_only`, or a call that
+                // gave up) is dropped, with its fds; a refusal is worth a line in the log.
+                None => {
+                    if let Reply::Error(e) = r.msg {
+                        tracing::warn!("vramd refused a request sent without waiting: {e}");
+                    }
                 }
-            }
+            },
             // A frame this side cannot read leaves every caller waiting forever: give up on all.
             Err(e) => {
                 let reason = match e {

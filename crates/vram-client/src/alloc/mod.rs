@@ -340,10 +340,15 @@ impl<S: HandleSource> CachingAllocator<S> {
     }
 
     /// Returns every idle byte to the daemon now (its reclaim request): the thread caches are
-    /// emptied into the core, which gives back every wholly free handle. Returns the bytes.
+    /// emptied into the core, which gives back every wholly free handle. Returns the bytes, once
+    /// the daemon has them (returns while allocating are not waited for; see
+    /// [`HandleSource::give`]).
     pub fn trim(&self) -> Bytes {
         self.flush_caches();
-        self.core().trim(self.events.as_ref())
+        let mut core = self.core();
+        let trimmed = core.trim(self.events.as_ref());
+        core.backing_mut().settle();
+        trimmed
     }
 
     fn flush_caches(&self) {
