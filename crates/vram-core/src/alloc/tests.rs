@@ -471,6 +471,38 @@ fn a_free_handle_of_just_the_size_needed_is_moved_not_returned() {
 }
 
 #[test]
+fn small_blocks_at_the_cap_use_the_large_heaps_free_room_instead_of_growing() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let f = AlwaysComplete;
+    let s = StreamId(0);
+    // A 32 MiB peak of large blocks, then all of it free: the large heap holds 32 MiB of wholly
+    // free handles, each larger than a small-heap page.
+    let big: Vec<Block> = (0..2)
+        .map(|_| a.alloc(Bytes::mib(16), s, &f).unwrap())
+        .collect();
+    for b in &big {
+        a.free(b.offset, s, Fence(0), &f).unwrap();
+    }
+    let held = a.stats().held;
+    let grants = a.backing().counts().grants;
+    // A small-heap page would take what it holds past the cap (1 % above the 32 MiB peak): the
+    // small blocks go to the large heap's free room; nothing is granted, nothing more is held.
+    let small: Vec<Block> = (0..40)
+        .map(|_| a.alloc(Bytes(600 << 10), s, &f).unwrap())
+        .collect();
+    assert!(small.iter().all(|b| !a.small_heap().contains(&b.offset)));
+    assert_eq!(a.backing().counts().grants, grants);
+    assert_eq!(a.stats().held, held);
+    // Below the cap the small heap grows as before: a fresh allocator's small blocks never
+    // land in the large heap.
+    let mut fresh = Allocator::new(small_config(), ModelBacking::new());
+    for _ in 0..40 {
+        let b = fresh.alloc(Bytes(600 << 10), s, &f).unwrap();
+        assert!(fresh.small_heap().contains(&b.offset));
+    }
+}
+
+#[test]
 fn a_repeated_step_does_not_thrash_and_idle_memory_goes_back_after_the_delay() {
     let config = AllocConfig {
         release_delay_us: 1_000_000,
