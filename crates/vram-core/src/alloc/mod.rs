@@ -7,8 +7,8 @@
 //! reservation ("stitching"): handles that were never adjacent form one contiguous range, so a large
 //! block may span several, and free ranges merge across them. Small requests (below `small_limit`)
 //! live in their own heap of 2 MiB pages so that they do not pin holes among large blocks, except
-//! when that heap is full and growing it would pass the cap (below): then they go where the large
-//! heap has room, rather than holding more while memory lies free.
+//! when that heap is full and growing it would pass the cap (below): then they may go where the
+//! large heap has room (`small_fallback`), rather than holding more while memory lies free.
 //!
 //! - Allocation: the request is rounded up to `align` (512 B size classes) and served best fit from
 //!   the free regions the stream may use. When none fits, the heap grows next to the usable free
@@ -108,6 +108,14 @@ pub struct AllocConfig {
     /// per this many (each asking is a driver call per stream with pending frees); an allocation
     /// that finds no room always asks first.
     pub poll_every: u32,
+    /// A small block that finds no room in the small heap, when growing that heap would pass the
+    /// growth cap, goes where the large heap has room instead — while the bytes allocated stay
+    /// below this fraction of their peak (0: never; 1 or more: always at the cap, a new peak
+    /// included). The small heap can
+    /// only take free handles as small as its need, so otherwise it grants pages while memory lies
+    /// free in the large heap (gpt2_generate's decode after its largest prefill held 18 MiB more
+    /// with 890 MiB free); but a small block there may take a hole a large block needed later.
+    pub small_fallback: f64,
 }
 
 impl Default for AllocConfig {
@@ -127,6 +135,7 @@ impl Default for AllocConfig {
             keep_fraction: 0.0625,
             seal_every: 8,
             poll_every: 8,
+            small_fallback: 1.0,
         }
     }
 }
@@ -402,14 +411,14 @@ impl<B: Backing> Allocator<B> {
             self.poll(fences);
         }
         // A small block that finds no room in its heap when growing it would take what the tenant
-        // holds past the cap goes where the large heap has room: that heap's free handles are too
-        // large to move to the small heap, and granting would raise the tenant's peak while it
-        // holds free memory (gpt2_generate's decode steps after its largest prefill: 18 MiB more
-        // held with 890 MiB free).
+        // holds past the cap may go where the large heap has room (see `small_fallback`).
         if h == SMALL
             && self.heaps[SMALL].free.best_fit(len, stream).is_none()
             && self.heaps[LARGE].free.best_fit(len, stream).is_some()
             && self.at_cap(self.config.granularity.get(), len)
+            && (self.config.small_fallback >= 1.0
+                || ((self.stats.allocated.get() + len) as f64)
+                    < self.stats.allocated_peak.get() as f64 * self.config.small_fallback)
         {
             h = LARGE;
         }
