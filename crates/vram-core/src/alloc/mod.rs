@@ -113,8 +113,12 @@ pub struct AllocConfig {
     /// below this fraction of their peak (0: never; 1 or more: always at the cap, a new peak
     /// included). The small heap can
     /// only take free handles as small as its need, so otherwise it grants pages while memory lies
-    /// free in the large heap (gpt2_generate's decode after its largest prefill held 18 MiB more
-    /// with 890 MiB free); but a small block there may take a hole a large block needed later.
+    /// free in the large heap (gpt2_generate with `min_grow=16MiB`: 18 MiB more held, with
+    /// 890 MiB free, in the decode steps after its largest prefill); but a small block there may
+    /// take a hole that a large block needs later. Off by default: always on, it brought the four
+    /// traces' fragmentation down by 0.1-0.3 points (mean over seven scales), but took ResNet-50's
+    /// PyTorch full-mode peak on an H200 from 3,139,436,544 to 3,187,671,040 B (0.99 too;
+    /// docs/benchmarks.md).
     pub small_fallback: f64,
 }
 
@@ -135,7 +139,7 @@ impl Default for AllocConfig {
             keep_fraction: 0.0625,
             seal_every: 8,
             poll_every: 8,
-            small_fallback: 1.0,
+            small_fallback: 0.0,
         }
     }
 }

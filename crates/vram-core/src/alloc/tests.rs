@@ -161,9 +161,10 @@ fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
     a < b + blen && b < a + alen
 }
 
-fn run_ops(ops: Vec<Op>, move_handles: bool) {
+fn run_ops(ops: Vec<Op>, move_handles: bool, small_fallback: f64) {
     let config = AllocConfig {
         move_handles,
+        small_fallback,
         ..small_config()
     };
     let mut a = Allocator::new(config, ModelBacking::new());
@@ -340,8 +341,9 @@ proptest! {
     fn allocator_invariants_hold(
         ops in proptest::collection::vec(op(), 1..300),
         move_handles in any::<bool>(),
+        small_fallback in prop_oneof![Just(0.0), Just(0.5), Just(1.0)],
     ) {
-        run_ops(ops, move_handles);
+        run_ops(ops, move_handles, small_fallback);
     }
 }
 
@@ -472,7 +474,11 @@ fn a_free_handle_of_just_the_size_needed_is_moved_not_returned() {
 
 #[test]
 fn small_blocks_at_the_cap_use_the_large_heaps_free_room_instead_of_growing() {
-    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let config = AllocConfig {
+        small_fallback: 1.0,
+        ..small_config()
+    };
+    let mut a = Allocator::new(config.clone(), ModelBacking::new());
     let f = AlwaysComplete;
     let s = StreamId(0);
     // A 32 MiB peak of large blocks, then all of it free: the large heap holds 32 MiB of wholly
@@ -495,11 +501,24 @@ fn small_blocks_at_the_cap_use_the_large_heaps_free_room_instead_of_growing() {
     assert_eq!(a.stats().held, held);
     // Below the cap the small heap grows as before: a fresh allocator's small blocks never
     // land in the large heap.
-    let mut fresh = Allocator::new(small_config(), ModelBacking::new());
+    let mut fresh = Allocator::new(config, ModelBacking::new());
     for _ in 0..40 {
         let b = fresh.alloc(Bytes(600 << 10), s, &f).unwrap();
         assert!(fresh.small_heap().contains(&b.offset));
     }
+    // The default keeps small blocks in their heap: the same steps grant small-heap pages.
+    let mut default = Allocator::new(small_config(), ModelBacking::new());
+    for b in (0..2)
+        .map(|_| default.alloc(Bytes::mib(16), s, &f).unwrap())
+        .collect::<Vec<_>>()
+    {
+        default.free(b.offset, s, Fence(0), &f).unwrap();
+    }
+    for _ in 0..40 {
+        let b = default.alloc(Bytes(600 << 10), s, &f).unwrap();
+        assert!(default.small_heap().contains(&b.offset));
+    }
+    assert!(default.stats().held > Bytes::mib(32));
 }
 
 #[test]
