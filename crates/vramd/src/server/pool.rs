@@ -57,9 +57,6 @@ pub struct Pool {
     stop: AtomicBool,
 }
 
-/// The most handles one request makes at once when the pool has none of their sizes ready.
-const MAKE_SIDE_BY_SIDE: usize = 8;
-
 /// A size idle this long lets its target shrink by one.
 const IDLE_DECAY: Duration = Duration::from_secs(10);
 
@@ -95,10 +92,9 @@ impl Pool {
     }
 
     /// Starts the background thread that keeps the pool filled. One: on the H200, four refill
-    /// threads made a tenant's own import and map slower — fresh 2 MiB grant usable p50 103.7 µs
-    /// against 89.9 µs — and its grants through a daemon no faster (docs/benchmarks.md, seventh
-    /// session). A request's missing handles are made side by side on threads of its own
-    /// ([`Pool::take_many`]), while its tenant waits for them anyway.
+    /// threads (with a request's missing handles made side by side) made a tenant's own import and
+    /// map slower — fresh 2 MiB grant usable p50 103.7 µs against 89.9 µs — and its grants through
+    /// a daemon no faster (docs/benchmarks.md, seventh session).
     pub fn start(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
         let pool = self.clone();
         std::thread::Builder::new()
@@ -146,40 +142,22 @@ impl Pool {
     }
 
     /// Ready handles of `sizes`, in order, as [`Pool::take`] finds each; the ones the pool does
-    /// not have are made now, side by side when there are several (an export costs about 1.1 ms
-    /// on an H200 whatever the size, and exports overlap: 0.52 ms each on 8 threads; DESIGN.md).
-    /// All of them, or the first error.
+    /// not have are made now, one after another (see [`Pool::start`]). All of them, or the
+    /// first error.
     pub fn take_many(&self, tenant: u64, sizes: &[Bytes]) -> Result<Vec<Ready>, DeviceError> {
-        let mut found: Vec<Option<Ready>> = sizes
+        let found: Vec<Option<Ready>> = sizes
             .iter()
             .map(|&size| self.take_ready(tenant, size))
             .collect();
-        let missing: Vec<usize> = (0..sizes.len()).filter(|&i| found[i].is_none()).collect();
-        if missing.is_empty() {
-            return Ok(found.into_iter().flatten().collect());
+        if found.iter().any(Option::is_none) {
+            self.wake.notify_all();
         }
-        self.wake.notify_all();
         // On an error, what was found and made is dropped: released, never handed out.
-        for chunk in missing.chunks(MAKE_SIDE_BY_SIDE) {
-            let made: Vec<Result<Ready, DeviceError>> = if let [i] = chunk {
-                vec![self.make_now(sizes[*i])]
-            } else {
-                std::thread::scope(|scope| {
-                    let makers: Vec<_> = chunk
-                        .iter()
-                        .map(|&i| scope.spawn(move || self.make_now(sizes[i])))
-                        .collect();
-                    makers
-                        .into_iter()
-                        .map(|m| m.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                        .collect()
-                })
-            };
-            for (&i, r) in chunk.iter().zip(made) {
-                found[i] = Some(r?);
-            }
-        }
-        Ok(found.into_iter().flatten().collect())
+        found
+            .into_iter()
+            .zip(sizes)
+            .map(|(r, &size)| r.map_or_else(|| self.make_now(size), Ok))
+            .collect()
     }
 
     /// A handle of `size` that is ready now (recycled for `tenant`, or pooled), counting the take;
@@ -432,25 +410,6 @@ mod tests {
         };
         assert!(matches!(err, DeviceError::OutOfMemory { .. }), "{err}");
         assert_eq!(dev.used(), Bytes::mib(12));
-        drop(got);
-        assert_eq!(dev.used(), Bytes::ZERO);
-    }
-
-    #[test]
-    fn misses_made_side_by_side_come_back_in_the_order_asked() {
-        let (dev, pool) = pool(Bytes::mib(512));
-        // 12 sizes the pool never saw: two batches of makers (8 and 4).
-        let sizes: Vec<Bytes> = (1..=12).map(|i| Bytes::mib(2 * i)).collect();
-        let got = pool.take_many(7, &sizes).unwrap();
-        let made: Vec<Bytes> = got.iter().map(|r| r.handle.size()).collect();
-        assert_eq!(made, sizes);
-        assert_eq!(pool.takes().misses, 12);
-        assert_eq!(dev.used(), sizes.iter().copied().sum::<Bytes>());
-        // A request whose second batch cannot be made keeps nothing, the first batch included.
-        let too_much: Vec<Bytes> = (0..12).map(|_| Bytes::mib(32)).collect();
-        let used = dev.used();
-        assert!(pool.take_many(7, &too_much).is_err());
-        assert_eq!(dev.used(), used);
         drop(got);
         assert_eq!(dev.used(), Bytes::ZERO);
     }
