@@ -107,3 +107,23 @@ fn trim_returns_once_the_daemon_has_everything_back() {
     d.wait_for_no_tenants();
     d.stop();
 }
+
+#[test]
+fn answers_nobody_waits_for_never_clog_the_connection() {
+    let d = Daemon::start("capacity = \"1 GiB\"\n");
+    let client = tenant(&d, "flood", Bytes::mib(16));
+    // Thousands of refusals (each answer ~100 bytes) and no call to read them: more than a socket
+    // buffer holds, so the daemon blocks writing unless this process drains them on its own.
+    for _ in 0..5000 {
+        client
+            .give_back_unanswered(vec![GrantId(u64::MAX - 1)])
+            .unwrap();
+    }
+    client.ping().unwrap();
+    let grants = client.grant_many(&[Bytes::mib(2)]).unwrap();
+    assert_eq!(held_by(&d, "flood"), Bytes::mib(2));
+    drop(grants);
+    drop(client);
+    d.wait_for_no_tenants();
+    d.stop();
+}

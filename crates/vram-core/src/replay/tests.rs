@@ -337,12 +337,23 @@ fn robustness() {
     let Some(dir) = traces_dir() else {
         return;
     };
+    // `VRAMD_SCALES=0.9,0.91,...` replaces the seven scales (more of them tell a setting's effect
+    // from the placement noise); `VRAMD_TRACE_NAMES=bert_train_varlen,...` picks traces.
+    let scales: Vec<f64> = std::env::var("VRAMD_SCALES").map_or(SCALES.to_vec(), |v| {
+        v.split(',')
+            .map(|s| s.trim().parse().expect("VRAMD_SCALES: numbers"))
+            .collect()
+    });
+    let names: Vec<String> = std::env::var("VRAMD_TRACE_NAMES")
+        .map_or(TRACES.iter().map(|s| s.to_string()).collect(), |v| {
+            v.split(',').map(str::to_string).collect()
+        });
     let config = settings_from_env();
     let mut means = Vec::new();
-    for name in TRACES {
+    for name in &names {
         let base = load(&dir, name);
         let (mut frag, mut driver) = (Vec::new(), Vec::new());
-        for scale in SCALES {
+        for &scale in &scales {
             let r = replay_priced(name, &base.scaled(scale), &config);
             frag.push(r.fragmentation * 100.0);
             driver.push(r.modelled_driver_time_share * 100.0);
