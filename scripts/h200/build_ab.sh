@@ -14,10 +14,6 @@ for i in 1 2 3; do
 done
 T=(replay --backend cuda --through-daemon --realtime --json .gpu/traces/*.gz)
 for b in vramd vramd-prev; do step "daemon_realtime_$b" 45 ".gpu/bin/$b" "${T[@]}"; done
-if [ "${PEAKS:-1}" != 0 ]; then
-  BATCH=64 DETERMINISTIC=1 STEPS=80 TAG=bert64 LIMIT=150 bash scripts/h200/training.sh bert 1 full
-  TAG=bert16 LIMIT=120 bash scripts/h200/training.sh bert 1 full
-  TAG=resnet LIMIT=120 bash scripts/h200/training.sh resnet50 1 full
-fi
+[ "${PEAKS:-1}" = 0 ] || pytorch_peaks
 rm -f "$R"/*/vramd.sock
 tar czf "$OUT/r.tgz" -C "$OUT" r

@@ -10,3 +10,8 @@ step() { # step NAME SECONDS COMMAND...: runs it with a limit, its output in $R/
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; nproc
   python3 -c "import torch; print('torch', torch.__version__)"; } > "$R/env.txt" 2>&1
+pytorch_peaks() { # PyTorch full-mode peaks on this build: BERT batch 64 deterministic, BERT batch 16, ResNet-50
+  BATCH=64 DETERMINISTIC=1 STEPS=80 TAG=bert64 LIMIT=150 bash scripts/h200/training.sh bert 1 full
+  TAG=bert16 LIMIT=120 bash scripts/h200/training.sh bert 1 full
+  TAG=resnet LIMIT=120 bash scripts/h200/training.sh resnet50 1 full
+}

@@ -33,14 +33,6 @@ fn raw_tenant(d: &Daemon, name: &str, limit: Bytes) -> Conn {
     conn
 }
 
-fn held_by(d: &Daemon, name: &str) -> Bytes {
-    d.status()
-        .tenants
-        .iter()
-        .find(|t| t.name == name)
-        .map_or(Bytes::ZERO, |t| t.held)
-}
-
 #[test]
 fn one_reply_carries_every_handle_asked_for() {
     let d = Daemon::start("capacity = \"1 GiB\"\n");
@@ -56,7 +48,7 @@ fn one_reply_carries_every_handle_asked_for() {
     // In the order asked, each rounded up to the 2 MiB granularity.
     assert_eq!(got, [Bytes::mib(2), Bytes::mib(24), Bytes::mib(4)]);
     assert_eq!(r.fds.len(), 3, "one fd per handle, in the same frame");
-    assert_eq!(held_by(&d, "batch"), Bytes::mib(30));
+    assert_eq!(d.held_by("batch"), Bytes::mib(30));
     let t = d.status().tenants.into_iter().find(|t| t.name == "batch");
     assert_eq!(t.map(|t| t.grants), Some(3));
     drop(conn);
@@ -87,11 +79,7 @@ fn a_refused_handle_leaves_the_tenant_holding_nothing_of_the_request() {
     assert_eq!(e.code, ErrorCode::Refused, "{e:?}");
     assert!(e.message.contains("limit"), "{}", e.message);
     assert!(r.fds.is_empty());
-    assert_eq!(
-        held_by(&d, "greedy"),
-        Bytes::mib(8),
-        "only the first request"
-    );
+    assert_eq!(d.held_by("greedy"), Bytes::mib(8), "only the first request");
 
     // Empty and oversized requests get a clear refusal; the connection goes on.
     for (id, n) in [(4, 0), (5, MAX_FDS + 1)] {
@@ -106,7 +94,7 @@ fn a_refused_handle_leaves_the_tenant_holding_nothing_of_the_request() {
     }
     conn.send(6, &Request::Ping, &[]).unwrap();
     assert!(matches!(conn.recv::<Reply>().unwrap().msg, Reply::Pong));
-    assert_eq!(held_by(&d, "greedy"), Bytes::mib(8));
+    assert_eq!(d.held_by("greedy"), Bytes::mib(8));
     d.stop();
 }
 
@@ -126,12 +114,12 @@ fn the_client_takes_more_than_one_frame_of_handles_and_gives_all_back_on_refusal
     let grants = client.grant_many(&sizes).unwrap();
     assert_eq!(grants.len(), 20);
     assert!(grants.iter().all(|g| g.size() == Bytes::mib(2)));
-    assert_eq!(held_by(&d, "client"), Bytes::mib(40));
+    assert_eq!(d.held_by("client"), Bytes::mib(40));
     client.give_back(grants).unwrap();
     // 24 of 4 MiB: the first 16 fit (64 MiB), the second frame does not; the first goes back.
     let e = client.grant_many(&[Bytes::mib(4); 24]).unwrap_err();
     assert!(e.is_refusal(), "{e}");
-    assert_eq!(held_by(&d, "client"), Bytes::ZERO);
+    assert_eq!(d.held_by("client"), Bytes::ZERO);
     drop(client);
     d.stop();
 }

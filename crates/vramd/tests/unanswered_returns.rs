@@ -12,14 +12,6 @@ use vram_core::alloc::{AllocConfig, StreamId};
 use vram_core::Bytes;
 use vram_proto::GrantId;
 
-fn held_by(d: &Daemon, name: &str) -> Bytes {
-    d.status()
-        .tenants
-        .iter()
-        .find(|t| t.name == name)
-        .map_or(Bytes::ZERO, |t| t.held)
-}
-
 fn tenant(d: &Daemon, name: &str, limit: Bytes) -> Client {
     Client::connect(
         Some(&d.socket),
@@ -45,7 +37,7 @@ fn a_return_not_waited_for_is_back_before_the_next_request_is_answered() {
         client.give_back_unanswered(ids).unwrap();
     }
     client.ping().unwrap();
-    assert_eq!(held_by(&d, "ordered"), Bytes::ZERO);
+    assert_eq!(d.held_by("ordered"), Bytes::ZERO);
     drop(client);
     d.wait_for_no_tenants();
     d.stop();
@@ -61,13 +53,13 @@ fn a_refused_return_not_waited_for_leaves_the_connection_working() {
         .give_back_unanswered(vec![GrantId(u64::MAX - 7)])
         .unwrap();
     client.ping().unwrap();
-    assert_eq!(held_by(&d, "confused"), Bytes::mib(4));
+    assert_eq!(d.held_by("confused"), Bytes::mib(4));
     let more = client.grant_many(&[Bytes::mib(8)]).unwrap();
-    assert_eq!(held_by(&d, "confused"), Bytes::mib(12));
+    assert_eq!(d.held_by("confused"), Bytes::mib(12));
     client
         .give_back(grants.into_iter().chain(more).collect())
         .unwrap();
-    assert_eq!(held_by(&d, "confused"), Bytes::ZERO);
+    assert_eq!(d.held_by("confused"), Bytes::ZERO);
     drop(client);
     d.stop();
 }
@@ -90,7 +82,7 @@ fn trim_returns_once_the_daemon_has_everything_back() {
             .into_iter()
             .map(|b| alloc.alloc(b, s).unwrap())
             .collect();
-        assert!(held_by(&d, "trimmer") >= Bytes::mib(173), "round {round}");
+        assert!(d.held_by("trimmer") >= Bytes::mib(173), "round {round}");
         for b in blocks {
             alloc.free(b, s).unwrap();
         }
@@ -100,7 +92,7 @@ fn trim_returns_once_the_daemon_has_everything_back() {
             "round {round}: trimmed {trimmed}"
         );
         // Asked on another connection, right after the trim returned.
-        assert_eq!(held_by(&d, "trimmer"), Bytes::ZERO, "round {round}");
+        assert_eq!(d.held_by("trimmer"), Bytes::ZERO, "round {round}");
     }
     drop(alloc);
     drop(client);
@@ -121,7 +113,7 @@ fn answers_nobody_waits_for_never_clog_the_connection() {
     }
     client.ping().unwrap();
     let grants = client.grant_many(&[Bytes::mib(2)]).unwrap();
-    assert_eq!(held_by(&d, "flood"), Bytes::mib(2));
+    assert_eq!(d.held_by("flood"), Bytes::mib(2));
     drop(grants);
     drop(client);
     d.wait_for_no_tenants();

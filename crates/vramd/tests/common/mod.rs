@@ -92,6 +92,15 @@ impl Daemon {
             .unwrap_or_else(|e| panic!("status: {e}\n{}", self.log()))
     }
 
+    /// What the tenant `name` holds, by the daemon's status (nothing if it is not connected).
+    pub fn held_by(&self, name: &str) -> vram_core::Bytes {
+        self.status()
+            .tenants
+            .iter()
+            .find(|t| t.name == name)
+            .map_or(vram_core::Bytes::ZERO, |t| t.held)
+    }
+
     /// Open file descriptors of the daemon process.
     pub fn fd_count(&self) -> usize {
         std::fs::read_dir(format!("/proc/{}/fd", self.pid()))
