@@ -215,3 +215,38 @@ fn realtime_keeps_the_traces_pace_and_gives_the_same_figures() {
         assert_eq!(fast[0][key], paced[0][key], "{key}");
     }
 }
+
+#[test]
+fn a_replay_can_take_its_handles_from_a_running_daemon_with_its_own_configuration() {
+    // A daemon whose pool keeps nothing ready: every grant creates its handle on the way.
+    let d = common::Daemon::start("capacity = \"4 GiB\"\n[pool]\nmax = \"0 B\"\n");
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("small.pickle.gz");
+    write_snapshot(&trace, 20);
+    let local = replay_json(&[trace.to_str().unwrap()]);
+    let socket = d.socket.to_str().unwrap();
+    let through = replay_json(&[
+        "--through-daemon",
+        "--socket",
+        socket,
+        trace.to_str().unwrap(),
+    ]);
+    let (a, b) = (&local[0], &through[0]);
+    for key in ["peak_held", "fragmentation", "grants", "maps", "unmaps"] {
+        assert_eq!(a[key], b[key], "{key} differs through the running daemon");
+    }
+    let takes = &b["pool_takes"];
+    assert_eq!(takes["hits"], 0, "{takes}");
+    assert_eq!(takes["recycled"], 0, "{takes}");
+    assert_eq!(takes["misses"], b["grants"], "{takes}");
+    // The replay was a tenant like any other: gone, and holding nothing, once it ended.
+    d.wait_for_no_tenants();
+    assert_eq!(d.status().devices[0].held, vram_core::Bytes::ZERO);
+    // The socket only makes sense with --through-daemon.
+    replay_fails(
+        &["--socket", socket, trace.to_str().unwrap()],
+        None,
+        "--through-daemon",
+    );
+    d.stop();
+}

@@ -4,7 +4,7 @@
 //! calls would cost on an H200 and the time they took here.
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -46,6 +46,11 @@ pub struct Args {
     /// in process: the time in the backing's calls is then a tenant's.
     #[arg(long)]
     pub through_daemon: bool,
+    /// With `--through-daemon`: take the handles from this running daemon, with its own
+    /// configuration (pool, capacity, policy), instead of one this command starts. The replay
+    /// is then a tenant of it like any other, under the default class's limit.
+    #[arg(long, requires = "through_daemon", value_name = "SOCKET")]
+    pub socket: Option<PathBuf>,
     /// Also replay each trace with every request scaled by these factors (comma-separated, e.g.
     /// `0.95,1.05`): the same program at other batch or sequence sizes. An allocator's figures can
     /// swing by several points between such neighbours, so judge settings over several scales.
@@ -87,7 +92,8 @@ pub struct Outcome {
     /// in process: the creation).
     pub take_us: Spread,
     /// With `--through-daemon`: where the daemon found the handles it granted during this trace
-    /// (a miss is a create and an export on the grant's path, about 1.1 ms on an H200).
+    /// (a miss is a create and an export on the grant's path: on an H200 about 50-70 µs more than
+    /// a hit, now and then tens of milliseconds).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool_takes: Option<PoolTakes>,
     /// With `--through-daemon`: of the takes' time, the part spent importing the handles (the
@@ -131,11 +137,15 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     {
         anyhow::bail!("--scale {bad}: a factor must be above 0 and at most 16");
     }
-    let daemon = if args.through_daemon {
+    let own = if args.through_daemon && args.socket.is_none() {
         Some(start_daemon(args.backend)?)
     } else {
         None
     };
+    let socket = args
+        .socket
+        .clone()
+        .or_else(|| own.as_ref().map(|d| d.socket().to_path_buf()));
     let mut outcomes = Vec::new();
     for path in &args.traces {
         let bytes =
@@ -162,8 +172,8 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                 }
             };
             let pace = Pace(args.realtime);
-            let o = match &daemon {
-                Some(d) => replay_through(&name, trace, d, &config, pace)?,
+            let o = match &socket {
+                Some(socket) => replay_through(&name, trace, socket, &config, pace)?,
                 None => replay(&name, trace, args.backend, &config, pace)?,
             };
             if args.json {
@@ -172,7 +182,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             outcomes.push(o);
         }
     }
-    if let Some(d) = daemon {
+    if let Some(d) = own {
         d.stop()?;
     }
     if !args.json {
@@ -237,14 +247,14 @@ pub fn replay(
 pub fn replay_through(
     name: &str,
     trace: &Trace,
-    daemon: &OwnDaemon,
+    socket: &Path,
     config: &AllocConfig,
     pace: Pace,
 ) -> anyhow::Result<Outcome> {
     let opts = TenantOptions::named(format!("replay-{}-{name}", std::process::id()));
     let client = Arc::new(
-        Client::connect(Some(daemon.socket()), &opts)
-            .with_context(|| format!("cannot connect to {}", daemon.socket().display()))?,
+        Client::connect(Some(socket), &opts)
+            .with_context(|| format!("cannot connect to {}", socket.display()))?,
     );
     let backend = match client.welcome().device.backend.as_str() {
         "cuda" => ReplayBackend::Cuda,
