@@ -111,9 +111,8 @@ pub struct AllocConfig {
     /// A small block that finds no room in the small heap, when growing that heap would pass the
     /// growth cap, goes where the large heap has room instead — while the bytes allocated stay
     /// below this fraction of their peak (0: never; 1 or more: always at the cap, a new peak
-    /// included). The small heap can
-    /// only take free handles as small as its need, so otherwise it grants pages while memory lies
-    /// free in the large heap (gpt2_generate with `min_grow=16MiB`: 18 MiB more held, with
+    /// included). The small heap can only take free handles as small as its need, so otherwise it
+    /// grants pages while memory lies free in the large heap (gpt2_generate with `min_grow=16MiB`: 18 MiB more held, with
     /// 890 MiB free, in the decode steps after its largest prefill); but a small block there may
     /// take a hole that a large block needs later. Off by default: always on, it brought the four
     /// traces' fragmentation down by 0.1-0.3 points (mean over seven scales), but took ResNet-50's
@@ -417,12 +416,13 @@ impl<B: Backing> Allocator<B> {
         // A small block that finds no room in its heap when growing it would take what the tenant
         // holds past the cap may go where the large heap has room (see `small_fallback`).
         if h == SMALL
-            && self.heaps[SMALL].free.best_fit(len, stream).is_none()
-            && self.heaps[LARGE].free.best_fit(len, stream).is_some()
-            && self.at_cap(self.config.granularity.get(), len)
+            && self.config.small_fallback > 0.0
             && (self.config.small_fallback >= 1.0
                 || ((self.stats.allocated.get() + len) as f64)
                     < self.stats.allocated_peak.get() as f64 * self.config.small_fallback)
+            && self.heaps[SMALL].free.best_fit(len, stream).is_none()
+            && self.at_cap(self.config.granularity.get(), len)
+            && self.heaps[LARGE].free.best_fit(len, stream).is_some()
         {
             h = LARGE;
         }

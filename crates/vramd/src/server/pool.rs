@@ -94,7 +94,9 @@ impl Pool {
     /// Starts the background thread that keeps the pool filled. One: on the H200, four refill
     /// threads (with a request's missing handles made side by side) made a tenant's own import and
     /// map slower — fresh 2 MiB grant usable p50 103.7 µs against 89.9 µs — and its grants through
-    /// a daemon no faster (docs/benchmarks.md, seventh session).
+    /// a daemon no faster (docs/benchmarks.md, seventh session); a request's misses made side by
+    /// side on threads of its own, without more refill threads, gained nothing beyond the noise
+    /// either (eighth session, call 4).
     pub fn start(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
         let pool = self.clone();
         std::thread::Builder::new()
