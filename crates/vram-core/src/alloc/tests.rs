@@ -161,10 +161,11 @@ fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
     a < b + blen && b < a + alen
 }
 
-fn run_ops(ops: Vec<Op>, move_handles: bool, small_fallback: f64) {
+fn run_ops(ops: Vec<Op>, move_handles: bool, small_fallback: f64, mid_limit: Bytes) {
     let config = AllocConfig {
         move_handles,
         small_fallback,
+        mid_limit,
         ..small_config()
     };
     let mut a = Allocator::new(config, ModelBacking::new());
@@ -342,8 +343,9 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..300),
         move_handles in any::<bool>(),
         small_fallback in prop_oneof![Just(0.0), Just(0.5), Just(1.0)],
+        mid_limit in prop_oneof![Just(Bytes::ZERO), Just(Bytes::mib(8))],
     ) {
-        run_ops(ops, move_handles, small_fallback);
+        run_ops(ops, move_handles, small_fallback, mid_limit);
     }
 }
 
@@ -470,6 +472,52 @@ fn a_free_handle_of_just_the_size_needed_is_moved_not_returned() {
         "{c:?}"
     );
     assert_eq!(a.stats().held, Bytes::mib(24));
+}
+
+#[test]
+fn mid_sized_blocks_get_a_heap_of_their_own_whose_free_room_large_blocks_may_use() {
+    let config = AllocConfig {
+        mid_limit: Bytes::mib(8),
+        ..small_config()
+    };
+    let mut a = Allocator::new(config, ModelBacking::new());
+    let f = AlwaysComplete;
+    let s = StreamId(0);
+    let mid = a.mid_heap();
+    // A KV-cache-like pattern: a mid-sized block kept between large short-lived ones. Without the
+    // mid heap the kept blocks would land in the holes the large ones leave.
+    let mut kept = Vec::new();
+    for _ in 0..4 {
+        let big = a.alloc(Bytes::mib(12), s, &f).unwrap();
+        kept.push(a.alloc(Bytes::mib(5), s, &f).unwrap());
+        a.free(big.offset, s, Fence(0), &f).unwrap();
+        assert!(big.offset < mid.start);
+    }
+    // The kept blocks sit side by side in their own heap.
+    let lowest = kept.iter().map(|k| k.offset).min().unwrap();
+    let highest = kept.iter().map(|k| k.offset + k.size.get()).max().unwrap();
+    assert!(mid.contains(&lowest) && highest <= mid.end);
+    assert_eq!(
+        highest - lowest,
+        4 * Bytes::mib(5).get(),
+        "kept blocks are packed"
+    );
+    // Once they are freed, their heap's free room serves a large block before anything grows:
+    // the large heap holds only the 12 MiB block's room, free too but too small for 14 MiB.
+    for k in &kept {
+        a.free(k.offset, s, Fence(0), &f).unwrap();
+    }
+    let (grants, held) = (a.backing().counts().grants, a.stats().held);
+    let reuse = a.alloc(Bytes::mib(14), s, &f).unwrap();
+    assert!(mid.contains(&reuse.offset), "{reuse:?} not in {mid:?}");
+    assert_eq!(a.backing().counts().grants, grants);
+    assert_eq!(a.stats().held, held);
+    // Off (the default), every block of `small_limit` and more shares one heap.
+    let mut one = Allocator::new(small_config(), ModelBacking::new());
+    for size in [12, 3, 13] {
+        let b = one.alloc(Bytes::mib(size), s, &f).unwrap();
+        assert!(b.offset < one.mid_heap().start);
+    }
 }
 
 #[test]
