@@ -459,8 +459,10 @@ impl<B: Backing> Allocator<B> {
         {
             h = LARGE;
         }
-        // A large block that finds no room in its heap takes the mid heap's before growing.
+        // A large block that finds no room in its heap takes the mid heap's before growing (the
+        // setting is checked first: without a mid heap, no extra search).
         if h == LARGE
+            && self.config.mid_limit > Bytes::ZERO
             && self.heaps[LARGE].free.best_fit(len, stream).is_none()
             && self.heaps[MID].free.best_fit(len, stream).is_some()
         {
