@@ -243,7 +243,54 @@ def worker_allocbench(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def worker_generate(args):
+    """GPT-2 medium (random weights) generating greedily for --steps requests of random batch
+    (1-16), prompt (16-400 tokens) and length (16-128 new tokens), as the shared gpt2_generate
+    trace did: its KV cache grows by one token a step (torch.cat per layer). A "loss" is the sum of
+    a request's generated token ids, so runs can be compared token for token."""
+    import random
+
+    import transformers
+
+    torch = _torch()
+    torch.manual_seed(args.seed)
+    dev = torch.device("cuda")
+    cfg = transformers.GPT2Config(n_layer=24, n_embd=1024, n_head=16)
+    m = transformers.GPT2LMHeadModel(cfg).to(dev).eval()
+    rng = random.Random(args.seed)
+    reqs = [(rng.randint(1, 16), rng.randint(16, 400), rng.randint(16, 128))
+            for _ in range(args.steps)]
+    g = torch.Generator().manual_seed(args.seed + 1)
+    vramd_stats = _vramd_stats()
+    losses, times, gpu_ms, cpu_s = [], [], [], []
+    with torch.no_grad():
+        for batch, prompt, new in reqs:
+            ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=g).to(dev)
+            torch.cuda.synchronize()
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            c = time.process_time()
+            t = time.perf_counter()
+            begin.record()
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             min_new_tokens=new, do_sample=False, pad_token_id=0)
+            end.record()
+            losses.append(int(out[:, prompt:].sum().item()))
+            times.append(time.perf_counter() - t)
+            cpu_s.append(time.process_time() - c)
+            gpu_ms.append(begin.elapsed_time(end))
+    res = {"losses": losses, "times": times, "gpu_ms": gpu_ms, "cpu_s": cpu_s,
+           "peak_reserved": torch.cuda.max_memory_reserved(),
+           "peak_allocated": torch.cuda.max_memory_allocated(), "requests": reqs}
+    end_stats = vramd_stats()
+    if end_stats is not None:
+        res["vramd_held_peak"] = end_stats["core"]["held_peak"]
+        res["vramd_requested_peak"] = end_stats["core"]["requested_peak"]
+    print("RESULT " + json.dumps(res), flush=True)
+
+
 def worker_train(args):
+    if args.model == "gpt2gen":
+        return worker_generate(args)
     torch = _torch()
     torch.manual_seed(args.seed)
     if args.deterministic:

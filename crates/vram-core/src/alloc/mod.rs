@@ -127,9 +127,10 @@ pub struct AllocConfig {
     /// blocks come and go, from pinning holes among those: gpt2_generate fragments 1.07 % against
     /// 4.98 % at 16 MiB (mean over seven scales). But memory passes between the heaps only as
     /// wholly free handles (returned and granted again), so where sizes mix freely more is held:
-    /// bert_train_varlen 5.33 % against 2.99 %, fasterrcnn_varsize 5.17 % against 2.44 %. A
-    /// setting for a tenant that generates (`VRAMD_ALLOC=mid_limit=16MiB`), not a default;
-    /// docs/benchmarks.md has the figures, and why no rule picks it alone.
+    /// bert_train_varlen 5.33 % against 2.99 %, fasterrcnn_varsize 5.17 % against 2.44 %; and a
+    /// live GPT-2 medium generation on an H200, whose weights are mid-sized, held 3,368,026,112 B
+    /// with it against 3,210,739,712 B without. A setting to try on a snapshot of the workload
+    /// (`vramd replay --set mid_limit=16MiB`), not a default; docs/benchmarks.md has the figures.
     pub mid_limit: Bytes,
     /// The least a growth of the mid heap adds: its blocks grow a little at each decode step, and
     /// each growth at the cap is a grant (6 MiB: gpt2_generate 1.89 % at a modelled driver share
