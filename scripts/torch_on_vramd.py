@@ -262,9 +262,12 @@ def worker_generate(args):
             for _ in range(args.steps)]
     g = torch.Generator().manual_seed(args.seed + 1)
     vramd_stats = _vramd_stats()
+    stats_at = {}
     losses, times, gpu_ms, cpu_s = [], [], [], []
     with torch.no_grad():
-        for batch, prompt, new in reqs:
+        for i, (batch, prompt, new) in enumerate(reqs):
+            if i == args.warmup:
+                stats_at["warm"] = vramd_stats()
             ids = torch.randint(0, cfg.vocab_size, (batch, prompt), generator=g).to(dev)
             torch.cuda.synchronize()
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -285,7 +288,23 @@ def worker_generate(args):
     if end_stats is not None:
         res["vramd_held_peak"] = end_stats["core"]["held_peak"]
         res["vramd_requested_peak"] = end_stats["core"]["requested_peak"]
+        res["vramd_per_step"] = _per_step(stats_at.get("warm"), end_stats,
+                                          max(1, args.steps - args.warmup))
     print("RESULT " + json.dumps(res), flush=True)
+
+
+def _per_step(a, b, n):
+    """What the allocator did per timed step between the statistics `a` and `b`: allocations
+    and frees, driver calls, allocations served from the thread caches."""
+    if a is None or b is None:
+        return None
+    return {
+        **{k: (b["core"][k] - a["core"][k]) / n
+           for k in ("allocs", "frees", "grants", "maps", "unmaps", "returns", "fences",
+                     "fence_queries") if k in b["core"]},
+        "fast_allocs": (b["fast_allocs"] - a["fast_allocs"]) / n,
+        **{k: (b[k] - a[k]) / n for k in ("core_ops", "core_ns") if k in b},
+    }
 
 
 def worker_train(args):
@@ -332,15 +351,10 @@ def worker_train(args):
         out["vramd_held_peak"] = stats_at["end"]["core"]["held_peak"]
         # What the allocator did per timed step, after warm-up: fences recorded and queried,
         # grants and maps (driver calls), allocations served from the thread caches.
-        n = max(1, args.steps - args.warmup)
-        a, b = stats_at.get("warm"), stats_at["end"]
-        if a is not None:
-            out["vramd_per_step"] = {
-                **{k: (b["core"][k] - a["core"][k]) / n
-                   for k in ("allocs", "frees", "grants", "maps", "unmaps", "returns", "fences",
-                             "fence_queries") if k in b["core"]},
-                "fast_allocs": (b["fast_allocs"] - a["fast_allocs"]) / n,
-            }
+        per_step = _per_step(stats_at.get("warm"), stats_at["end"],
+                             max(1, args.steps - args.warmup))
+        if per_step is not None:
+            out["vramd_per_step"] = per_step
     print("RESULT " + json.dumps(out), flush=True)
 
 

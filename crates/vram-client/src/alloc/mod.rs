@@ -207,6 +207,11 @@ pub struct CachingStats {
     pub cached: Bytes,
     /// Allocations served from a thread cache.
     pub fast_allocs: u64,
+    /// Allocations and frees that went to the core (past the thread caches), and the time spent
+    /// in them, lock waits included — timed only with `VRAMD_TIME_CORE=1` in the environment at
+    /// start (two clock reads per call), else 0.
+    pub core_ops: u64,
+    pub core_ns: u64,
 }
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
@@ -224,6 +229,10 @@ pub struct CachingAllocator<S: HandleSource> {
     /// The tenant's limit, if known: a request that cannot fit under it however well the heap
     /// were packed is refused at once, without taking (and giving back) memory in pieces.
     limit: Option<Bytes>,
+    /// Whether calls to the core are timed (`VRAMD_TIME_CORE=1`), and what they took.
+    timed: bool,
+    core_ops: AtomicU64,
+    core_ns: AtomicU64,
 }
 
 impl<S: HandleSource> CachingAllocator<S> {
@@ -246,7 +255,23 @@ impl<S: HandleSource> CachingAllocator<S> {
             caches: ThreadCaches::default(),
             events,
             limit: None,
+            timed: std::env::var_os("VRAMD_TIME_CORE").is_some_and(|v| v == "1"),
+            core_ops: AtomicU64::new(0),
+            core_ns: AtomicU64::new(0),
         }
+    }
+
+    /// Runs `f`, a call to the core, timing it if asked to.
+    fn timed<R>(&self, f: impl FnOnce() -> R) -> R {
+        if !self.timed {
+            return f();
+        }
+        let start = std::time::Instant::now();
+        let r = f();
+        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.core_ops.fetch_add(1, Ordering::Relaxed);
+        self.core_ns.fetch_add(ns, Ordering::Relaxed);
+        r
     }
 
     /// Knows the tenant's limit (see the `limit` field).
@@ -298,18 +323,20 @@ impl<S: HandleSource> CachingAllocator<S> {
                 return Ok(self.base + offset);
             }
         }
-        let events = self.events.as_ref();
-        let capturing = events.is_capturing(stream);
-        let mut core = self.core();
-        self.check_limit(size, len, &core.stats())?;
-        let block = if capturing {
-            core.alloc(size, stream, &Frozen)?
-        } else {
-            core.alloc(size, stream, events)?
-        };
-        drop(core);
-        self.live.insert(block.offset, block.size.get());
-        Ok(self.base + block.offset)
+        self.timed(|| {
+            let events = self.events.as_ref();
+            let capturing = events.is_capturing(stream);
+            let mut core = self.core();
+            self.check_limit(size, len, &core.stats())?;
+            let block = if capturing {
+                core.alloc(size, stream, &Frozen)?
+            } else {
+                core.alloc(size, stream, events)?
+            };
+            drop(core);
+            self.live.insert(block.offset, block.size.get());
+            Ok(self.base + block.offset)
+        })
     }
 
     /// Frees the block at `ptr`, last used on `stream`.
@@ -322,8 +349,10 @@ impl<S: HandleSource> CachingAllocator<S> {
         if len <= CACHE_LIMIT && self.caches.push(self.id, offset, len, stream) {
             return Ok(Bytes(len));
         }
-        self.live.remove(offset);
-        self.free_to_core(offset, stream);
+        self.timed(|| {
+            self.live.remove(offset);
+            self.free_to_core(offset, stream);
+        });
         Ok(Bytes(len))
     }
 
@@ -371,6 +400,8 @@ impl<S: HandleSource> CachingAllocator<S> {
             in_use: core.allocated.saturating_sub(Bytes(in_caches)),
             cached: core.cached + Bytes(in_caches),
             fast_allocs: self.caches.hits(),
+            core_ops: self.core_ops.load(Ordering::Relaxed),
+            core_ns: self.core_ns.load(Ordering::Relaxed),
         }
     }
 
