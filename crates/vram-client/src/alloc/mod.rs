@@ -261,6 +261,13 @@ impl<S: HandleSource> CachingAllocator<S> {
         }
     }
 
+    /// Times calls to the core (`core_ops`, `core_ns` in [`CachingStats`]) or not, whatever
+    /// `VRAMD_TIME_CORE` says.
+    pub fn with_timing(mut self, on: bool) -> Self {
+        self.timed = on;
+        self
+    }
+
     /// Runs `f`, a call to the core, timing it if asked to.
     fn timed<R>(&self, f: impl FnOnce() -> R) -> R {
         if !self.timed {

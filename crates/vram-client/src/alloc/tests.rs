@@ -35,6 +35,28 @@ fn read(a: &CachingAllocator<LocalSource>, ptr: u64, len: usize) -> Vec<u8> {
 }
 
 #[test]
+fn times_calls_to_the_core_only_when_asked() {
+    let s = StreamId(0);
+    let round = |a: &CachingAllocator<LocalSource>| {
+        let big = a.alloc(Bytes::mib(4), s).unwrap();
+        a.free(big, s).unwrap();
+        // The second small pair is served by the thread cache: not a call to the core.
+        for _ in 0..2 {
+            let small = a.alloc(Bytes::kib(4), s).unwrap();
+            a.free(small, s).unwrap();
+        }
+        a.stats()
+    };
+    let (_, a) = host_allocator(Bytes::gib(1));
+    let st = round(&a.with_timing(true));
+    assert_eq!(st.core_ops, 3, "{st:?}");
+    assert!(st.core_ns > 0);
+    let (_, a) = host_allocator(Bytes::gib(1));
+    let st = round(&a.with_timing(false));
+    assert_eq!((st.core_ops, st.core_ns), (0, 0));
+}
+
+#[test]
 fn reuses_a_cached_block_on_the_same_stream_only() {
     let (_, a) = host_allocator(Bytes::gib(1));
     let s1 = StreamId(1);
