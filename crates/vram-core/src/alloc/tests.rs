@@ -475,6 +475,40 @@ fn a_free_handle_of_just_the_size_needed_is_moved_not_returned() {
 }
 
 #[test]
+fn growths_with_nothing_freed_between_them_double_their_step() {
+    let f = AlwaysComplete;
+    let s = StreamId(0);
+    // Sixty 3 MiB blocks kept, as a program loads its weights; then a free and one more block.
+    let load = |burst_growth: f64| {
+        let config = AllocConfig {
+            min_grow: Bytes::mib(2),
+            burst_growth,
+            ..small_config()
+        };
+        let mut a = Allocator::new(config, ModelBacking::new());
+        let blocks: Vec<Block> = (0..60)
+            .map(|_| a.alloc(Bytes::mib(3), s, &f).unwrap())
+            .collect();
+        let requests = a.backing().counts().grant_requests;
+        a.free(blocks[0].offset, s, Fence(0), &f).unwrap();
+        // A hole of 3 MiB now; a 4 MiB block needs a growth, back at the smallest step.
+        let before = a.stats().held;
+        a.alloc(Bytes::mib(4), s, &f).unwrap();
+        (requests, a.stats().held - before, a.stats())
+    };
+    let (plain, _, _) = load(0.0);
+    let (burst, after_free, st) = load(0.25);
+    // Without bursts every 3 MiB block but the ones that fit in a previous step's rest grows the
+    // heap; with them, steps of 2, 4, 8, ... MiB (up to a quarter of what is held) take far fewer.
+    assert!(plain >= 30, "{plain}");
+    assert!(burst * 2 <= plain, "{burst} grant requests against {plain}");
+    // Nothing is held beyond a quarter of what the blocks need, and after the free the growth
+    // adds just its need again (4 MiB, rounded to the granularity).
+    assert!(st.held_peak.get() <= (60 * Bytes::mib(3).get()) * 5 / 4);
+    assert!(after_free <= Bytes::mib(4), "{after_free}");
+}
+
+#[test]
 fn mid_sized_blocks_get_a_heap_of_their_own_whose_free_room_large_blocks_may_use() {
     let config = AllocConfig {
         mid_limit: Bytes::mib(8),
