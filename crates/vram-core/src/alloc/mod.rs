@@ -127,7 +127,7 @@ pub struct AllocConfig {
     /// blocks come and go, from pinning holes among those: gpt2_generate fragments 1.07 % against
     /// 4.98 % at 16 MiB (mean over seven scales). But memory passes between the heaps only as
     /// wholly free handles (returned and granted again), so where sizes mix freely more is held:
-    /// bert_train_varlen 5.33 % against 2.99 %, fasterrcnn_varsize 5.17 % against 2.44 %; and a
+    /// bert_train_varlen 5.41 % against 3.00 %, fasterrcnn_varsize 5.17 % against 2.30 %; and a
     /// live GPT-2 medium generation on an H200, whose weights are mid-sized, held 3,368,026,112 B
     /// with it against 3,210,739,712 B without. A setting to try on a snapshot of the workload
     /// (`vramd replay --set mid_limit=16MiB`), not a default; docs/benchmarks.md has the figures.
