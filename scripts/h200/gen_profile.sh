@@ -3,13 +3,10 @@
 # socket; torch.empty + del pairs of the sizes a GPT-2 decode step allocates, plain and full; then
 # (if perf is installed) a profile of six generation requests in full mode, by shared object.
 set -u
-R=${OUT:?run on the device machine}/r/gen_profile
-mkdir -p "$R"
-S=$R/vramd.sock
-printf 'capacity = "60 GiB"\n' > "$R/vramd.toml"
-.gpu/bin/vramd serve --backend cuda --socket "$S" --config "$R/vramd.toml" > "$R/vramd.log" 2>&1 &
-D=$!
-for _ in $(seq 100); do [ -S "$S" ] && break; sleep 0.1; done
+. "$(dirname "$0")/lib.sh"
+W=$R/gen_profile
+mkdir -p "$W"
+daemon_up "$W"
 PAIRS='
 import time, torch, json
 x = torch.empty(1, device="cuda"); del x
@@ -25,20 +22,19 @@ for kib in (4, 32, 128, 256, 512, 1024, 4096):
 print(json.dumps(out))
 '
 for i in 1 2; do
-  echo "plain $(python3 -c "$PAIRS")" >> "$R/pairs.txt"
-  echo "full  $(.gpu/bin/vramd run --socket "$S" --torch-mode full --limit 16GiB -- python3 -c "$PAIRS")" >> "$R/pairs.txt"
+  echo "plain $(python3 -c "$PAIRS")" >> "$W/pairs.txt"
+  echo "full  $(.gpu/bin/vramd run --socket "$S" --torch-mode full --limit 16GiB -- python3 -c "$PAIRS")" >> "$W/pairs.txt"
 done
-cat "$R/pairs.txt"
+cat "$W/pairs.txt"
 GEN=(python3 scripts/torch_on_vramd.py --worker train --model gpt2gen --steps 6 --seed 1234 --warmup 1)
 if command -v perf > /dev/null; then
   .gpu/bin/vramd run --socket "$S" --torch-mode full --limit 64GiB -- \
-    perf record -F 499 -o "$R/perf.data" -- "${GEN[@]}" > "$R/gen_full.txt" 2>&1
-  perf report -i "$R/perf.data" --stdio --sort dso 2>/dev/null | head -40 > "$R/perf_dso.txt"
-  perf report -i "$R/perf.data" --stdio --sort dso,sym 2>/dev/null | head -80 > "$R/perf_sym.txt"
-  rm -f "$R/perf.data"
-  cat "$R/perf_dso.txt"
+    perf record -F 499 -o "$W/perf.data" -- "${GEN[@]}" > "$W/gen_full.txt" 2>&1
+  perf report -i "$W/perf.data" --stdio --sort dso 2>/dev/null | head -40 > "$W/perf_dso.txt"
+  perf report -i "$W/perf.data" --stdio --sort dso,sym 2>/dev/null | head -80 > "$W/perf_sym.txt"
+  rm -f "$W/perf.data"
+  cat "$W/perf_dso.txt"
 else
-  echo "perf is not installed" | tee "$R/perf_dso.txt"
+  echo "perf is not installed" | tee "$W/perf_dso.txt"
 fi
-kill $D; wait $D 2>/dev/null
-rm -f "$S"
+daemon_down

@@ -15,3 +15,11 @@ pytorch_peaks() { # PyTorch full-mode peaks on this build: BERT batch 64 determi
   TAG=bert16 LIMIT=120 bash scripts/h200/training.sh bert 1 full
   TAG=resnet LIMIT=120 bash scripts/h200/training.sh resnet50 1 full
 }
+daemon_up() { # daemon_up DIR: a daemon (CUDA, 60 GiB) on DIR/vramd.sock, its log beside; sets S, D
+  S=$1/vramd.sock
+  printf 'capacity = "60 GiB"\n' > "$1/vramd.toml"
+  .gpu/bin/vramd serve --backend cuda --socket "$S" --config "$1/vramd.toml" > "$1/vramd.log" 2>&1 &
+  D=$!
+  for _ in $(seq 100); do [ -S "$S" ] && break; sleep 0.1; done
+}
+daemon_down() { kill "$D"; wait "$D" 2>/dev/null; rm -f "$S"; }

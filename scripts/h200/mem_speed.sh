@@ -3,13 +3,10 @@
 # 256 MiB tensors, a launch-bound loop without and with allocations, and GPT-2-sized matmuls, under
 # plain PyTorch, expandable segments and vramd's full mode (two rounds each, interleaved).
 set -u
-R=${OUT:?run on the device machine}/r/mem_speed
-mkdir -p "$R"
-S=$R/vramd.sock
-printf 'capacity = "60 GiB"\n' > "$R/vramd.toml"
-.gpu/bin/vramd serve --backend cuda --socket "$S" --config "$R/vramd.toml" > "$R/vramd.log" 2>&1 &
-D=$!
-for _ in $(seq 100); do [ -S "$S" ] && break; sleep 0.1; done
+. "$(dirname "$0")/lib.sh"
+W=$R/mem_speed
+mkdir -p "$W"
+daemon_up "$W"
 BENCH='
 import time, torch, json
 dev = "cuda"
@@ -37,10 +34,9 @@ out["kv_cat_us"] = [round(v, 2) for v in timed(cat, 2000)]
 print(json.dumps(out))
 '
 for i in 1 2; do
-  echo "plain      $(python3 -c "$BENCH")" >> "$R/speed.txt"
-  echo "expandable $(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -c "$BENCH")" >> "$R/speed.txt"
-  echo "full       $(.gpu/bin/vramd run --socket "$S" --torch-mode full --limit 16GiB -- python3 -c "$BENCH")" >> "$R/speed.txt"
+  echo "plain      $(python3 -c "$BENCH")" >> "$W/speed.txt"
+  echo "expandable $(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python3 -c "$BENCH")" >> "$W/speed.txt"
+  echo "full       $(.gpu/bin/vramd run --socket "$S" --torch-mode full --limit 16GiB -- python3 -c "$BENCH")" >> "$W/speed.txt"
 done
-cat "$R/speed.txt"
-kill $D; wait $D 2>/dev/null
-rm -f "$S"
+cat "$W/speed.txt"
+daemon_down
