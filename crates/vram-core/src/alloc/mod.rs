@@ -457,50 +457,53 @@ impl<B: Backing> Allocator<B> {
         } else {
             LARGE
         };
-        if self.heaps[h].free.best_fit(len, stream).is_none() {
+        let mut found = self.heaps[h].free.best_fit(len, stream);
+        if found.is_none() {
             // Frees whose fences completed may have made room (their regions merge once every
             // stream may use them).
             self.seal(fences);
             self.poll(fences);
+            found = self.heaps[h].free.best_fit(len, stream);
         }
         // A small block that finds no room in its heap when growing it would take what the tenant
         // holds past the cap may go where the large heap has room (see `small_fallback`).
-        if h == SMALL
+        if found.is_none()
+            && h == SMALL
             && self.config.small_fallback > 0.0
             && (self.config.small_fallback >= 1.0
                 || ((self.stats.allocated.get() + len) as f64)
                     < self.stats.allocated_peak.get() as f64 * self.config.small_fallback)
-            && self.heaps[SMALL].free.best_fit(len, stream).is_none()
             && self.at_cap(self.config.granularity.get(), len)
-            && self.heaps[LARGE].free.best_fit(len, stream).is_some()
         {
-            h = LARGE;
-        }
-        // A large block that finds no room in its heap takes the mid heap's before growing (the
-        // setting is checked first: without a mid heap, no extra search).
-        if h == LARGE
-            && self.config.mid_limit > Bytes::ZERO
-            && self.heaps[LARGE].free.best_fit(len, stream).is_none()
-            && self.heaps[MID].free.best_fit(len, stream).is_some()
-        {
-            h = MID;
-        }
-        if self.heaps[h].free.best_fit(len, stream).is_none() {
-            if let Err(e) = self.grow(h, len, stream) {
-                let AllocError::OutOfMemory { .. } = e else {
-                    return Err(e);
-                };
-                self.release_free(u64::MAX);
-                if let Err(e) = self.grow(h, len, stream) {
-                    self.stats.refused += 1;
-                    return Err(e);
-                }
+            if let Some(at) = self.heaps[LARGE].free.best_fit(len, stream) {
+                (h, found) = (LARGE, Some(at));
             }
         }
-        let start = self.heaps[h]
-            .free
-            .best_fit(len, stream)
-            .expect("growth made room for the block");
+        // A large block that finds no room in its heap takes the mid heap's before growing.
+        if found.is_none() && h == LARGE && self.config.mid_limit > Bytes::ZERO {
+            if let Some(at) = self.heaps[MID].free.best_fit(len, stream) {
+                (h, found) = (MID, Some(at));
+            }
+        }
+        let start = match found {
+            Some(start) => start,
+            None => {
+                if let Err(e) = self.grow(h, len, stream) {
+                    let AllocError::OutOfMemory { .. } = e else {
+                        return Err(e);
+                    };
+                    self.release_free(u64::MAX);
+                    if let Err(e) = self.grow(h, len, stream) {
+                        self.stats.refused += 1;
+                        return Err(e);
+                    }
+                }
+                self.heaps[h]
+                    .free
+                    .best_fit(len, stream)
+                    .expect("growth made room for the block")
+            }
+        };
         self.heaps[h].free.take(start, len);
         self.live.insert(
             start,
