@@ -16,10 +16,11 @@
 //! - Allocation: the request is rounded up to `align` (512 B size classes) and served best fit from
 //!   the free regions the stream may use. When none fits, the heap grows next to the usable free
 //!   region that needs the least new memory. While held memory stays within `grow_slack` of the
-//!   peak allocated, by a grant sized to the need (at least `min_grow`; above `max_handle`, split
-//!   into handles that are small at both ends and large in the middle, so that the part of a large
-//!   block's region that a later, smaller block leaves free lies in handles of its own; all of a
-//!   growth's handles in one request); above it, wholly free handles elsewhere are returned first
+//!   peak allocated, by a grant sized to the need (at least `min_grow`, doubled through a burst
+//!   of growths with nothing freed between them up to `burst_growth` of what is held; above
+//!   `max_handle`, split into handles that are small at both ends and large in the middle, so
+//!   that the part of a large block's region that a later, smaller block leaves free lies in
+//!   handles of its own; all of a growth's handles in one request); above it, wholly free handles elsewhere are returned first
 //!   and the need granted (a moved handle would bring its whole size, and small ones stay small),
 //!   except that one free handle of just the size needed is moved (unmapped and mapped again);
 //!   `move_handles` moves them all instead.
@@ -719,19 +720,7 @@ impl<B: Backing> Allocator<B> {
             Vec::new()
         } else {
             let floor = match h {
-                LARGE => {
-                    let min = self.config.min_grow.get().next_multiple_of(gran);
-                    let cap = (self.stats.held.get() as f64 * self.config.burst_growth) as u64
-                        / gran
-                        * gran;
-                    self.burst = if self.stats.frees == self.frees_at_growth {
-                        (self.burst * 2).min(cap).max(min)
-                    } else {
-                        min
-                    };
-                    self.frees_at_growth = self.stats.frees;
-                    self.burst
-                }
+                LARGE => self.large_growth_step(),
                 MID => self.config.mid_min_grow.get().next_multiple_of(gran),
                 _ => gran,
             };
@@ -771,6 +760,22 @@ impl<B: Backing> Allocator<B> {
             va += m.len;
         }
         Ok(())
+    }
+
+    /// The least a grant for the large heap adds now: `min_grow`, doubled at each growth that
+    /// follows the one before with nothing freed between them, up to `burst_growth` of what is
+    /// held (see that setting).
+    fn large_growth_step(&mut self) -> u64 {
+        let gran = self.config.granularity.get();
+        let min = self.config.min_grow.get().next_multiple_of(gran);
+        let cap = (self.stats.held.get() as f64 * self.config.burst_growth) as u64 / gran * gran;
+        self.burst = if self.stats.frees == self.frees_at_growth {
+            (self.burst * 2).min(cap).max(min)
+        } else {
+            min
+        };
+        self.frees_at_growth = self.stats.frees;
+        self.burst
     }
 
     /// Wholly free handles to reuse for the growth site instead of adding memory (returned, or
