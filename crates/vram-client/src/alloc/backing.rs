@@ -111,6 +111,16 @@ impl CallTimes {
     pub fn total(&self) -> Duration {
         self.take + self.map + self.unmap + self.release
     }
+
+    /// The time spent since `earlier`, a reading of the same backing.
+    pub fn since(&self, earlier: &CallTimes) -> CallTimes {
+        CallTimes {
+            take: self.take.saturating_sub(earlier.take),
+            map: self.map.saturating_sub(earlier.map),
+            unmap: self.unmap.saturating_sub(earlier.unmap),
+            release: self.release.saturating_sub(earlier.release),
+        }
+    }
 }
 
 #[derive(Clone, Copy)]

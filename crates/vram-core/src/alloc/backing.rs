@@ -46,6 +46,21 @@ pub struct BackingCounts {
     pub mapped_bytes: u64,
 }
 
+impl BackingCounts {
+    /// The calls made since `earlier`, a reading of the same backing.
+    pub fn since(&self, earlier: &BackingCounts) -> BackingCounts {
+        BackingCounts {
+            grants: self.grants - earlier.grants,
+            grant_requests: self.grant_requests - earlier.grant_requests,
+            maps: self.maps - earlier.maps,
+            unmaps: self.unmaps - earlier.unmaps,
+            releases: self.releases - earlier.releases,
+            granted_bytes: self.granted_bytes - earlier.granted_bytes,
+            mapped_bytes: self.mapped_bytes - earlier.mapped_bytes,
+        }
+    }
+}
+
 /// A backing with no memory behind it that checks the allocator's use of it (panics on a misuse),
 /// counts calls, and can refuse grants beyond a capacity.
 #[derive(Debug, Default)]

@@ -8,7 +8,7 @@ const DRIVER_SHARE_GOAL: f64 = 0.01;
 /// Traces on which the default configuration misses a goal today, with the figures it reached
 /// (fragmentation, driver time share); the test holds them to those figures (no regression) and
 /// says loudly that the goal is missed. Remove an entry once the allocator meets the goals on it.
-const KNOWN_MISSES: [(&str, f64, f64); 1] = [("gpt2_generate", 0.0595, 0.0150)];
+const KNOWN_MISSES: [(&str, f64, f64); 1] = [("gpt2_generate", FRAGMENTATION_GOAL, 0.0135)];
 const TRACES: [&str; 4] = [
     "resnet50_train",
     "bert_train_varlen",
@@ -91,7 +91,7 @@ fn counts_and_fragmentation_of_a_small_trace() {
             ev(Action::Free, 1, 3 * mib, 20),
             ev(Action::Alloc, 3, 3 * mib, 1_000_000),
         ],
-        skipped_frees: 0,
+        ..Trace::default()
     };
     let mut calls = Vec::new();
     let r = replay(
@@ -120,6 +120,37 @@ fn counts_and_fragmentation_of_a_small_trace() {
     ] {
         assert!(json.get(key).is_some(), "{key} missing");
     }
+}
+
+#[test]
+fn blocks_live_before_the_history_count_in_the_peaks_but_not_in_the_driver_time() {
+    let mib = Bytes::MIB;
+    let window = [
+        ev(Action::Alloc, 2, 3 * mib, 0),
+        ev(Action::Free, 2, 3 * mib, 10),
+        ev(Action::Free, 1, 64 * mib, 1_000_000),
+    ];
+    let mut events = vec![ev(Action::Alloc, 1, 64 * mib, 0)];
+    events.extend(window.iter().copied());
+    let with = Trace {
+        events,
+        before_history: 1,
+        ..Trace::default()
+    };
+    let run = |t: &Trace| {
+        let config = AllocConfig::default();
+        replay("t", t, &config, &CostModel::DESIGN_TABLE, &mut |_, _| {}).unwrap()
+    };
+    let (r, w) = (run(&with), run(&with.window_only()));
+    assert_eq!(
+        (r.before_history_blocks, r.before_history_bytes),
+        (1, 64 * mib)
+    );
+    assert_eq!((w.peak_requested, r.peak_requested), (3 * mib, 67 * mib));
+    assert!(r.peak_held >= 67 * mib, "{}", r.peak_held);
+    // Only the growth for the 3 MiB block falls in the history: one request, as without.
+    assert_eq!((r.grant_requests, w.grant_requests), (1, 1));
+    assert_eq!(w.skipped_frees, 1);
 }
 
 /// Diagnosis, run by hand (`cargo test -p vram-core --release replay::tests::diagnose --

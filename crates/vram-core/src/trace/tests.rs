@@ -22,30 +22,67 @@ fn gzip(bytes: &[u8]) -> Vec<u8> {
     e.finish().unwrap()
 }
 
+fn ev(action: Action, addr: u64, size: u64, stream: u64, time_us: u64) -> Event {
+    Event {
+        action,
+        addr,
+        size,
+        stream,
+        time_us,
+    }
+}
+
 #[test]
-fn pairs_allocs_with_completed_frees_and_skips_unseen_ones() {
-    let want = vec![
-        Event {
-            action: Action::Alloc,
-            addr: 8192,
-            size: 100,
-            stream: 7,
-            time_us: 10,
-        },
-        Event {
-            action: Action::Free,
-            addr: 8192,
-            size: 100,
-            stream: 7,
-            time_us: 12,
-        },
-    ];
+fn pairs_allocs_with_completed_frees_and_allocates_unseen_ones_first() {
+    use Action::{Alloc, Free};
     for input in [unhex(SNAPSHOT_HEX), gzip(&unhex(SNAPSHOT_HEX))] {
         let t = parse_snapshot(&input).unwrap();
-        assert_eq!(t.events, want);
-        assert_eq!(t.skipped_frees, 1);
-        assert_eq!(t.wall_us(), 2);
+        assert_eq!(
+            t.events,
+            vec![
+                ev(Alloc, 0x1000, 64, 0, 5),
+                ev(Free, 0x1000, 64, 0, 5),
+                ev(Alloc, 0x2000, 100, 7, 10),
+                ev(Free, 0x2000, 100, 7, 12),
+            ]
+        );
+        assert_eq!((t.before_history, t.skipped_frees), (1, 0));
+        assert_eq!(t.wall_us(), 7);
+        let w = t.window_only();
+        assert_eq!(
+            w.events,
+            vec![ev(Alloc, 0x2000, 100, 7, 10), ev(Free, 0x2000, 100, 7, 12)]
+        );
+        assert_eq!((w.before_history, w.skipped_frees), (0, 1));
+        assert_eq!(w.wall_us(), 2);
     }
+}
+
+/// A snapshot whose history begins with a free of an unseen block (0x1000) and whose `segments`
+/// still hold, on device 0, a block no event names (0x4000, 1000 bytes requested, stream 3), a
+/// free block, and a block the history allocated (0x6000); and one block on device 1.
+const WITH_SEGMENTS_HEX: &str = "80049537020000000000007d94288c087365676d656e7473945d94287d94288c06646576696365944b008c0761646472657373944d00408c0a746f74616c5f73697a65944d00408c0673747265616d944b038c06626c6f636b73945d94287d94288c0473697a65944d00108c0e7265717565737465645f73697a65944de8038c057374617465948c106163746976655f616c6c6f6361746564948c066672616d6573945d94757d9428680b4d0010680d8c08696e61637469766594757d9428680b4d0020680c4d0020680d680e7565757d942868044b0168054d009068064d001068074b0068085d947d9428680b4d0010680c4b05680d680e756175658c12616c6c6f6361746f725f73657474696e6773947d948c0d6465766963655f747261636573945d94285d94287d94288c06616374696f6e948c0e667265655f636f6d706c65746564948c0461646472944d0010680b4b4068074b008c0774696d655f7573944b05680f5d94757d9428681d8c05616c6c6f6394681f4d0060680b4d002068074b0368204b06757d9428681d6823681f4d0020680b4b6468074b0768204b0a680f5d947d94288c0866696c656e616d65948c04782e7079948c046c696e65944b018c046e616d65948c0166947561757d9428681d8c0e667265655f72657175657374656494681f4d0020680b4b6468074b0768204b0b757d9428681d8c0d7365676d656e745f616c6c6f6394681f4b00680b4a0000200068074b0768204b09757d9428681d681e681f4d0020680b4b6468074b0768204b0c75655d9465752e";
+
+#[test]
+fn blocks_still_allocated_that_no_event_names_were_live_before_the_history() {
+    use Action::{Alloc, Free};
+    let t = parse_snapshot(&unhex(WITH_SEGMENTS_HEX)).unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            ev(Alloc, 0x1000, 64, 0, 5),
+            ev(Alloc, 0x4000, 1000, 3, 5),
+            ev(Free, 0x1000, 64, 0, 5),
+            ev(Alloc, 0x6000, 0x2000, 3, 6),
+            ev(Alloc, 0x2000, 100, 7, 10),
+            ev(Free, 0x2000, 100, 7, 12),
+        ]
+    );
+    assert_eq!(t.before_history, 2);
+    assert_eq!(t.before_history_bytes(), 1064);
+    let w = t.window_only();
+    assert_eq!(w.events, t.events[3..]);
+    assert_eq!((w.skipped_frees, w.before_history_bytes()), (1, 0));
 }
 
 #[test]

@@ -62,6 +62,13 @@ pub struct Args {
     /// trace's wall span.
     #[arg(long)]
     pub realtime: bool,
+    /// Replay only the events the snapshot's history recorded. By default the blocks that were
+    /// live when it began (a ring buffer's snapshot of a long run starts in the middle, with a
+    /// model's weights allocated; the snapshot shows them as frees without an alloc and as blocks
+    /// still allocated that no event names) are allocated first, in address order, since the
+    /// process held them; with this flag they are left out and their frees skipped.
+    #[arg(long)]
+    pub window_only: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -150,8 +157,11 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     for path in &args.traces {
         let bytes =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let trace = parse_snapshot(&bytes)
+        let mut trace = parse_snapshot(&bytes)
             .with_context(|| format!("{} is not a readable snapshot", path.display()))?;
+        if args.window_only {
+            trace = trace.window_only();
+        }
         let name = path
             .file_name()
             .map(|n| {
@@ -239,7 +249,16 @@ pub fn replay(
         ReplayBackend::Cuda => Arc::new(CudaDevice::open("0").context("--backend cuda")?),
     };
     let source = LocalSource::new(device.clone());
-    run_trace(name, trace, device, source, backend, config, pace)
+    run_trace(
+        name,
+        trace,
+        device,
+        source,
+        backend,
+        config,
+        pace,
+        &mut || {},
+    )
 }
 
 /// Replays one trace through a fresh allocator whose handles come from `daemon`, as a tenant of
@@ -273,8 +292,8 @@ pub fn replay_through(
             .map(|d| d.pool)
             .unwrap_or_default())
     };
-    let before = takes(&client)?;
-    let imported = client.import_time();
+    // Counted from the start of the history: the blocks live before it were placed before.
+    let mut at_history = None;
     let mut outcome = run_trace(
         name,
         trace,
@@ -283,12 +302,20 @@ pub fn replay_through(
         backend,
         config,
         pace,
+        &mut || {
+            at_history = Some((takes(&client), client.import_time()));
+        },
     )?;
-    outcome.pool_takes = Some(takes(&client)?.since(before));
+    let (before, imported) = at_history.expect("run_trace marks the start of the history");
+    outcome.pool_takes = Some(takes(&client)?.since(before?));
     outcome.take_import_us = Some((client.import_time() - imported).as_secs_f64() * 1e6);
     Ok(outcome)
 }
 
+/// Replays `trace` through a caching allocator on `source`'s handles. The calls and time counted
+/// start with the trace's history: `at_history` is called once, after the blocks live before it
+/// were allocated (they count in the peaks only).
+#[allow(clippy::too_many_arguments)]
 fn run_trace<S: HandleSource>(
     name: &str,
     trace: &Trace,
@@ -297,6 +324,7 @@ fn run_trace<S: HandleSource>(
     backend: ReplayBackend,
     config: &AllocConfig,
     pace: Pace,
+    at_history: &mut dyn FnMut(),
 ) -> anyhow::Result<Outcome> {
     let config = AllocConfig {
         granularity: device.info().granularity,
@@ -314,7 +342,29 @@ fn run_trace<S: HandleSource>(
         std::time::Instant::now(),
         trace.events.first().map_or(0, |e| e.time_us),
     );
+    let counts = |alloc: &CachingAllocator<_>| {
+        let s = alloc.stats().core;
+        BackingCounts {
+            grants: s.grants,
+            grant_requests: s.grant_requests,
+            maps: s.maps,
+            unmaps: s.unmaps,
+            releases: s.returns,
+            granted_bytes: s.granted_bytes.get(),
+            mapped_bytes: s.mapped_bytes.get(),
+        }
+    };
+    let mut base = None;
+    let mut mark = |alloc: &CachingAllocator<_>, spent: &mut std::time::Duration| {
+        *spent = std::time::Duration::ZERO;
+        at_history();
+        let (calls, takes) = alloc.with_backing(|b| (b.call_times(), b.take_times().len()));
+        (counts(alloc), calls, takes)
+    };
     for (i, e) in trace.events.iter().enumerate() {
+        if i == trace.before_history {
+            base = Some(mark(&alloc, &mut spent));
+        }
         if pace.0 {
             let due = t0 + std::time::Duration::from_micros(e.time_us.saturating_sub(first_us));
             if let Some(wait) = due.checked_duration_since(std::time::Instant::now()) {
@@ -348,19 +398,19 @@ fn run_trace<S: HandleSource>(
         }
     }
     bar.finish_and_clear();
-    let s = alloc.stats().core;
-    let counts = BackingCounts {
-        grants: s.grants,
-        grant_requests: s.grant_requests,
-        maps: s.maps,
-        unmaps: s.unmaps,
-        releases: s.returns,
-        granted_bytes: s.granted_bytes.get(),
-        mapped_bytes: s.mapped_bytes.get(),
+    let (counts0, calls0, takes0) = match base {
+        Some(base) => base,
+        None => mark(&alloc, &mut spent),
     };
+    let s = alloc.stats().core;
+    let counts = counts(&alloc).since(&counts0);
     let measured_us = spent.as_secs_f64() * 1e6;
-    let (calls, take_us) =
-        alloc.with_backing(|b| (b.call_times(), Spread::of_durations(b.take_times())));
+    let (calls, take_us) = alloc.with_backing(|b| {
+        (
+            b.call_times().since(&calls0),
+            Spread::of_durations(&b.take_times()[takes0..]),
+        )
+    });
     let driver_us = calls.total().as_secs_f64() * 1e6;
     Ok(Outcome {
         result: ReplayResult::new(
