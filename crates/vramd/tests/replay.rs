@@ -311,7 +311,11 @@ fn blocks_live_before_a_snapshots_history_are_placed_first_unless_window_only() 
     // in it (they took 161 MiB; the history's few activations fit in the slack above them).
     for o in [whole, through] {
         assert!(o["mapped_bytes"].as_u64().unwrap() < 16 * mib, "{o}");
-        assert_eq!(o["wall_us"], window["wall_us"].as_u64().unwrap() + 20, "{o}");
+        assert_eq!(
+            o["wall_us"],
+            window["wall_us"].as_u64().unwrap() + 20,
+            "{o}"
+        );
     }
     // Through a daemon, the pool's takes are counted over the history too.
     let takes = &through["pool_takes"];
