@@ -8,7 +8,9 @@ const DRIVER_SHARE_GOAL: f64 = 0.01;
 /// Traces on which the default configuration misses a goal today, with the figures it reached
 /// (fragmentation, driver time share); the test holds them to those figures (no regression) and
 /// says loudly that the goal is missed. Remove an entry once the allocator meets the goals on it.
-const KNOWN_MISSES: [(&str, f64, f64); 1] = [("gpt2_generate", FRAGMENTATION_GOAL, 0.0135)];
+/// (None today: gpt2_generate, the last, met them once the blocks live before its history were
+/// replayed and growths that climb took larger steps.)
+const KNOWN_MISSES: [(&str, f64, f64); 0] = [];
 const TRACES: [&str; 4] = [
     "resnet50_train",
     "bert_train_varlen",
