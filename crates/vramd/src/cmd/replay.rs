@@ -487,6 +487,25 @@ fn table(outcomes: &[Outcome]) -> String {
          --backend cuda: driver calls; on host: memfd calls; with --through-daemon, the daemon\n\
          round trips and imports as well)."
     );
+    for o in outcomes.iter().map(|o| &o.result) {
+        if o.before_history_blocks > 0 {
+            let _ = writeln!(
+                out,
+                "{}: {} blocks ({}) were live when the snapshot's history began; they were \
+                 allocated first and count in the peaks, not in the times above (--window-only leaves \
+                 them out).",
+                o.trace,
+                o.before_history_blocks,
+                Bytes(o.before_history_bytes)
+            );
+        } else if o.skipped_frees > 0 {
+            let _ = writeln!(
+                out,
+                "{}: {} frees of blocks allocated before the snapshot's history were skipped.",
+                o.trace, o.skipped_frees
+            );
+        }
+    }
     for o in outcomes {
         if let Some(p) = o.pool_takes {
             let _ = writeln!(
