@@ -256,6 +256,14 @@ pub enum AllocError {
     UnknownBlock { offset: u64 },
 }
 
+/// How much a growth adds: its usual step (`min_grow`, bursts, climbs), or only what the block
+/// needs (after the usual step was refused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Step {
+    Usual,
+    NeedOnly,
+}
+
 const LARGE: usize = 0;
 const SMALL: usize = 1;
 const MID: usize = 2;
@@ -509,14 +517,24 @@ impl<B: Backing> Allocator<B> {
         let start = match found {
             Some(start) => start,
             None => {
-                if let Err(e) = self.grow(h, len, stream) {
-                    let AllocError::OutOfMemory { .. } = e else {
-                        return Err(e);
-                    };
-                    self.release_free(u64::MAX);
-                    if let Err(e) = self.grow(h, len, stream) {
-                        self.stats.refused += 1;
-                        return Err(e);
+                // Refused (the tenant's limit, or the device): give back every wholly free
+                // handle and try again, then once more growing by the need alone, without the
+                // step that growth usually rounds up to.
+                let mut tries = [Step::Usual, Step::Usual, Step::NeedOnly]
+                    .into_iter()
+                    .peekable();
+                while let Some(step) = tries.next() {
+                    match self.grow(h, len, stream, step) {
+                        Ok(()) => break,
+                        Err(AllocError::OutOfMemory { .. }) if tries.peek().is_some() => {
+                            if step == Step::Usual {
+                                self.release_free(u64::MAX);
+                            }
+                        }
+                        Err(e) => {
+                            self.stats.refused += 1;
+                            return Err(e);
+                        }
                     }
                 }
                 self.heaps[h]
@@ -709,7 +727,7 @@ impl<B: Backing> Allocator<B> {
     }
 
     /// Maps more memory into heap `h` so that a block of `len` bytes fits for `stream`.
-    fn grow(&mut self, h: usize, len: u64, stream: StreamId) -> Result<(), AllocError> {
+    fn grow(&mut self, h: usize, len: u64, stream: StreamId, step: Step) -> Result<(), AllocError> {
         let gran = self.config.granularity.get();
         let site = self.heaps[h]
             .growth_site(len, gran, stream)
@@ -741,6 +759,7 @@ impl<B: Backing> Allocator<B> {
             Vec::new()
         } else {
             let floor = match h {
+                _ if step == Step::NeedOnly => gran,
                 LARGE if at_cap && moved == 0 => self.large_growth_step().max(self.climb_step()),
                 LARGE => self.large_growth_step(),
                 MID => self.config.mid_min_grow.get().next_multiple_of(gran),

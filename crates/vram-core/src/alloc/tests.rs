@@ -425,6 +425,31 @@ fn a_growth_refused_in_part_holds_none_of_it() {
 }
 
 #[test]
+fn a_growth_refused_at_its_usual_step_is_granted_what_the_block_needs() {
+    // Steps of 16 MiB (and bursts and climbs above it) against 10 MiB of room: each block still
+    // gets its memory, as long as the block itself fits.
+    for climb_growth in [Bytes::ZERO, Bytes::mib(32)] {
+        let config = AllocConfig {
+            min_grow: Bytes::mib(16),
+            burst_growth: 1.0,
+            climb_growth,
+            ..small_config()
+        };
+        let mut a = Allocator::new(config, ModelBacking::with_capacity(Bytes::mib(10)));
+        let f = AlwaysComplete;
+        let x = a.alloc(Bytes::mib(4), StreamId(0), &f).unwrap();
+        let y = a.alloc(Bytes::mib(6), StreamId(0), &f).unwrap();
+        assert!(a.backing().is_mapped(x.offset, x.size.get()));
+        assert!(a.backing().is_mapped(y.offset, y.size.get()));
+        assert_eq!(a.stats().held, Bytes::mib(10));
+        // A block beyond the room is still refused, with nothing held for it.
+        let err = a.alloc(Bytes::mib(2), StreamId(0), &f).unwrap_err();
+        assert!(matches!(err, AllocError::OutOfMemory { .. }), "{err}");
+        assert_eq!((a.stats().held, a.stats().refused), (Bytes::mib(10), 1));
+    }
+}
+
+#[test]
 fn growth_at_the_cap_reuses_free_handles_instead_of_adding_memory() {
     for move_handles in [false, true] {
         let config = AllocConfig {
