@@ -3,7 +3,9 @@
 
 For each trace (a `torch.cuda.memory._snapshot()` pickle, .gz accepted; only plain dicts, lists,
 strings and numbers are read), replays the alloc / free_completed pairs of device 0 as
-`vramd replay` does (frees of blocks whose alloc the ring buffer lost are skipped) and prints:
+`vramd replay` does — the blocks live when the snapshot's ring-buffer history began (frees without
+an alloc, blocks still allocated that no event names) allocated first; with --window-only, their
+frees skipped instead — and prints:
 
 - the peak of live requested bytes, and the event index where it is reached;
 - the "own granules" bound: at that peak, the memory a placement needs that gives every block of at
@@ -32,47 +34,64 @@ def load(path):
         return PlainOnly(f).load()
 
 
-def analyse(path, granule, top):
-    events = load(path)["device_traces"][0]
-    live = {}
-    requested = 0
-    peak = (0, 0)
-    n = 0
+def replayable(snapshot, window_only):
+    """The (action, addr, size) pairs to replay: allocs and their completed frees, after the
+    allocations of the blocks live when the history began (unless window_only)."""
+    events = snapshot["device_traces"][0]
+    before = {}
+    if not window_only:
+        named = {e["addr"] for e in events if e["action"] in ("alloc", "free_requested", "free_completed")}
+        for seg in snapshot.get("segments", []):
+            if seg.get("device", 0) != 0:
+                continue
+            addr = seg["address"]
+            for b in seg.get("blocks", []):
+                if b["state"].startswith("active") and addr not in named:
+                    before[addr] = b.get("requested_size", b["size"])
+                addr += b["size"]
+        seen = set()
+        for e in events:
+            if e["action"] == "alloc":
+                seen.add(e["addr"])
+            elif e["action"] == "free_completed" and e["addr"] not in seen:
+                seen.add(e["addr"])
+                before[e["addr"]] = e["size"]
+    out = [("alloc", addr, before[addr]) for addr in sorted(before)]
+    live = dict(before)
     for e in events:
         action = e["action"]
         if action == "alloc":
             live[e["addr"]] = e["size"]
-            requested += e["size"]
+            out.append(("alloc", e["addr"], e["size"]))
         elif action == "free_completed":
             size = live.pop(e["addr"], None)
-            if size is None:
-                continue
-            requested -= size
-        else:
-            continue
-        n += 1
+            if size is not None:
+                out.append(("free", e["addr"], size))
+    return out, len(before), sum(before.values())
+
+
+def analyse(path, granule, top, window_only):
+    events, n_before, before_bytes = replayable(load(path), window_only)
+    requested = 0
+    peak = (0, 0)
+    for n, (action, _, size) in enumerate(events, 1):
+        requested += size if action == "alloc" else -size
         if requested > peak[0]:
             peak = (requested, n)
     # Replay again up to the peak to see what is live there.
     live = {}
-    n = 0
-    for e in events:
-        action = e["action"]
+    for action, addr, size in events[:peak[1]]:
         if action == "alloc":
-            live[e["addr"]] = e["size"]
-        elif action == "free_completed":
-            if live.pop(e["addr"], None) is None:
-                continue
+            live[addr] = size
         else:
-            continue
-        n += 1
-        if n == peak[1]:
-            break
+            del live[addr]
     sizes = list(live.values())
     large = sum(-(-s // granule) * granule for s in sizes if s >= MIB)
     small = sum(s for s in sizes if s < MIB)
     bound = large + -(-small // granule) * granule
     name = path.rsplit("/", 1)[-1]
+    if n_before:
+        print(f"{name}: {n_before} blocks ({before_bytes / MIB:.1f} MiB) live before the history, allocated first")
     print(f"{name}: peak live {peak[0] / MIB:.1f} MiB at event {peak[1]}; "
           f"own-granules bound {bound / MIB:.1f} MiB, fragmentation {100 * (1 - peak[0] / bound):.2f} %")
     by_size = collections.Counter(sizes)
@@ -85,9 +104,11 @@ def main():
     p.add_argument("traces", nargs="+")
     p.add_argument("--granule-mib", type=int, default=2)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--window-only", action="store_true",
+                   help="replay the recorded events alone, as vramd replay --window-only")
     a = p.parse_args()
     for t in a.traces:
-        analyse(t, a.granule_mib * MIB, a.top)
+        analyse(t, a.granule_mib * MIB, a.top, a.window_only)
 
 
 if __name__ == "__main__":
