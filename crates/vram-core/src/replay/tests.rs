@@ -379,9 +379,14 @@ fn robustness() {
             v.split(',').map(str::to_string).collect()
         });
     let config = settings_from_env();
+    // `VRAMD_WINDOW_ONLY=1` replays the snapshots' recorded events alone (`Trace::window_only`).
+    let window_only = std::env::var_os("VRAMD_WINDOW_ONLY").is_some_and(|v| v == "1");
     let mut means = Vec::new();
     for name in &names {
-        let base = load(&dir, name);
+        let mut base = load(&dir, name);
+        if window_only {
+            base = base.window_only();
+        }
         let (mut frag, mut driver) = (Vec::new(), Vec::new());
         for &scale in &scales {
             let r = replay_priced(name, &base.scaled(scale), &config);
