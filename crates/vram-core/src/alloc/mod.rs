@@ -517,25 +517,11 @@ impl<B: Backing> Allocator<B> {
         let start = match found {
             Some(start) => start,
             None => {
-                // Refused (the tenant's limit, or the device): give back every wholly free
-                // handle and try again, then once more growing by the need alone, without the
-                // step that growth usually rounds up to.
-                let mut tries = [Step::Usual, Step::Usual, Step::NeedOnly]
-                    .into_iter()
-                    .peekable();
-                while let Some(step) = tries.next() {
-                    match self.grow(h, len, stream, step) {
-                        Ok(()) => break,
-                        Err(AllocError::OutOfMemory { .. }) if tries.peek().is_some() => {
-                            if step == Step::Usual {
-                                self.release_free(u64::MAX);
-                            }
-                        }
-                        Err(e) => {
-                            self.stats.refused += 1;
-                            return Err(e);
-                        }
+                if let Err(e) = self.grow_or_retry(h, len, stream) {
+                    if matches!(e, AllocError::OutOfMemory { .. }) {
+                        self.stats.refused += 1;
                     }
+                    return Err(e);
                 }
                 self.heaps[h]
                     .free
@@ -724,6 +710,23 @@ impl<B: Backing> Allocator<B> {
     /// [`Self::growth_cap`].
     fn at_cap(&self, need: u64, len: u64) -> bool {
         self.stats.held.get() + need > self.growth_cap(len)
+    }
+
+    /// [`Self::grow`] by the usual step; when that is refused (the tenant's limit, or the
+    /// device), gives back every wholly free handle and tries again, then once more for the
+    /// block's need alone, without the step that growth usually rounds up to.
+    fn grow_or_retry(&mut self, h: usize, len: u64, stream: StreamId) -> Result<(), AllocError> {
+        let refused = |r: &Result<(), AllocError>| matches!(r, Err(AllocError::OutOfMemory { .. }));
+        let first = self.grow(h, len, stream, Step::Usual);
+        if !refused(&first) {
+            return first;
+        }
+        self.release_free(u64::MAX);
+        let second = self.grow(h, len, stream, Step::Usual);
+        if !refused(&second) {
+            return second;
+        }
+        self.grow(h, len, stream, Step::NeedOnly)
     }
 
     /// Maps more memory into heap `h` so that a block of `len` bytes fits for `stream`.
