@@ -119,8 +119,15 @@ const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 #[derive(Deserialize)]
 struct Snapshot {
     device_traces: Vec<Vec<RawEvent>>,
-    #[serde(default)]
+    /// Read leniently: a `segments` list of another shape (another PyTorch version's) only hides
+    /// the blocks still allocated that no event names; the events replay all the same.
+    #[serde(default, deserialize_with = "lenient_segments")]
     segments: Vec<RawSegment>,
+}
+
+fn lenient_segments<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<RawSegment>, D::Error> {
+    let value = serde_pickle::Value::deserialize(d)?;
+    Ok(serde_pickle::from_value(value).unwrap_or_default())
 }
 
 /// A segment of the allocator's state when the snapshot was taken: its blocks lie side by side

@@ -100,3 +100,15 @@ fn rejects_garbage_and_truncated_gzip() {
     let gz = gzip(&unhex(SNAPSHOT_HEX));
     assert!(parse_snapshot(&gz[..gz.len() / 2]).is_err());
 }
+
+/// A snapshot whose `segments` have another shape (a block's size a string, its state a number):
+/// its events replay all the same, the unseen block included.
+const ODD_SEGMENTS_HEX: &str = "800495e8000000000000007d94288c087365676d656e7473945d947d94288c06646576696365944b008c0761646472657373944d00408c06626c6f636b73945d947d94288c0473697a65948c03626967948c057374617465944b07756175618c0d6465766963655f747261636573945d945d94287d94288c06616374696f6e948c0e667265655f636f6d706c65746564948c0461646472944d001068094b408c0673747265616d944b008c0774696d655f7573944b05757d942868108c05616c6c6f639468124d002068094b6468134b0768144b0a757d94286810681168124d002068094b6468134b0768144b0c756561752e";
+
+#[test]
+fn segments_of_another_shape_do_not_stop_the_events() {
+    let t = parse_snapshot(&unhex(ODD_SEGMENTS_HEX)).unwrap();
+    assert_eq!(t.before_history, 1);
+    assert_eq!(t.events.len(), 4);
+    assert_eq!(t.before_history_bytes(), 64);
+}
