@@ -312,6 +312,35 @@ pub fn replay_through(
     Ok(outcome)
 }
 
+/// What a replay's allocator had done when the trace's history began; its figures count from
+/// there.
+struct Baseline {
+    counts: BackingCounts,
+    calls: CallTimes,
+    /// Takes made (an index into the backing's take times).
+    takes: usize,
+}
+
+impl Baseline {
+    fn read<S: HandleSource>(alloc: &CachingAllocator<S>) -> Baseline {
+        let s = alloc.stats().core;
+        let (calls, takes) = alloc.with_backing(|b| (b.call_times(), b.take_times().len()));
+        Baseline {
+            counts: BackingCounts {
+                grants: s.grants,
+                grant_requests: s.grant_requests,
+                maps: s.maps,
+                unmaps: s.unmaps,
+                releases: s.returns,
+                granted_bytes: s.granted_bytes.get(),
+                mapped_bytes: s.mapped_bytes.get(),
+            },
+            calls,
+            takes,
+        }
+    }
+}
+
 /// Replays `trace` through a caching allocator on `source`'s handles. The calls and time counted
 /// start with the trace's history: `at_history` is called once, after the blocks live before it
 /// were allocated (they count in the peaks only).
@@ -342,28 +371,12 @@ fn run_trace<S: HandleSource>(
         std::time::Instant::now(),
         trace.events.first().map_or(0, |e| e.time_us),
     );
-    let counts = |alloc: &CachingAllocator<_>| {
-        let s = alloc.stats().core;
-        BackingCounts {
-            grants: s.grants,
-            grant_requests: s.grant_requests,
-            maps: s.maps,
-            unmaps: s.unmaps,
-            releases: s.returns,
-            granted_bytes: s.granted_bytes.get(),
-            mapped_bytes: s.mapped_bytes.get(),
-        }
-    };
     let mut base = None;
-    let mut mark = |alloc: &CachingAllocator<_>, spent: &mut std::time::Duration| {
-        *spent = std::time::Duration::ZERO;
-        at_history();
-        let (calls, takes) = alloc.with_backing(|b| (b.call_times(), b.take_times().len()));
-        (counts(alloc), calls, takes)
-    };
     for (i, e) in trace.events.iter().enumerate() {
         if i == trace.before_history {
-            base = Some(mark(&alloc, &mut spent));
+            spent = std::time::Duration::ZERO;
+            at_history();
+            base = Some(Baseline::read(&alloc));
         }
         if pace.0 {
             let due = t0 + std::time::Duration::from_micros(e.time_us.saturating_sub(first_us));
@@ -398,17 +411,19 @@ fn run_trace<S: HandleSource>(
         }
     }
     bar.finish_and_clear();
-    let (counts0, calls0, takes0) = match base {
-        Some(base) => base,
-        None => mark(&alloc, &mut spent),
-    };
+    let base = base.unwrap_or_else(|| {
+        // Every event came before the history: nothing of it is counted.
+        spent = std::time::Duration::ZERO;
+        at_history();
+        Baseline::read(&alloc)
+    });
     let s = alloc.stats().core;
-    let counts = counts(&alloc).since(&counts0);
+    let counts = Baseline::read(&alloc).counts.since(&base.counts);
     let measured_us = spent.as_secs_f64() * 1e6;
     let (calls, take_us) = alloc.with_backing(|b| {
         (
-            b.call_times().since(&calls0),
-            Spread::of_durations(&b.take_times()[takes0..]),
+            b.call_times().since(&base.calls),
+            Spread::of_durations(&b.take_times()[base.takes..]),
         )
     });
     let driver_us = calls.total().as_secs_f64() * 1e6;
