@@ -325,3 +325,25 @@ fn blocks_live_before_a_snapshots_history_are_placed_first_unless_window_only() 
         .sum();
     assert_eq!(sum, through["grants"].as_u64().unwrap(), "{takes}");
 }
+
+#[test]
+fn settings_may_be_given_one_per_flag_or_comma_separated() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("small.pickle.gz");
+    write_snapshot(&trace, 20);
+    let path = trace.to_str().unwrap();
+    // Handles of at most 4 MiB, cut evenly: far more of them than by default.
+    let apart = &replay_json(&["--set", "max_handle=4MiB", "--set", "edge_handle=0", path])[0];
+    let together = &replay_json(&["--set", "max_handle=4MiB,edge_handle=0", path])[0];
+    let default = &replay_json(&[path])[0];
+    for key in ["peak_held", "grants", "maps"] {
+        assert_eq!(apart[key], together[key], "{key}");
+    }
+    let grants = |o: &Value| o["grants"].as_u64().unwrap();
+    assert!(grants(apart) > grants(default), "{apart} against {default}");
+    replay_fails(
+        &["--set", "min_grow=8MiB,no_such=1", path],
+        None,
+        "`no_such` is not an allocator setting",
+    );
+}

@@ -36,9 +36,10 @@ pub struct Args {
     /// (real maps and unmaps on GPU 0; the time spent in the allocator is measured too).
     #[arg(long, value_enum, default_value = "host")]
     pub backend: ReplayBackend,
-    /// An allocator setting to replay with instead of the default, as NAME=VALUE (repeatable;
-    /// e.g. `--set min_grow=16MiB --set max_handle=32MiB`). Tenants take the same settings from
-    /// `VRAMD_ALLOC` (comma-separated).
+    /// An allocator setting to replay with instead of the default, as NAME=VALUE (repeatable, or
+    /// comma-separated: `--set min_grow=16MiB --set max_handle=32MiB` is
+    /// `--set min_grow=16MiB,max_handle=32MiB`). Tenants take the same settings from
+    /// `VRAMD_ALLOC`.
     #[arg(long = "set", value_name = "NAME=VALUE")]
     pub settings: Vec<String>,
     /// Take the handles from a daemon this command starts on the same backend, as a tenant does
@@ -134,7 +135,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let mut config = AllocConfig::default();
     for setting in &args.settings {
         config
-            .set(setting)
+            .set_all(setting)
             .map_err(|e| anyhow::anyhow!("--set {e}"))?;
     }
     if let Some(bad) = args
