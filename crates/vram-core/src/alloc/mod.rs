@@ -156,7 +156,8 @@ pub struct AllocConfig {
     /// scales), at fragmentation 2.69 % against 2.35 %; the other traces' means move by less
     /// than their noise between neighbouring scales (docs/benchmarks.md).
     pub climb_growth: Bytes,
-    /// See `climb_growth`: growths at the cap this many allocations apart or closer climb.
+    /// See `climb_growth`: growths at the cap this many allocations apart or closer climb
+    /// (allocations that reach this allocator: the client's thread caches serve some before).
     pub climb_window: u64,
 }
 
