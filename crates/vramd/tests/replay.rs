@@ -71,6 +71,17 @@ fn replay_fails<S: AsRef<std::ffi::OsStr>>(args: &[S], tmp: Option<&Path>, expec
     assert!(err.contains(expected), "{err}");
 }
 
+/// A replay through a daemon accounts for every grant's handle: ready in the pool, given back
+/// earlier, or made on the grant's path.
+fn assert_every_grant_was_a_pool_take(o: &Value) {
+    let takes = &o["pool_takes"];
+    let sum: u64 = ["hits", "recycled", "misses"]
+        .iter()
+        .map(|k| takes[k].as_u64().unwrap())
+        .sum();
+    assert_eq!(sum, o["grants"].as_u64().unwrap(), "{takes}");
+}
+
 #[test]
 fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() {
     let dir = tempfile::tempdir().unwrap();
@@ -118,12 +129,7 @@ fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() 
     // Through the daemon, every grant's handle is accounted for: ready in the pool, given back
     // earlier, or made on the grant's path. In process there is no pool to report.
     assert!(a.get("pool_takes").is_none());
-    let takes = &b["pool_takes"];
-    let sum: u64 = ["hits", "recycled", "misses"]
-        .iter()
-        .map(|k| takes[k].as_u64().unwrap())
-        .sum();
-    assert_eq!(sum, b["grants"].as_u64().unwrap(), "{takes}");
+    assert_every_grant_was_a_pool_take(b);
     // The takes' time splits into round trips and imports.
     assert!(a.get("take_import_us").is_none());
     let import = b["take_import_us"].as_f64().unwrap();
@@ -318,12 +324,7 @@ fn blocks_live_before_a_snapshots_history_are_placed_first_unless_window_only() 
         );
     }
     // Through a daemon, the pool's takes are counted over the history too.
-    let takes = &through["pool_takes"];
-    let sum: u64 = ["hits", "recycled", "misses"]
-        .iter()
-        .map(|k| takes[k].as_u64().unwrap())
-        .sum();
-    assert_eq!(sum, through["grants"].as_u64().unwrap(), "{takes}");
+    assert_every_grant_was_a_pool_take(through);
 }
 
 #[test]

@@ -183,6 +183,14 @@ pub fn parse_snapshot(bytes: &[u8]) -> Result<Trace, TraceError> {
         .into_iter()
         .next()
         .ok_or(TraceError::NoDeviceTrace)?;
+    let before = before_history(&snapshot.segments, &raw);
+    pair(before, &raw)
+}
+
+/// The blocks live when the history began, as allocations in address order at its first
+/// timestamp: blocks still allocated on device 0 at an address no event names, and blocks freed
+/// without an alloc in the history.
+fn before_history(segments: &[RawSegment], raw: &[RawEvent]) -> Vec<Event> {
     let named: HashSet<u64> = raw
         .iter()
         .filter(|e| {
@@ -194,7 +202,7 @@ pub fn parse_snapshot(bytes: &[u8]) -> Result<Trace, TraceError> {
         .map(|e| e.addr)
         .collect();
     let mut before: Vec<Event> = Vec::new();
-    for seg in snapshot.segments.iter().filter(|s| s.device == 0) {
+    for seg in segments.iter().filter(|s| s.device == 0) {
         let mut addr = seg.address;
         for b in &seg.blocks {
             if b.state.starts_with("active") && !named.contains(&addr) {
@@ -209,7 +217,7 @@ pub fn parse_snapshot(bytes: &[u8]) -> Result<Trace, TraceError> {
             addr = addr.saturating_add(b.size);
         }
     }
-    before.extend(unpaired_frees(&raw));
+    before.extend(unpaired_frees(raw));
     before.sort_by_key(|e| e.addr);
     let start = raw
         .iter()
@@ -218,7 +226,7 @@ pub fn parse_snapshot(bytes: &[u8]) -> Result<Trace, TraceError> {
     for e in &mut before {
         e.time_us = start;
     }
-    pair(before, &raw)
+    before
 }
 
 /// The blocks freed without an alloc in the history, as allocations: they were live when it began.
