@@ -312,6 +312,45 @@ impl Client {
             .map(drop)
     }
 
+    /// Books memory the tenant created itself (a framework's own `cuMemCreate`, managed memory)
+    /// against its limit. One round trip; a refusal is an error with
+    /// [`ClientError::is_refusal`], and the caller must then release that memory.
+    pub fn charge(&self, bytes: Bytes) -> Result<(), ClientError> {
+        match self.shared.call(&Request::Charge { bytes })?.msg {
+            Reply::Ack => Ok(()),
+            other => Err(unexpected("Charge", &other)),
+        }
+    }
+
+    /// Takes back a charge (the memory was released), without waiting for the answer.
+    pub fn uncharge(&self, bytes: Bytes) -> Result<(), ClientError> {
+        self.shared.send_only(&Request::Uncharge { bytes })
+    }
+
+    /// Tells the daemon that this process refused an allocation of `bytes` itself (`reason`: the
+    /// broker's rule, such as `over_limit`), so that the refusal is counted and logged where the
+    /// operator looks. Sent without waiting.
+    pub fn report_refusal(
+        &self,
+        bytes: Bytes,
+        reason: &str,
+        message: &str,
+    ) -> Result<(), ClientError> {
+        self.shared.send_only(&Request::Refused {
+            bytes,
+            reason: reason.to_string(),
+            message: message.to_string(),
+        })
+    }
+
+    /// The tenant's memory as the daemon books it, and what it could still get. One round trip.
+    pub fn budget(&self) -> Result<vram_proto::Budget, ClientError> {
+        match self.shared.call(&Request::Budget)?.msg {
+            Reply::Budget(b) => Ok(b),
+            other => Err(unexpected("Budget", &other)),
+        }
+    }
+
     /// Installs what answers the daemon's requests for idle memory.
     pub fn on_reclaim(&self, handler: ReclaimHandler) {
         *self.reclaim.lock().expect("reclaim") = Some(handler);

@@ -2,6 +2,7 @@
 #![forbid(unsafe_code)]
 
 pub mod alloc;
+pub mod books;
 pub mod broker;
 pub mod replay;
 pub mod shared;

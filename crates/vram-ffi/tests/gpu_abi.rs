@@ -37,6 +37,8 @@ fn threads_allocate_write_and_free_on_the_gpu() {
         }),
         pool: PoolConfig::default(),
         reclaim_timeout: Duration::from_millis(250),
+        probe: None,
+        probe_period: Duration::from_secs(1),
     })
     .unwrap();
     let shutdown = server.shutdown_handle();

@@ -15,15 +15,18 @@ mod status;
 pub use conn::{Conn, Received};
 pub use frame::{FrameHeader, HEADER_LEN, MAGIC};
 pub use message::{
-    DeviceDesc, Envelope, ErrorCode, ErrorReply, GrantId, Hello, Reply, Request, Role, Welcome,
+    Budget, DeviceDesc, Envelope, ErrorCode, ErrorReply, GrantId, Hello, Reply, Request, Role,
+    Welcome,
 };
 pub use shared::{
     LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,
 };
-pub use status::{DaemonInfo, DeviceStatus, PoolTakes, StatusReport, TenantStatus};
+pub use status::{
+    AtRisk, DaemonInfo, DeviceStatus, OutsideProcess, PoolTakes, StatusReport, TenantStatus,
+};
 
 /// The protocol version this build speaks. A peer speaking another gets an error and is closed.
-pub const PROTOCOL_VERSION: u16 = 3;
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// The largest payload accepted, in bytes. Anything larger is refused and the connection closed.
 pub const MAX_PAYLOAD: usize = 256 * 1024;

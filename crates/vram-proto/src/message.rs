@@ -70,6 +70,41 @@ pub enum Request {
     GrantMany {
         sizes: Vec<Bytes>,
     },
+    /// Books memory the tenant created itself (a framework's own `cuMemCreate`, managed memory)
+    /// against its limit, before it keeps it. Answered with `Ack` or a refusal.
+    Charge {
+        bytes: Bytes,
+    },
+    /// Takes back a charge: the tenant released that memory. Answered with `Ack`.
+    Uncharge {
+        bytes: Bytes,
+    },
+    /// The tenant's library refused an allocation itself (its limit, known without asking), so
+    /// that the refusal is counted and logged. Answered with `Ack`.
+    Refused {
+        bytes: Bytes,
+        /// The broker's rule, as in [`ErrorReply::reason`] (`over_limit`, ...).
+        reason: String,
+        message: String,
+    },
+    /// The tenant's view of its memory. Answered with `Budget`.
+    Budget,
+}
+
+/// A tenant's memory as the daemon books it: what `cuMemGetInfo` and NVML's memory info answer
+/// inside a tenant (total = its limit).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Budget {
+    pub limit: Bytes,
+    pub guarantee: Bytes,
+    /// Granted handles.
+    pub held: Bytes,
+    /// Memory it created itself and charged.
+    pub charged: Bytes,
+    /// What the driver attributes to its process beyond its charges (its context, ...).
+    pub outside: Bytes,
+    /// What it could still get now: up to its limit, within its guarantee or what is free.
+    pub available: Bytes,
 }
 
 /// What a device is, as a tenant needs to know it.
@@ -178,4 +213,5 @@ pub enum Reply {
     GrantedMany {
         grants: Vec<(GrantId, Bytes)>,
     },
+    Budget(Budget),
 }

@@ -44,6 +44,45 @@ pub struct DeviceStatus {
     /// How grants found their handle since start.
     #[serde(default)]
     pub pool: PoolTakes,
+    /// The driver's figure for the device's used memory, as last read (`None`: no reading, as on
+    /// the host backend or where NVML is missing).
+    #[serde(default)]
+    pub driver_used: Option<Bytes>,
+    /// Memory in use that is no tenant's (other processes, what the driver does not attribute):
+    /// not lent to anyone.
+    #[serde(default)]
+    pub outside_use: Bytes,
+    /// The part of `outside_use` no process accounts for.
+    #[serde(default)]
+    pub unattributed: Bytes,
+    /// Processes using the device that are not tenants, largest first.
+    #[serde(default)]
+    pub outside_processes: Vec<OutsideProcess>,
+    /// By how much outside use has grown into memory already promised (zero while every promise
+    /// holds).
+    #[serde(default)]
+    pub deficit: Bytes,
+    /// Guarantees the device cannot meet in full while the deficit lasts.
+    #[serde(default)]
+    pub at_risk: Vec<AtRisk>,
+}
+
+/// A process on the device that is not a tenant.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OutsideProcess {
+    pub pid: u32,
+    /// Its command name (`/proc/PID/comm`), empty if unreadable.
+    pub name: String,
+    pub bytes: Bytes,
+}
+
+/// A guarantee put at risk by outside use.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AtRisk {
+    pub tenant: String,
+    pub guarantee: Bytes,
+    /// The part of the guarantee not taken up yet.
+    pub unfilled: Bytes,
 }
 
 /// Handles taken for grants since the daemon started, by where they came from. A miss costs the
@@ -78,7 +117,15 @@ pub struct TenantStatus {
     pub priority: u32,
     pub guarantee: Bytes,
     pub limit: Bytes,
+    /// Granted handles.
     pub held: Bytes,
+    /// Memory the tenant created itself and charged (a framework's own `cuMemCreate`).
+    #[serde(default)]
+    pub charged: Bytes,
+    /// What the driver attributes to the tenant's process beyond its charges (its CUDA context,
+    /// anything not intercepted); counted against its limit.
+    #[serde(default)]
+    pub outside: Bytes,
     pub in_use: Bytes,
     pub cached: Bytes,
     pub handles: u64,

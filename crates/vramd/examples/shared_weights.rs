@@ -196,6 +196,8 @@ impl OwnDaemon {
             policy: Box::new(move |d: &dyn Device| config.policy(d.info().capacity)),
             pool: PoolConfig::default(),
             reclaim_timeout: Duration::from_millis(250),
+            probe: None,
+            probe_period: Duration::from_secs(1),
         };
         let server = Server::bind(opts)?;
         server.configure_shared(&Default::default());

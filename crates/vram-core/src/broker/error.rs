@@ -19,7 +19,8 @@ pub enum AdmissionError {
     },
     #[error(
         "tenant `{name}` asks for a guarantee of {guarantee}, but only {free} of the device's {capacity} \
-         is free to guarantee ({guaranteed} is guaranteed to others, {borrowed} lent above guarantees)"
+         is free to guarantee ({guaranteed} is guaranteed to others, {borrowed} lent above guarantees, \
+         {outside} in use outside vramd's books)"
     )]
     GuaranteeUnavailable {
         name: String,
@@ -28,6 +29,7 @@ pub enum AdmissionError {
         capacity: Bytes,
         guaranteed: Bytes,
         borrowed: Bytes,
+        outside: Bytes,
     },
     #[error("invalid tenant name `{name}`: {reason}")]
     BadName { name: String, reason: &'static str },

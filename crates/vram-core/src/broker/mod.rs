@@ -1,10 +1,21 @@
 //! The broker's state machine: who may connect, who may take how much, and whom to ask when memory
 //! is short. Pure accounting; the daemon does the I/O and calls in with what happened.
 //!
-//! Invariant kept by every method: `Σ over tenants of max(guarantee, held) ≤ capacity` (declared
-//! tenants that are not connected count with their guarantee). So a tenant below its guarantee
-//! always fits, nobody's borrowing ever eats into another's guarantee, and the total held never
-//! exceeds capacity.
+//! A tenant's memory is what it was granted (`held`), what it made itself and reported
+//! (`charged`: a framework's own `cuMemCreate`, managed memory) and what the driver attributes to
+//! its process beyond both (`outside`: its CUDA context, anything not intercepted). All three count
+//! against its limit and fill its guarantee. Memory the driver shows in use that is nobody's in the
+//! books (processes that are not tenants, contexts it cannot attribute) is the device's
+//! `outside_use`, which no one may borrow.
+//!
+//! Invariant kept by every method that books memory: `outside_use + Σ over tenants of
+//! max(guarantee, total) ≤ capacity` (declared tenants that are not connected count with their
+//! guarantee). So a tenant below its guarantee always fits, nobody's borrowing ever eats into
+//! another's guarantee, and the total held never exceeds capacity. Outside use and a tenant's
+//! outside memory are readings of the driver, not requests: when they grow past what is free, the
+//! invariant is broken by the world, not by a grant; [`Broker::deficit`] measures by how much,
+//! [`Broker::at_risk`] names the guarantees that cannot all be met, and no borrowing is granted
+//! until the deficit is gone.
 
 mod error;
 mod policy;
@@ -46,6 +57,11 @@ pub struct Tenant {
     pub limit: Bytes,
     /// Memory granted and not yet returned.
     pub held: Bytes,
+    /// Memory the tenant created itself and reported (a framework's own `cuMemCreate`).
+    pub charged: Bytes,
+    /// What the driver attributes to the tenant's process beyond `charged` (its context, memory
+    /// taken through a route vramd does not serve), as last reconciled.
+    pub outside: Bytes,
     /// What the tenant's allocator last reported as handed to the application.
     pub in_use: Bytes,
     /// What the tenant's allocator last reported as held but idle (could be returned at once).
@@ -58,10 +74,26 @@ pub struct Tenant {
 }
 
 impl Tenant {
+    /// Everything counted against the tenant's limit: granted, charged and outside.
+    pub fn total(&self) -> Bytes {
+        self.held
+            .saturating_add(self.charged)
+            .saturating_add(self.outside)
+    }
+
     /// This tenant's share of the invariant: what it holds or is guaranteed, whichever is larger.
     fn footprint(&self) -> Bytes {
-        self.guarantee.max(self.held)
+        self.guarantee.max(self.total())
     }
+}
+
+/// A guarantee that the device cannot meet in full while outside use lasts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AtRisk {
+    pub tenant: String,
+    pub guarantee: Bytes,
+    /// The part of the guarantee not yet taken up: what the tenant may still ask for and must get.
+    pub unfilled: Bytes,
 }
 
 /// A request to give back idle memory, chosen by [`Broker::reclaim_plan`].
@@ -76,6 +108,11 @@ pub struct ReclaimAsk {
 pub struct BrokerSnapshot {
     pub capacity: Bytes,
     pub held: Bytes,
+    /// Memory in use on the device that is no tenant's (see the module docs).
+    pub outside_use: Bytes,
+    /// By how much outside use has grown into promised memory (zero when every promise holds).
+    pub deficit: Bytes,
+    pub at_risk: Vec<AtRisk>,
     /// Guarantees of connected tenants not yet taken up, and of declared tenants not connected.
     pub reserved: Bytes,
     /// What a tenant without a guarantee could borrow now.
@@ -91,6 +128,7 @@ pub struct Broker {
     tenants: BTreeMap<TenantId, Tenant>,
     by_name: HashMap<String, TenantId>,
     next_id: u64,
+    outside_use: Bytes,
 }
 
 impl Broker {
@@ -113,15 +151,17 @@ impl Broker {
                     limit,
                 });
             }
-            total += t.guarantee;
+            let before = total;
+            total = total.saturating_add(t.guarantee);
             if total > policy.capacity {
                 return Err(AdmissionError::GuaranteeUnavailable {
                     name: name.clone(),
                     guarantee: t.guarantee,
-                    free: policy.capacity.saturating_sub(total - t.guarantee),
+                    free: policy.capacity.saturating_sub(before),
                     capacity: policy.capacity,
-                    guaranteed: total - t.guarantee,
+                    guaranteed: before,
                     borrowed: Bytes::ZERO,
+                    outside: Bytes::ZERO,
                 });
             }
         }
@@ -130,6 +170,7 @@ impl Broker {
             tenants: BTreeMap::new(),
             by_name: HashMap::new(),
             next_id: 1,
+            outside_use: Bytes::ZERO,
         })
     }
 
@@ -164,14 +205,101 @@ impl Broker {
             .sum()
     }
 
-    /// `Σ max(guarantee, held)` over everyone, connected or declared.
+    /// `outside_use + Σ max(guarantee, total)` over everyone, connected or declared.
     fn committed(&self) -> Bytes {
-        self.tenants.values().map(Tenant::footprint).sum::<Bytes>() + self.offline_guarantees()
+        self.tenants
+            .values()
+            .map(Tenant::footprint)
+            .fold(self.offline_guarantees(), Bytes::saturating_add)
+            .saturating_add(self.outside_use)
     }
 
     /// Memory nobody holds or is guaranteed: what can be borrowed.
     pub fn free(&self) -> Bytes {
         self.policy.capacity.saturating_sub(self.committed())
+    }
+
+    /// Memory in use on the device that is no tenant's.
+    pub fn outside_use(&self) -> Bytes {
+        self.outside_use
+    }
+
+    /// Records the driver's reading of memory in use that is no tenant's.
+    pub fn set_outside_use(&mut self, bytes: Bytes) {
+        self.outside_use = bytes;
+    }
+
+    /// Records what the driver attributes to a tenant's process beyond what it charged.
+    pub fn set_tenant_outside(&mut self, id: TenantId, bytes: Bytes) {
+        if let Some(t) = self.tenants.get_mut(&id) {
+            t.outside = bytes;
+        }
+    }
+
+    /// By how much the promises (guarantees, memory held) and outside use exceed the capacity.
+    pub fn deficit(&self) -> Bytes {
+        self.committed().saturating_sub(self.policy.capacity)
+    }
+
+    /// The guarantees not yet taken up, while there is a deficit: each of these tenants may ask
+    /// for memory the device no longer has. Empty when every promise holds.
+    pub fn at_risk(&self) -> Vec<AtRisk> {
+        if self.deficit() == Bytes::ZERO {
+            return Vec::new();
+        }
+        let connected = self.tenants.values().map(|t| AtRisk {
+            tenant: t.name.clone(),
+            guarantee: t.guarantee,
+            unfilled: t.guarantee.saturating_sub(t.total()),
+        });
+        let offline = self
+            .policy
+            .tenants
+            .iter()
+            .filter(|(name, _)| !self.by_name.contains_key(*name))
+            .map(|(name, d)| AtRisk {
+                tenant: name.clone(),
+                guarantee: d.guarantee,
+                unfilled: d.guarantee,
+            });
+        connected
+            .chain(offline)
+            .filter(|r| r.unfilled > Bytes::ZERO)
+            .collect()
+    }
+
+    /// Whom to ask for idle memory so that the deficit closes: borrowers' caches (memory held
+    /// above a guarantee and idle), lowest priority first, then the largest cache.
+    pub fn deficit_plan(&self) -> Vec<ReclaimAsk> {
+        self.borrowers_plan(None, self.deficit())
+    }
+
+    /// Asks for at most `short` from the idle memory of borrowers other than `except`.
+    fn borrowers_plan(&self, except: Option<TenantId>, mut short: Bytes) -> Vec<ReclaimAsk> {
+        let mut candidates: Vec<(TenantId, &Tenant, Bytes)> = self
+            .tenants
+            .iter()
+            .filter(|(other, _)| Some(**other) != except)
+            .map(|(other, u)| {
+                let above = u.total().saturating_sub(u.guarantee);
+                (*other, u, u.cached.min(above))
+            })
+            .filter(|(_, _, useful)| *useful > Bytes::ZERO)
+            .collect();
+        candidates.sort_by_key(|(_, u, useful)| (u.priority, std::cmp::Reverse(*useful)));
+        let mut plan = Vec::new();
+        for (other, _, useful) in candidates {
+            if short == Bytes::ZERO {
+                break;
+            }
+            let ask = useful.min(short);
+            short -= ask;
+            plan.push(ReclaimAsk {
+                tenant: other,
+                bytes: ask,
+            });
+        }
+        plan
     }
 
     /// Admits a tenant, or says why not.
@@ -222,13 +350,16 @@ impl Broker {
         }
         // A declared tenant's guarantee is already counted in `committed`.
         if declared.is_none() && guarantee > self.free() {
-            let guaranteed = self.tenants.values().map(|t| t.guarantee).sum::<Bytes>()
-                + self.offline_guarantees();
+            let guaranteed = self
+                .tenants
+                .values()
+                .map(|t| t.guarantee)
+                .fold(self.offline_guarantees(), Bytes::saturating_add);
             let borrowed = self
                 .tenants
                 .values()
-                .map(|t| t.held.saturating_sub(t.guarantee))
-                .sum();
+                .map(|t| t.total().saturating_sub(t.guarantee))
+                .fold(Bytes::ZERO, Bytes::saturating_add);
             return Err(AdmissionError::GuaranteeUnavailable {
                 name: req.name,
                 guarantee,
@@ -236,6 +367,7 @@ impl Broker {
                 capacity,
                 guaranteed,
                 borrowed,
+                outside: self.outside_use,
             });
         }
         let id = TenantId(self.next_id);
@@ -247,6 +379,8 @@ impl Broker {
             guarantee,
             limit,
             held: Bytes::ZERO,
+            charged: Bytes::ZERO,
+            outside: Bytes::ZERO,
             in_use: Bytes::ZERO,
             cached: Bytes::ZERO,
             pid: req.pid,
@@ -262,13 +396,45 @@ impl Broker {
 
     /// Accounts `bytes` more to `id`, or says why not (and counts the refusal).
     pub fn grant(&mut self, id: TenantId, bytes: Bytes) -> Result<(), GrantError> {
+        self.book(id, bytes, |t| &mut t.held)
+    }
+
+    /// Accounts `bytes` the tenant created itself (it asks before it keeps them), or says why
+    /// not (and counts the refusal). The same rules as [`Broker::grant`].
+    pub fn charge(&mut self, id: TenantId, bytes: Bytes) -> Result<(), GrantError> {
+        self.book(id, bytes, |t| &mut t.charged)
+    }
+
+    /// Takes back a charge; returns what was actually taken back.
+    pub fn uncharge(&mut self, id: TenantId, bytes: Bytes) -> Bytes {
+        let Some(t) = self.tenants.get_mut(&id) else {
+            return Bytes::ZERO;
+        };
+        let taken = bytes.min(t.charged);
+        t.charged -= taken;
+        taken
+    }
+
+    /// Counts a refusal the tenant's own library made (its limit, checked without asking).
+    pub fn count_refusal(&mut self, id: TenantId, reason: &str) {
+        if let Some(t) = self.tenants.get_mut(&id) {
+            *t.refusals.entry(reason.to_string()).or_default() += 1;
+        }
+    }
+
+    fn book(
+        &mut self,
+        id: TenantId,
+        bytes: Bytes,
+        field: impl FnOnce(&mut Tenant) -> &mut Bytes,
+    ) -> Result<(), GrantError> {
         let result = self.check_grant(id, bytes);
         let Some(t) = self.tenants.get_mut(&id) else {
             return result;
         };
         match &result {
             Ok(()) => {
-                t.held += bytes;
+                *field(t) += bytes;
                 t.grants += 1;
             }
             Err(e) => *t.refusals.entry(e.reason().to_string()).or_default() += 1,
@@ -289,16 +455,16 @@ impl Broker {
                 reason: "zero bytes",
             });
         }
-        let new_held = t.held.checked_add(bytes).filter(|h| *h <= t.limit);
-        let Some(new_held) = new_held else {
+        let new_total = t.total().checked_add(bytes).filter(|h| *h <= t.limit);
+        let Some(new_total) = new_total else {
             return Err(GrantError::OverLimit {
                 tenant: t.name.clone(),
                 asked: bytes,
                 limit: t.limit,
-                held: t.held,
+                held: t.total(),
             });
         };
-        let extra = t.guarantee.max(new_held) - t.footprint();
+        let extra = t.guarantee.max(new_total) - t.footprint();
         if extra == Bytes::ZERO {
             return Ok(());
         }
@@ -307,7 +473,7 @@ impl Broker {
             return Err(GrantError::DeviceFull {
                 tenant: t.name.clone(),
                 asked: bytes,
-                held: t.held,
+                held: t.total(),
                 guarantee: t.guarantee,
                 free,
                 capacity: self.policy.capacity,
@@ -321,7 +487,7 @@ impl Broker {
                 class: t.class.clone(),
                 priority: t.priority,
                 asked: bytes,
-                held: t.held,
+                held: t.total(),
                 guarantee: t.guarantee,
                 reserve,
                 free,
@@ -370,44 +536,32 @@ impl Broker {
         ) {
             return Vec::new();
         }
-        let new_held = t.held.saturating_add(bytes);
-        let extra = t.guarantee.max(new_held) - t.footprint();
+        let new_total = t.total().saturating_add(bytes);
+        let extra = t.guarantee.max(new_total) - t.footprint();
         let top = self.tenants.values().map(|u| u.priority).max().unwrap_or(0);
         let need_free = if t.priority < top {
-            extra + self.policy.priority_reserve
+            extra.saturating_add(self.policy.priority_reserve)
         } else {
             extra
         };
-        let mut short = need_free.saturating_sub(self.free());
-        let mut candidates: Vec<(TenantId, &Tenant, Bytes)> = self
-            .tenants
-            .iter()
-            .filter(|(other, _)| **other != id)
-            .map(|(other, u)| (*other, u, u.cached.min(u.held.saturating_sub(u.guarantee))))
-            .filter(|(_, _, useful)| *useful > Bytes::ZERO)
-            .collect();
-        candidates.sort_by_key(|(_, u, useful)| (u.priority, std::cmp::Reverse(*useful)));
-        let mut plan = Vec::new();
-        for (other, _, useful) in candidates {
-            if short == Bytes::ZERO {
-                break;
-            }
-            let ask = useful.min(short);
-            short -= ask;
-            plan.push(ReclaimAsk {
-                tenant: other,
-                bytes: ask,
-            });
-        }
-        plan
+        let short = need_free.saturating_sub(self.free());
+        self.borrowers_plan(Some(id), short)
     }
 
     pub fn snapshot(&self) -> BrokerSnapshot {
         let held = self.held();
+        let booked = self
+            .tenants
+            .values()
+            .map(Tenant::total)
+            .fold(self.outside_use, Bytes::saturating_add);
         BrokerSnapshot {
             capacity: self.policy.capacity,
             held,
-            reserved: self.committed().saturating_sub(held),
+            outside_use: self.outside_use,
+            deficit: self.deficit(),
+            at_risk: self.at_risk(),
+            reserved: self.committed().saturating_sub(booked),
             free: self.free(),
             tenants: self
                 .tenants

@@ -174,6 +174,90 @@ enum Op {
     Disconnect {
         who: usize,
     },
+    Charge {
+        who: usize,
+        mib: u64,
+    },
+    Uncharge {
+        who: usize,
+        mib: u64,
+    },
+    /// A driver reading: what a tenant's process holds beyond its books.
+    TenantOutside {
+        who: usize,
+        mib: u64,
+    },
+    /// A driver reading: memory no tenant holds.
+    OutsideUse {
+        mib: u64,
+    },
+}
+
+#[test]
+fn charges_count_against_the_limit_like_grants() {
+    let mut b = broker(64);
+    let t = b.connect(req("nccl", "normal", 0, 4)).unwrap();
+    b.grant(t, Bytes::gib(3)).unwrap();
+    let err = b.charge(t, Bytes::gib(2)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "tenant `nccl` asked for 2 GiB; its limit is 4 GiB and it holds 3 GiB"
+    );
+    b.charge(t, Bytes::gib(1)).unwrap();
+    assert_eq!(b.tenant(t).unwrap().total(), Bytes::gib(4));
+    assert_eq!(b.uncharge(t, Bytes::gib(8)), Bytes::gib(1));
+    assert_eq!(b.tenant(t).unwrap().charged, Bytes::ZERO);
+    b.count_refusal(t, "over_limit");
+    assert_eq!(b.tenant(t).unwrap().refusals["over_limit"], 2);
+}
+
+#[test]
+fn a_tenants_context_fills_its_guarantee_and_counts_against_its_limit() {
+    let mut b = broker(16);
+    let t = b.connect(req("torch", "normal", 4, 4)).unwrap();
+    b.set_tenant_outside(t, Bytes::mib(512));
+    let err = b.grant(t, Bytes::gib(4)).unwrap_err();
+    assert_eq!(err.reason(), "over_limit");
+    b.grant(t, Bytes::mib(3584)).unwrap();
+    // Its guarantee is filled, so nothing more is reserved for it.
+    assert_eq!(b.snapshot().reserved, Bytes::ZERO);
+    assert_eq!(b.free(), Bytes::gib(12));
+}
+
+#[test]
+fn outside_use_is_not_lent_and_a_broken_promise_is_named() {
+    let mut b = broker(16);
+    let g = b.connect(req("guaranteed", "high", 10, 16)).unwrap();
+    let x = b.connect(req("borrower", "low", 0, 16)).unwrap();
+    b.grant(x, Bytes::gib(4)).unwrap();
+    b.report_usage(x, Bytes::gib(1), Bytes::gib(3));
+    b.set_outside_use(Bytes::gib(1));
+    assert_eq!(b.free(), Bytes::gib(1));
+    assert!(b.at_risk().is_empty());
+    // A process vramd did not start takes 4 GiB more: 3 GiB of the guarantee cannot be met.
+    b.set_outside_use(Bytes::gib(5));
+    assert_eq!(b.deficit(), Bytes::gib(3));
+    let risk = b.at_risk();
+    assert_eq!(risk.len(), 1);
+    assert_eq!(risk[0].tenant, "guaranteed");
+    assert_eq!(risk[0].unfilled, Bytes::gib(10));
+    // No more borrowing; the borrower is asked for its idle memory.
+    assert_eq!(
+        b.grant(x, Bytes::mib(2)).unwrap_err().reason(),
+        "device_full"
+    );
+    assert_eq!(
+        b.deficit_plan(),
+        vec![ReclaimAsk {
+            tenant: x,
+            bytes: Bytes::gib(3)
+        }]
+    );
+    // The guaranteed tenant is still granted what it was promised, as far as the books go.
+    b.grant(g, Bytes::gib(2)).unwrap();
+    b.release(x, Bytes::gib(3));
+    assert_eq!(b.deficit(), Bytes::ZERO);
+    assert!(b.at_risk().is_empty());
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -187,6 +271,10 @@ fn op() -> impl Strategy<Value = Op> {
         (0usize..8, 1u64..8192).prop_map(|(who, mib)| Op::Release { who, mib }),
         (0usize..8, 0u64..8192).prop_map(|(who, cached)| Op::Report { who, cached }),
         (0usize..8).prop_map(|who| Op::Disconnect { who }),
+        (0usize..8, 1u64..4096).prop_map(|(who, mib)| Op::Charge { who, mib }),
+        (0usize..8, 1u64..4096).prop_map(|(who, mib)| Op::Uncharge { who, mib }),
+        (0usize..8, 0u64..1024).prop_map(|(who, mib)| Op::TenantOutside { who, mib }),
+        (0u64..8192).prop_map(|mib| Op::OutsideUse { mib }),
     ]
 }
 
@@ -207,16 +295,38 @@ proptest! {
                         live.push(id);
                     }
                 }
-                Op::Grant { who, mib } if !live.is_empty() => {
+                Op::Grant { who, mib } | Op::Charge { who, mib } if !live.is_empty() => {
                     let id = live[who % live.len()];
                     let t = b.tenant(id).unwrap().clone();
                     let asked = Bytes::mib(mib);
-                    let r = b.grant(id, asked);
+                    let in_deficit = b.deficit() > Bytes::ZERO;
+                    let r = if matches!(op, Op::Grant { .. }) {
+                        b.grant(id, asked)
+                    } else {
+                        b.charge(id, asked)
+                    };
                     // A tenant staying within its guarantee is never refused.
-                    if t.held + asked <= t.guarantee {
+                    if t.total() + asked <= t.guarantee {
                         prop_assert!(r.is_ok(), "below guarantee refused: {:?}", r);
                     }
+                    // While outside use breaks a promise, nobody borrows.
+                    if in_deficit && t.total() + asked > t.guarantee {
+                        prop_assert!(r.is_err(), "borrowed during a deficit");
+                    }
+                    // What a grant books keeps the invariant unless the world already broke it.
+                    if r.is_ok() && !in_deficit {
+                        prop_assert!(b.committed() <= b.capacity());
+                    }
                 }
+                Op::Uncharge { who, mib } if !live.is_empty() => {
+                    let id = live[who % live.len()];
+                    b.uncharge(id, Bytes::mib(mib));
+                }
+                Op::TenantOutside { who, mib } if !live.is_empty() => {
+                    let id = live[who % live.len()];
+                    b.set_tenant_outside(id, Bytes::mib(mib));
+                }
+                Op::OutsideUse { mib } => b.set_outside_use(Bytes::mib(mib)),
                 Op::Release { who, mib } if !live.is_empty() => {
                     let id = live[who % live.len()];
                     b.release(id, Bytes::mib(mib));
@@ -232,12 +342,18 @@ proptest! {
                 _ => {}
             }
             for (_, t) in b.tenants() {
-                prop_assert!(t.held <= t.limit, "{} holds {} over limit {}", t.name, t.held, t.limit);
+                let booked = t.held + t.charged;
+                prop_assert!(booked <= t.limit, "{} holds {} over limit {}", t.name, booked, t.limit);
                 prop_assert!(t.guarantee <= t.limit);
             }
             prop_assert!(b.held() <= b.capacity());
-            prop_assert!(b.committed() <= b.capacity());
+            // The deficit is exactly what the promises exceed the capacity by.
+            prop_assert_eq!(b.deficit(), b.committed().saturating_sub(b.capacity()));
+            if b.deficit() == Bytes::ZERO {
+                prop_assert!(b.at_risk().is_empty());
+            }
         }
+        b.set_outside_use(Bytes::ZERO);
         for id in live {
             b.disconnect(id);
         }

@@ -30,6 +30,8 @@ impl Daemon {
             policy: Box::new(move |d: &dyn Device| config.policy(d.info().capacity)),
             pool: PoolConfig::default(),
             reclaim_timeout: Duration::from_millis(250),
+            probe: None,
+            probe_period: Duration::from_secs(1),
         };
         let server = Server::bind(opts).unwrap();
         let shutdown = server.shutdown_handle();

@@ -10,6 +10,7 @@ use vram_device::{cuda, CudaDevice, Device, HostDevice};
 
 use crate::config::{BackendChoice, Config};
 use crate::metrics::{Exporter, MetricsAddr};
+use crate::server::driver::{DriverProbe, NvmlProbe};
 use crate::server::{ServeOptions, Server};
 
 #[derive(Debug, clap::Args)]
@@ -35,9 +36,8 @@ pub struct Args {
 /// The host backend's capacity when none is configured.
 pub const DEFAULT_HOST_CAPACITY: Bytes = Bytes::gib(16);
 
-/// On cuda, memory left outside vramd's capacity by default: each tenant's CUDA context (about
-/// 0.5 GB on an H200) and other processes' needs.
-const CUDA_HEADROOM: Bytes = Bytes::gib(4);
+/// How often the books are checked against the driver's figures.
+const PROBE_PERIOD: Duration = Duration::from_millis(500);
 
 pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let config = match &args.config {
@@ -53,13 +53,29 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let backend = args.backend.or(config.backend).unwrap_or_default();
     let devices = open_devices(backend, capacity)?;
     raise_fd_limit();
+    let probe = open_probe(&devices);
+    let measured: Vec<Option<Bytes>> = devices
+        .iter()
+        .map(|d| measured_memory(probe.as_deref(), d.as_ref()))
+        .collect();
     let caps: Vec<Bytes> = devices
         .iter()
-        .map(|d| effective_capacity(d.as_ref(), capacity))
+        .zip(&measured)
+        .map(|(d, m)| effective_capacity(d.as_ref(), *m, capacity))
         .collect();
     let policy_config = config.clone();
-    let policy =
-        Box::new(move |d: &dyn Device| policy_config.policy(effective_capacity(d, capacity)));
+    let by_uuid: Vec<(String, Bytes)> = devices
+        .iter()
+        .zip(&caps)
+        .map(|(d, c)| (d.info().uuid.clone(), *c))
+        .collect();
+    let policy = Box::new(move |d: &dyn Device| {
+        let cap = by_uuid
+            .iter()
+            .find(|(u, _)| *u == d.info().uuid)
+            .map_or(d.info().capacity, |(_, c)| *c);
+        policy_config.policy(cap)
+    });
     let opts = ServeOptions {
         socket: socket.clone(),
         socket_mode: config
@@ -70,6 +86,8 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         policy,
         pool: config.pool.clone(),
         reclaim_timeout: Duration::from_millis(config.reclaim_timeout_ms.unwrap_or(250)),
+        probe,
+        probe_period: PROBE_PERIOD,
     };
     let server = Server::bind(opts).inspect_err(|e| {
         tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
@@ -126,15 +144,51 @@ fn config_error(path: &Path, e: &anyhow::Error) {
     tracing::error!(path = %path.display(), error = format!("{e:#}"), "configuration error");
 }
 
-fn effective_capacity(d: &dyn Device, cap: Option<Bytes>) -> Bytes {
+/// What vramd may hand out on a device: on the host backend its configured size; on cuda the
+/// GPU's memory as the driver measures it (less what the driver reserves, where NVML says), or a
+/// configured cap below that. Memory in use outside vramd's books (contexts, other processes) is
+/// not set aside here: the books are checked against the driver while serving.
+fn effective_capacity(d: &dyn Device, measured: Option<Bytes>, cap: Option<Bytes>) -> Bytes {
     let info = d.info();
     match info.kind {
         vram_device::BackendKind::Host => info.capacity,
         vram_device::BackendKind::Cuda => {
-            let default = info.capacity.saturating_sub(CUDA_HEADROOM);
-            cap.map_or(default, |c| c.min(info.capacity))
+            let gpu = measured.map_or(info.capacity, |m| m.min(info.capacity));
+            cap.map_or(gpu, |c| c.min(gpu))
         }
     }
+}
+
+/// NVML, where some device is a GPU; without it the daemon says what it cannot see.
+fn open_probe(devices: &[Arc<dyn Device>]) -> Option<Arc<dyn DriverProbe>> {
+    let gpus = devices
+        .iter()
+        .any(|d| d.info().kind == vram_device::BackendKind::Cuda);
+    if !gpus {
+        return None;
+    }
+    match NvmlProbe::open() {
+        Ok(p) => Some(Arc::new(p)),
+        Err(e) => {
+            tracing::warn!(
+                "NVML is not available ({e}): memory outside vramd's books (CUDA contexts, \
+                 processes that are not tenants) cannot be seen, and guarantees count on it being \
+                 free"
+            );
+            None
+        }
+    }
+}
+
+fn measured_memory(probe: Option<&dyn DriverProbe>, d: &dyn Device) -> Option<Bytes> {
+    let probe = probe?;
+    if d.info().kind != vram_device::BackendKind::Cuda {
+        return None;
+    }
+    probe
+        .total_memory(&d.info().uuid)
+        .inspect_err(|e| tracing::warn!(uuid = d.info().uuid, "cannot read the GPU's memory: {e}"))
+        .ok()
 }
 
 fn open_devices(

@@ -73,6 +73,43 @@ pub fn render(r: &StatusReport) -> String {
         );
     }
     for d in &r.devices {
+        if let Some(used) = d.driver_used {
+            let _ = writeln!(
+                out,
+                "GPU {}: the driver shows {used} in use: {} created by vramd, {} outside its books \
+                 ({} not attributed to any process)",
+                d.index, d.device_used, d.outside_use, d.unattributed
+            );
+        }
+        for p in &d.outside_processes {
+            let _ = writeln!(
+                out,
+                "GPU {}: outside use: pid {} `{}` holds {} (not a tenant; not lent to anyone)",
+                d.index, p.pid, p.name, p.bytes
+            );
+        }
+        if d.deficit > vram_core::Bytes::ZERO {
+            let names: Vec<String> = d
+                .at_risk
+                .iter()
+                .map(|a| {
+                    format!(
+                        "{} ({} of {} not taken up)",
+                        a.tenant, a.unfilled, a.guarantee
+                    )
+                })
+                .collect();
+            let _ = writeln!(
+                out,
+                "GPU {}: GUARANTEES AT RISK: outside use exceeds what is free by {}; at risk: {}; \
+                 borrowing is refused until it is back",
+                d.index,
+                d.deficit,
+                names.join(", ")
+            );
+        }
+    }
+    for d in &r.devices {
         let p = d.pool;
         if p.hits + p.recycled + p.misses > 0 {
             let _ = writeln!(
@@ -85,13 +122,14 @@ pub fn render(r: &StatusReport) -> String {
     }
     let _ = writeln!(
         out,
-        "\n{:<16} {:>3} {:<7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}",
+        "\n{:<16} {:>3} {:<7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}",
         "TENANT",
         "GPU",
         "CLASS",
         "GUARANTEE",
         "LIMIT",
         "HELD",
+        "OWN",
         "IN USE",
         "CACHED",
         "PID",
@@ -100,18 +138,25 @@ pub fn render(r: &StatusReport) -> String {
     );
     if r.tenants.is_empty() {
         let _ = writeln!(out, "(no tenants)");
+    } else {
+        let _ = writeln!(
+            out,
+            "(HELD: granted by vramd; OWN: memory the tenant made itself or the driver attributes \
+             to its process, such as its CUDA context; both count against its limit)"
+        );
     }
     for t in &r.tenants {
         let refused: u64 = t.refusals.values().sum();
         let _ = writeln!(
             out,
-            "{:<16} {:>3} {:<7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}",
+            "{:<16} {:>3} {:<7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10} {:>8} {:>8} {:>8}",
             truncate(&t.name, 16),
             t.gpu,
             truncate(&t.class, 7),
             t.guarantee.to_string(),
             t.limit.to_string(),
             t.held.to_string(),
+            t.charged.saturating_add(t.outside).to_string(),
             t.in_use.to_string(),
             t.cached.to_string(),
             t.pid,

@@ -309,7 +309,7 @@ fn draw_devices(f: &mut Frame, view: &View, area: Rect) {
         if row.y >= inner.bottom() {
             break;
         }
-        let label = format!(
+        let mut label = format!(
             "GPU {} {} {:<12} held {} of {}, pooled {}, reserved {}, free {} ",
             d.index,
             d.backend,
@@ -320,6 +320,12 @@ fn draw_devices(f: &mut Frame, view: &View, area: Rect) {
             d.reserved,
             d.free
         );
+        if d.outside_use > vram_core::Bytes::ZERO {
+            label.push_str(&format!("outside {} ", d.outside_use));
+        }
+        if d.deficit > vram_core::Bytes::ZERO {
+            label.push_str(&format!("GUARANTEES AT RISK by {} ", d.deficit));
+        }
         let gauge = LineGauge::default()
             .label(label)
             .ratio(ratio(d.held, d.capacity))
@@ -430,6 +436,8 @@ mod tests {
             guarantee: Bytes::gib(1),
             limit: Bytes::gib(8),
             held: Bytes::gib(held),
+            charged: Bytes::ZERO,
+            outside: Bytes::ZERO,
             in_use: Bytes::gib(held / 2),
             cached: Bytes::gib(held / 4),
             handles: held,
@@ -464,6 +472,12 @@ mod tests {
                 free: Bytes::gib(10),
                 device_used: Bytes::gib(6),
                 pool: Default::default(),
+                driver_used: None,
+                outside_use: Bytes::ZERO,
+                unattributed: Bytes::ZERO,
+                outside_processes: Vec::new(),
+                deficit: Bytes::ZERO,
+                at_risk: Vec::new(),
             }],
             tenants,
             shared: Default::default(),

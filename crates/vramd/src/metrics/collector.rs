@@ -132,6 +132,75 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
         dev(|d| d.device_used.get()),
     )?;
 
+    family(
+        e,
+        "device_driver_used",
+        "The driver's figure for the device's used memory (NVML), as last read",
+        bytes,
+        Gauge,
+        r.devices.iter().filter_map(|d| {
+            let labels = [("gpu", d.index.to_string()), ("uuid", d.uuid.clone())];
+            d.driver_used.map(|u| (labels, u.get()))
+        }),
+    )?;
+    family(
+        e,
+        "device_outside_use",
+        "Memory in use that is no tenant's (other processes, what the driver does not attribute): \
+         lent to no one",
+        bytes,
+        Gauge,
+        dev(|d| d.outside_use.get()),
+    )?;
+    family(
+        e,
+        "device_unattributed",
+        "The part of the outside use that no process accounts for",
+        bytes,
+        Gauge,
+        dev(|d| d.unattributed.get()),
+    )?;
+    family(
+        e,
+        "device_guarantee_deficit",
+        "By how much outside use has grown into memory already promised to tenants",
+        bytes,
+        Gauge,
+        dev(|d| d.deficit.get()),
+    )?;
+    let outside = r.devices.iter().flat_map(|d| {
+        d.outside_processes.iter().map(move |p| {
+            let labels = [
+                ("gpu", d.index.to_string()),
+                ("pid", p.pid.to_string()),
+                ("process", p.name.clone()),
+            ];
+            (labels, p.bytes.get())
+        })
+    });
+    family(
+        e,
+        "outside_process",
+        "Memory a process that is not a tenant uses on the device",
+        bytes,
+        Gauge,
+        outside,
+    )?;
+    let at_risk = r.devices.iter().flat_map(|d| {
+        d.at_risk.iter().map(move |a| {
+            let labels = [("gpu", d.index.to_string()), ("tenant", a.tenant.clone())];
+            (labels, a.unfilled.get())
+        })
+    });
+    family(
+        e,
+        "guarantee_at_risk",
+        "The part of a tenant's guarantee the device cannot meet while outside use lasts",
+        bytes,
+        Gauge,
+        at_risk,
+    )?;
+
     let ten = |f: fn(&vram_proto::TenantStatus) -> u64| {
         r.tenants
             .iter()
@@ -160,6 +229,23 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
         bytes,
         Gauge,
         ten(|t| t.held.get()),
+    )?;
+    family(
+        e,
+        "tenant_charged",
+        "Memory the tenant created itself and charged (a framework's own cuMemCreate)",
+        bytes,
+        Gauge,
+        ten(|t| t.charged.get()),
+    )?;
+    family(
+        e,
+        "tenant_outside",
+        "What the driver attributes to the tenant's process beyond its charges (its CUDA \
+         context, anything not intercepted); counted against its limit",
+        bytes,
+        Gauge,
+        ten(|t| t.outside.get()),
     )?;
     family(
         e,
@@ -210,7 +296,8 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
     family(
         e,
         "tenant_refusals",
-        "Grants refused to the tenant, by reason (over_limit, device_full, priority_reserve, ...)",
+        "Allocations refused to the tenant, by the daemon or by its own library, by reason \
+         (over_limit, device_full, priority_reserve, ...)",
         None,
         Counter,
         refusals,

@@ -4,7 +4,9 @@
 //! Locking: each device slot has one mutex over its broker and grant table, held only for
 //! bookkeeping, never across device calls or socket writes.
 
+pub mod driver;
 mod pool;
+mod reconcile;
 mod scrub;
 mod session;
 mod shared;
@@ -25,6 +27,7 @@ use vram_device::Device;
 use vram_proto::{Conn, DaemonInfo, StatusReport};
 
 pub use pool::Pool;
+pub use slot::Applied;
 pub use slot::Slot;
 
 use crate::config::PoolConfig;
@@ -43,6 +46,11 @@ pub struct ServeOptions {
     pub policy: PolicyFn,
     pub pool: PoolConfig,
     pub reclaim_timeout: Duration,
+    /// Where the driver's own figures come from (NVML on a GPU); `None`: the books are not
+    /// checked (the host backend has no driver to ask).
+    pub probe: Option<Arc<dyn driver::DriverProbe>>,
+    /// How often the books are checked against the probe.
+    pub probe_period: Duration,
 }
 
 /// State shared by every connection.
@@ -70,6 +78,44 @@ impl Daemon {
 
     pub(crate) fn metrics(&self) -> Option<&Instruments> {
         self.metrics.get()
+    }
+
+    pub(crate) fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::Acquire)
+    }
+
+    /// Sleeps `period`, or less if the daemon starts shutting down meanwhile.
+    pub(crate) fn sleep_unless_shutdown(&self, period: Duration) {
+        let until = Instant::now() + period;
+        while !self.is_shutting_down() {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return;
+            }
+            std::thread::sleep(left.min(Duration::from_millis(50)));
+        }
+    }
+
+    /// Asks the tenant on connection `conn` to give back up to `bytes` of idle memory.
+    pub(crate) fn ask_reclaim(&self, conn: u64, bytes: vram_core::Bytes) {
+        let Some(c) = self.conns.lock().expect("conns").get(&conn).cloned() else {
+            return;
+        };
+        let ask = self.next_ask.fetch_add(1, Ordering::Relaxed);
+        let deadline_ms = self.reclaim_timeout.as_millis() as u32;
+        tracing::info!(ask, conn, %bytes, deadline_ms, "asking a tenant to give back idle memory");
+        if let Some(m) = self.metrics() {
+            m.reclaim_asked();
+        }
+        let _ = c.send(
+            0,
+            &vram_proto::Reply::Reclaim {
+                ask,
+                bytes,
+                deadline_ms,
+            },
+            &[],
+        );
     }
 
     /// The whole daemon's state, as `vramd status` shows it.
@@ -152,6 +198,18 @@ impl Server {
             shared: shared::SharedServer::default(),
         });
         pool_threads.push(scrub::start(daemon.clone())?);
+        if let Some(probe) = opts.probe {
+            // The first reading before any tenant is admitted, so that memory already in use on
+            // the device is never promised.
+            let mut first = vec![None; daemon.slots.len()];
+            reconcile::reconcile_once(&daemon, probe.as_ref(), &mut first);
+            pool_threads.push(reconcile::start(
+                daemon.clone(),
+                probe,
+                opts.probe_period,
+                first,
+            )?);
+        }
         Ok(Server {
             daemon,
             listener,

@@ -261,6 +261,15 @@ impl Pool {
         Some(r)
     }
 
+    /// Gives up pooled handles until the pool holds at most `room` (the memory it stood in was
+    /// taken by someone vramd does not serve).
+    pub fn shrink_to(&self, room: Bytes) {
+        let over = self.pooled().saturating_sub(room);
+        if over > Bytes::ZERO {
+            self.evict(over);
+        }
+    }
+
     /// Releases pooled handles until `need` could be created; whether anything was released.
     fn evict(&self, need: Bytes) -> bool {
         let mut freed = Bytes::ZERO;

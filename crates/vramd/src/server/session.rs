@@ -113,6 +113,39 @@ impl Session {
                 self.daemon.slots[slot].report_usage(t, in_use, cached);
                 Reply::Ack
             }),
+            Request::Charge { bytes } => self.charge(bytes),
+            Request::Uncharge { bytes } => self.registered().map(|(slot, t)| {
+                self.daemon.slots[slot].uncharge(t, bytes);
+                Reply::Ack
+            }),
+            Request::Refused {
+                bytes,
+                reason,
+                message,
+            } => self.registered().map(|(slot, t)| {
+                let reason = refusal_reason(&reason);
+                self.daemon.slots[slot].count_refusal(t, reason);
+                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                tracing::warn!(
+                    tenant = name,
+                    gpu = slot,
+                    asked = bytes.get(),
+                    reason,
+                    "refused in the tenant's library: {}",
+                    message.chars().take(512).collect::<String>()
+                );
+                Reply::Ack
+            }),
+            Request::Budget => self.registered().and_then(|(slot, t)| {
+                self.daemon.slots[slot]
+                    .budget(t)
+                    .map(Reply::Budget)
+                    .ok_or_else(|| ErrorReply {
+                        code: ErrorCode::NotRegistered,
+                        reason: None,
+                        message: "this tenant is no longer known".into(),
+                    })
+            }),
             Request::ReclaimDone { ask, returned } => self.registered().map(|_| {
                 let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
                 tracing::info!(tenant = name, ask, %returned, "reclaim answered");
@@ -262,6 +295,27 @@ impl Session {
         self.conn.send(id, &reply, &fds).is_ok()
     }
 
+    /// Books memory the tenant made itself; refusals are logged as a grant's are.
+    fn charge(&self, bytes: Bytes) -> Result<Reply, ErrorReply> {
+        let (slot, tenant) = self.registered()?;
+        let asker = Asker(&self.daemon);
+        let timeout = self.daemon.reclaim_timeout;
+        self.daemon.slots[slot]
+            .charge(tenant, bytes, timeout, &asker)
+            .inspect_err(|e| {
+                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                tracing::warn!(
+                    tenant = name,
+                    gpu = slot,
+                    asked = bytes.get(),
+                    reason = e.reason.as_deref().unwrap_or(""),
+                    "charge refused: {}",
+                    e.message
+                );
+            })?;
+        Ok(Reply::Ack)
+    }
+
     fn send_error(&self, id: u64, code: ErrorCode, message: String) {
         let reply = Reply::Error(ErrorReply {
             code,
@@ -297,29 +351,25 @@ impl Session {
     }
 }
 
+/// The broker's rule a tenant names for its own refusal, from the known set; anything else is
+/// counted as `other`, so a tenant cannot grow the metrics' label set.
+fn refusal_reason(reason: &str) -> &'static str {
+    const KNOWN: [&str; 5] = [
+        "over_limit",
+        "device_full",
+        "priority_reserve",
+        "bad_size",
+        "no_daemon",
+    ];
+    KNOWN.into_iter().find(|k| *k == reason).unwrap_or("other")
+}
+
 /// Sends reclaim requests to other tenants' connections.
 struct Asker<'a>(&'a Daemon);
 
 impl ReclaimSender for Asker<'_> {
     fn ask(&self, conn: u64, bytes: Bytes) {
-        let Some(c) = self.0.conns.lock().expect("conns").get(&conn).cloned() else {
-            return;
-        };
-        let ask = self.0.next_ask.fetch_add(1, Ordering::Relaxed);
-        let deadline_ms = self.0.reclaim_timeout.as_millis() as u32;
-        tracing::info!(ask, conn, %bytes, deadline_ms, "asking a tenant to give back idle memory");
-        if let Some(m) = self.0.metrics() {
-            m.reclaim_asked();
-        }
-        let _ = c.send(
-            0,
-            &Reply::Reclaim {
-                ask,
-                bytes,
-                deadline_ms,
-            },
-            &[],
-        );
+        self.0.ask_reclaim(conn, bytes);
     }
 
     fn settled(&self, satisfied: bool, waited: Duration) {

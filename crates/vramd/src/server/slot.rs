@@ -22,6 +22,26 @@ struct State {
     shared: Books,
     /// Grants waiting on `Slot::returned`: only then is memory coming back signalled.
     waiting: usize,
+    /// The driver's figures as last reconciled (`None`: never read).
+    driver: Option<DriverView>,
+}
+
+/// What the last reading of the driver showed beyond the books, for status.
+struct DriverView {
+    used: Bytes,
+    unattributed: Bytes,
+    outside_processes: Vec<vram_proto::OutsideProcess>,
+    at_risk: bool,
+}
+
+/// What applying a reading changed, for the caller to report and act on.
+pub struct Applied {
+    pub deficit: Bytes,
+    pub at_risk: Vec<vram_core::broker::AtRisk>,
+    /// Whether promises became at risk with this reading (none were before).
+    pub newly_at_risk: bool,
+    /// Reclaim requests to send: (connection, bytes).
+    pub asks: Vec<(u64, Bytes)>,
 }
 
 pub struct Slot {
@@ -63,6 +83,7 @@ impl Slot {
                 conn_of: HashMap::new(),
                 shared: Books::default(),
                 waiting: 0,
+                driver: None,
             }),
             returned: Condvar::new(),
             pool,
@@ -224,16 +245,69 @@ impl Slot {
                 }));
             }
         };
+        self.reserve(tenant, size, Booking::Grant, timeout, reclaim)?;
+        Ok(size)
+    }
+
+    /// Books memory the tenant created itself, as [`Slot::grant_many`] books a grant (asking
+    /// tenants with idle memory first when it does not fit), without a handle.
+    pub fn charge(
+        &self,
+        tenant: TenantId,
+        bytes: Bytes,
+        timeout: std::time::Duration,
+        reclaim: &dyn ReclaimSender,
+    ) -> Result<(), ErrorReply> {
+        self.reserve(tenant, bytes, Booking::Charge, timeout, reclaim)
+    }
+
+    /// Takes back a charge; memory coming back wakes grants waiting on a reclaim.
+    pub fn uncharge(&self, tenant: TenantId, bytes: Bytes) {
+        let mut s = self.lock();
+        s.broker.uncharge(tenant, bytes);
+        self.pool.set_room(s.broker.free());
+        if s.waiting > 0 {
+            self.returned.notify_all();
+        }
+    }
+
+    /// Counts a refusal the tenant's library made itself.
+    pub fn count_refusal(&self, tenant: TenantId, reason: &str) {
+        self.lock().broker.count_refusal(tenant, reason);
+    }
+
+    /// The tenant's memory as booked, and what it could still get now.
+    pub fn budget(&self, tenant: TenantId) -> Option<vram_proto::Budget> {
+        let s = self.lock();
+        let t = s.broker.tenant(tenant)?;
+        let total = t.total();
+        let room = t.limit.saturating_sub(total);
+        let within_guarantee = t.guarantee.saturating_sub(total);
+        Some(vram_proto::Budget {
+            limit: t.limit,
+            guarantee: t.guarantee,
+            held: t.held,
+            charged: t.charged,
+            outside: t.outside,
+            available: room.min(within_guarantee.saturating_add(s.broker.free())),
+        })
+    }
+
+    /// Books `size` for `tenant` as `how` says, asking tenants with idle memory for it first
+    /// when it does not fit.
+    fn reserve(
+        &self,
+        tenant: TenantId,
+        size: Bytes,
+        how: Booking,
+        timeout: std::time::Duration,
+        reclaim: &dyn ReclaimSender,
+    ) -> Result<(), ErrorReply> {
         let mut s = self.lock();
         if s.broker.check_grant(tenant, size).is_err() {
             let plan = s.broker.reclaim_plan(tenant, size);
             if !plan.is_empty() {
-                let targets: Vec<(u64, Bytes)> = plan
-                    .iter()
-                    .filter_map(|ReclaimAsk { tenant, bytes }| {
-                        Some((*s.conn_of.get(tenant)?, *bytes))
-                    })
-                    .collect();
+                let targets = conns_of(&s, &plan);
                 drop(s);
                 for (conn, b) in targets {
                     reclaim.ask(conn, b);
@@ -258,9 +332,13 @@ impl Slot {
                 reclaim.settled(satisfied, asked.elapsed());
             }
         }
-        s.broker.grant(tenant, size).map_err(|e| refused(&e))?;
+        match how {
+            Booking::Grant => s.broker.grant(tenant, size),
+            Booking::Charge => s.broker.charge(tenant, size),
+        }
+        .map_err(|e| refused(&e))?;
         self.pool.set_room(s.broker.free());
-        Ok(size)
+        Ok(())
     }
 
     /// Takes grants back. Every id must belong to `tenant`; otherwise nothing is taken.
@@ -351,6 +429,71 @@ impl Slot {
         state.map(|t| (t, n))
     }
 
+    /// The books as the driver should see them: what the daemon created, and each tenant's pid
+    /// with what it holds.
+    pub fn books(&self) -> vram_core::books::Books {
+        let s = self.lock();
+        vram_core::books::Books {
+            daemon_pid: std::process::id(),
+            created: self.device.used(),
+            tenants: s
+                .broker
+                .tenants()
+                .map(|(id, t)| vram_core::books::BooksTenant {
+                    id,
+                    pid: t.pid,
+                    name: t.name.clone(),
+                    held: t.held,
+                    charged: t.charged,
+                    guarantee: t.guarantee,
+                })
+                .collect(),
+        }
+    }
+
+    /// Books a reconciled reading of the driver: each tenant's memory outside its grants, the
+    /// outside use nobody may borrow. Pooled memory beyond what is free then is given up, and
+    /// borrowers are asked for idle memory while a promise is broken.
+    pub fn apply_reading(&self, used: Bytes, r: &vram_core::books::Reconciled) -> Applied {
+        let mut s = self.lock();
+        for (id, bytes) in &r.tenant_outside {
+            s.broker.set_tenant_outside(*id, *bytes);
+        }
+        s.broker.set_outside_use(r.outside_use);
+        let deficit = s.broker.deficit();
+        let at_risk = s.broker.at_risk();
+        let was_at_risk = s.driver.as_ref().is_some_and(|d| d.at_risk);
+        let asks = if deficit > Bytes::ZERO {
+            conns_of(&s, &s.broker.deficit_plan())
+        } else {
+            Vec::new()
+        };
+        s.driver = Some(DriverView {
+            used,
+            unattributed: r.unattributed,
+            outside_processes: r
+                .outside_processes
+                .iter()
+                .map(|p| vram_proto::OutsideProcess {
+                    pid: p.pid,
+                    name: p.name.clone(),
+                    bytes: p.bytes.unwrap_or(Bytes::ZERO),
+                })
+                .collect(),
+            at_risk: !at_risk.is_empty(),
+        });
+        let free = s.broker.free();
+        self.pool.set_room(free);
+        drop(s);
+        self.pool.shrink_to(free);
+        Applied {
+            deficit,
+            newly_at_risk: !at_risk.is_empty() && !was_at_risk,
+            at_risk,
+            asks,
+        }
+    }
+
     pub fn status(&self) -> (DeviceStatus, Vec<TenantStatus>) {
         let s = self.lock();
         let snap = s.broker.snapshot();
@@ -358,6 +501,10 @@ impl Slot {
         for (t, _) in s.grants.values() {
             *handles.entry(*t).or_default() += 1;
         }
+        let (driver_used, unattributed, outside_processes) = match &s.driver {
+            Some(d) => (Some(d.used), d.unattributed, d.outside_processes.clone()),
+            None => (None, Bytes::ZERO, Vec::new()),
+        };
         drop(s);
         let info = self.device.info();
         let device = DeviceStatus {
@@ -373,6 +520,20 @@ impl Slot {
             free: snap.free,
             device_used: self.device.used(),
             pool: self.pool.takes(),
+            driver_used,
+            outside_use: snap.outside_use,
+            unattributed,
+            outside_processes,
+            deficit: snap.deficit,
+            at_risk: snap
+                .at_risk
+                .into_iter()
+                .map(|a| vram_proto::AtRisk {
+                    tenant: a.tenant,
+                    guarantee: a.guarantee,
+                    unfilled: a.unfilled,
+                })
+                .collect(),
         };
         let tenants = snap
             .tenants
@@ -386,6 +547,8 @@ impl Slot {
                 guarantee: t.guarantee,
                 limit: t.limit,
                 held: t.held,
+                charged: t.charged,
+                outside: t.outside,
                 in_use: t.in_use,
                 cached: t.cached,
                 handles: handles.get(&id).copied().unwrap_or(0),
@@ -398,6 +561,22 @@ impl Slot {
             .collect();
         (device, tenants)
     }
+}
+
+/// What a booking is for.
+#[derive(Debug, Clone, Copy)]
+enum Booking {
+    /// A handle from the pool, granted.
+    Grant,
+    /// Memory the tenant created itself.
+    Charge,
+}
+
+/// The connections of the tenants a reclaim plan asks.
+fn conns_of(s: &State, plan: &[ReclaimAsk]) -> Vec<(u64, Bytes)> {
+    plan.iter()
+        .filter_map(|ReclaimAsk { tenant, bytes }| Some((*s.conn_of.get(tenant)?, *bytes)))
+        .collect()
 }
 
 fn refused(e: &GrantError) -> ErrorReply {
