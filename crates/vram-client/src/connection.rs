@@ -1,7 +1,7 @@
 //! The tenant's and the tools' API over a [`Transport`]: registering, grants, returns, status, and
 //! the worker that answers the daemon's reclaim requests.
 
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -13,10 +13,10 @@ use std::time::{Duration, Instant};
 use vram_core::Bytes;
 use vram_device::{Device, Handle};
 use vram_proto::{
-    Conn, ErrorCode, ErrorReply, GrantId, Hello, ProtoError, Reply, Request, Role, StatusReport,
-    Welcome,
+    ErrorCode, ErrorReply, GrantId, ProtoError, Reply, Request, StatusReport, Welcome,
 };
 
+use crate::link::{Link, Lost};
 use crate::transport::Transport;
 use crate::ClientError;
 
@@ -58,9 +58,10 @@ impl Grant {
 /// Answers the daemon's request for `Bytes` of idle memory; returns how much it gave back.
 pub type ReclaimHandler = Box<dyn Fn(&Client, Bytes) -> Bytes + Send + Sync>;
 
-/// A registered tenant's connection to vramd. Cheap to share across threads (`&Client`).
+/// A registered tenant's connection to vramd. Cheap to share across threads (`&Client`). When
+/// the daemon restarts, the client reconnects by itself and carries on (see `link.rs`).
 pub struct Client {
-    shared: Arc<Transport>,
+    link: Arc<Link>,
     welcome: Welcome,
     device: Arc<dyn Device>,
     reclaim: Arc<Mutex<Option<ReclaimHandler>>>,
@@ -89,27 +90,17 @@ impl Client {
     /// Connects to the daemon at `socket` (or [`crate::default_socket`]) and registers as a tenant.
     pub fn connect(socket: Option<&Path>, opts: &TenantOptions) -> Result<Client, ClientError> {
         let path: PathBuf = socket.map_or_else(crate::default_socket, Path::to_path_buf);
-        let stream = connect_stream(&path)?;
         let (reclaim_tx, reclaim_rx) = mpsc::sync_channel(1);
-        let shared = Transport::new(stream, Some(reclaim_tx));
-        shared.start_idle_reader();
-        let hello = Hello {
-            role: Role::Tenant {
-                name: opts.name.clone(),
-                class: opts.class.clone(),
-                guarantee: opts.guarantee,
-                limit: opts.limit,
-            },
-            gpu: opts.gpu,
-            client: format!("vram-client {}", env!("CARGO_PKG_VERSION")),
+        let (link, welcome) = Link::connect(path, opts.clone(), reclaim_tx)?;
+        let device = match open_device(&welcome) {
+            Ok(d) => d,
+            Err(e) => {
+                link.close();
+                return Err(e);
+            }
         };
-        let welcome = match shared.call(&Request::Hello(hello))?.msg {
-            Reply::Welcome(w) => w,
-            other => return Err(unexpected("Hello", &other)),
-        };
-        let device = open_device(&welcome)?;
         let client = Client {
-            shared,
+            link,
             welcome,
             device,
             reclaim: Arc::new(Mutex::new(None)),
@@ -120,10 +111,15 @@ impl Client {
         Ok(client)
     }
 
+    /// How many times this client has reconnected to a restarted daemon.
+    pub fn reconnects(&self) -> u64 {
+        self.link.reconnects()
+    }
+
     fn start_reclaim_worker(&self, rx: Receiver<(u64, Bytes)>) {
         // The worker holds its own Client view (same connection), so a handler can give back.
         let view = Client {
-            shared: self.shared.clone(),
+            link: self.link.clone(),
             welcome: self.welcome.clone(),
             device: self.device.clone(),
             reclaim: self.reclaim.clone(),
@@ -138,11 +134,9 @@ impl Client {
                         Some(handler) => handler(&view, bytes),
                         None => Bytes::ZERO,
                     };
-                    if view
-                        .shared
-                        .call(&Request::ReclaimDone { ask, returned })
-                        .is_err()
-                    {
+                    let done = Request::ReclaimDone { ask, returned };
+                    // After a reconnect the ask is the old daemon's: nothing to answer.
+                    if view.link.call(&done, Lost::Done).is_err() {
                         return;
                     }
                 }
@@ -241,7 +235,7 @@ impl Client {
                 sizes: sizes.to_vec(),
             },
         };
-        let r = self.shared.call(&request)?;
+        let r = self.link.call(&request, Lost::Retry)?;
         let granted = match r.msg {
             Reply::Granted { grant, size } => vec![(grant, size)],
             Reply::GrantedMany { grants } => grants,
@@ -273,6 +267,7 @@ impl Client {
             }
             return Err(e);
         }
+        self.link.note_granted(granted.iter().copied());
         Ok(granted
             .into_iter()
             .zip(r.fds)
@@ -291,8 +286,11 @@ impl Client {
 
     /// Returns grants by id (their handles already dropped by the caller).
     pub fn give_back_ids(&self, grants: Vec<GrantId>) -> Result<Bytes, ClientError> {
-        match self.shared.call(&Request::Return { grants })?.msg {
+        self.link.note_returned(&grants);
+        match self.link.call(&Request::Return { grants }, Lost::Done)?.msg {
             Reply::Returned { held, .. } => Ok(held),
+            // Reconnected: the new daemon books only what this client still holds.
+            Reply::Ack => Ok(Bytes::ZERO),
             other => Err(unexpected("Return", &other)),
         }
     }
@@ -302,13 +300,14 @@ impl Client {
     /// every later request of this client (a grant, a status, [`Client::ping`]) finds them back;
     /// a refusal (an id it does not know) is logged when its reply is read.
     pub fn give_back_unanswered(&self, grants: Vec<GrantId>) -> Result<(), ClientError> {
-        self.shared.send_only(&Request::Return { grants })
+        self.link.note_returned(&grants);
+        self.link.send_only(&Request::Return { grants })
     }
 
     /// Tells the daemon what the allocator uses and caches, for status, metrics and reclaim.
     pub fn report_usage(&self, in_use: Bytes, cached: Bytes) -> Result<(), ClientError> {
-        self.shared
-            .call(&Request::Usage { in_use, cached })
+        self.link
+            .call(&Request::Usage { in_use, cached }, Lost::Retry)
             .map(drop)
     }
 
@@ -316,15 +315,19 @@ impl Client {
     /// against its limit. One round trip; a refusal is an error with
     /// [`ClientError::is_refusal`], and the caller must then release that memory.
     pub fn charge(&self, bytes: Bytes) -> Result<(), ClientError> {
-        match self.shared.call(&Request::Charge { bytes })?.msg {
-            Reply::Ack => Ok(()),
+        match self.link.call(&Request::Charge { bytes }, Lost::Retry)?.msg {
+            Reply::Ack => {
+                self.link.note_charged(bytes);
+                Ok(())
+            }
             other => Err(unexpected("Charge", &other)),
         }
     }
 
     /// Takes back a charge (the memory was released), without waiting for the answer.
     pub fn uncharge(&self, bytes: Bytes) -> Result<(), ClientError> {
-        self.shared.send_only(&Request::Uncharge { bytes })
+        self.link.note_uncharged(bytes);
+        self.link.send_only(&Request::Uncharge { bytes })
     }
 
     /// Tells the daemon that this process refused an allocation of `bytes` itself (`reason`: the
@@ -336,7 +339,7 @@ impl Client {
         reason: &str,
         message: &str,
     ) -> Result<(), ClientError> {
-        self.shared.send_only(&Request::Refused {
+        self.link.send_only(&Request::Refused {
             bytes,
             reason: reason.to_string(),
             message: message.to_string(),
@@ -345,7 +348,7 @@ impl Client {
 
     /// The tenant's memory as the daemon books it, and what it could still get. One round trip.
     pub fn budget(&self) -> Result<vram_proto::Budget, ClientError> {
-        match self.shared.call(&Request::Budget)?.msg {
+        match self.link.call(&Request::Budget, Lost::Retry)?.msg {
             Reply::Budget(b) => Ok(b),
             other => Err(unexpected("Budget", &other)),
         }
@@ -357,27 +360,21 @@ impl Client {
     }
 
     pub fn status(&self) -> Result<StatusReport, ClientError> {
-        status_call(&self.shared)
+        match self.link.call(&Request::Status, Lost::Retry)?.msg {
+            Reply::Status(s) => Ok(*s),
+            other => Err(unexpected("Status", &other)),
+        }
     }
 
     pub fn ping(&self) -> Result<(), ClientError> {
-        self.shared.call(&Request::Ping).map(drop)
+        self.link.call(&Request::Ping, Lost::Retry).map(drop)
     }
 
-    /// A handle on the connection for shared-buffer calls, usable from other threads.
+    /// A handle on the connection for shared-buffer calls, usable from other threads. Shared
+    /// buffers do not survive a daemon restart, so their calls fail on a lost connection.
     pub(crate) fn caller(&self) -> crate::shared::Caller {
-        let shared = self.shared.clone();
-        crate::shared::Caller::new(move |request| shared.call(request))
-    }
-
-    /// The raw connection, for tests that must misbehave on purpose.
-    pub fn conn(&self) -> &Conn {
-        self.shared.conn()
-    }
-
-    /// The connection's socket fd, for tests that pass it on.
-    pub fn socket_fd(&self) -> std::os::fd::BorrowedFd<'_> {
-        self.shared.conn().stream().as_fd()
+        let link = self.link.clone();
+        crate::shared::Caller::new(move |request| link.call(request, Lost::Fail))
     }
 }
 
@@ -385,11 +382,7 @@ impl Drop for Client {
     fn drop(&mut self) {
         // Closing the socket ends the reader thread, which ends the reclaim worker.
         if self.owner {
-            let _ = self
-                .shared
-                .conn()
-                .stream()
-                .shutdown(std::net::Shutdown::Both);
+            self.link.close();
         }
     }
 }

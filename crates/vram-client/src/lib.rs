@@ -10,6 +10,7 @@
 pub mod alloc;
 mod connection;
 mod error;
+mod link;
 mod shared;
 mod transport;
 

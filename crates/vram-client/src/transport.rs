@@ -62,6 +62,8 @@ pub(crate) struct Transport {
     /// The error the daemon sent unasked (id 0) before it closed the connection: a refused uid, a
     /// frame it could not trust. Calls that fail on the lost connection report it.
     last_word: Mutex<Option<ErrorReply>>,
+    /// Run once, on the thread that finds the connection lost.
+    on_lost: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -88,7 +90,28 @@ impl Transport {
             dead: AtomicBool::new(false),
             dead_reason: Mutex::new(String::new()),
             last_word: Mutex::new(None),
+            on_lost: Mutex::new(None),
         })
+    }
+
+    /// Whether the connection is gone (every later call fails at once).
+    pub(crate) fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+
+    /// Closes the connection; the idle reader and every waiting call end.
+    pub(crate) fn close(&self) {
+        let _ = self.conn.stream().shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Installs what runs when the connection is found lost (once; at once if it already is).
+    pub(crate) fn on_lost(&self, f: Box<dyn FnOnce() + Send>) {
+        *lock(&self.on_lost) = Some(f);
+        if self.is_dead() {
+            if let Some(f) = lock(&self.on_lost).take() {
+                f();
+            }
+        }
     }
 
     pub(crate) fn conn(&self) -> &Conn {
@@ -246,6 +269,9 @@ impl Transport {
             *b = Some(Err(reason.clone()));
         }
         lock(&self.reclaims).take();
+        if let Some(f) = lock(&self.on_lost).take() {
+            f();
+        }
     }
 
     /// The connection is gone: the daemon's last word if it sent one, else `reason`.

@@ -51,17 +51,60 @@ unsigned long long vram_wait_reclaim(unsigned long long seen, unsigned int timeo
  * libvram.so also defines the CUDA runtime's
  *     cudaError_t cudaMalloc(void **ptr, size_t size);
  *     cudaError_t cudaFree(void *ptr);
+ *     cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream);
+ *     cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream);
  * so that PyTorch's own caching allocator, and any library allocating through the runtime, gets
- * its segments from vramd. Calls vramd does not serve (cudaFree(NULL), memory it did not hand
- * out, another GPU than the tenant's, any call outside pool mode) go on to the runtime's own
- * functions. A refused cudaMalloc returns cudaErrorMemoryAllocation (2) with the reason in
- * vram_last_error; cudaFree synchronises the device first, as the runtime's does.
+ * its segments from vramd. Calls vramd does not serve here (cudaFree(NULL), memory it did not
+ * hand out, another GPU than the tenant's, any call outside pool mode) go on to the runtime's own
+ * functions, and from there to the driver's, which libvram.so interposes too (below): a block is
+ * served once, by whichever entry point sees it first. A refused allocation returns
+ * cudaErrorMemoryAllocation (2) with the reason in vram_last_error; cudaFree synchronises the
+ * device first, as the runtime's does; cudaFreeAsync does not (the block stays with its stream
+ * until the stream has passed the free).
  *
  * 1 if this process's cudaMalloc is libvram.so's and pool mode is on, else 0. */
 int vram_interposing(void);
 
-/* cudaMalloc / cudaFree calls vramd served in this process. */
+/* Driver-level interposition, whenever libvram.so is preloaded (`vramd run` does so in both torch
+ * modes). libvram.so defines dlsym, so that a library that loads the driver itself and looks its
+ * functions up by name (XLA, ctypes) gets libvram.so's, and cuGetProcAddress / _v2, through which
+ * the CUDA runtime (however it was loaded or linked), PyTorch and NCCL find driver functions:
+ * where the driver's answer is a function hooked here, the caller gets the hook. Other names
+ * pass through unchanged, and libvram.so's own lookups get the driver's functions. The hooks,
+ * with the driver's signatures (CUresult; CUDA_ERROR_OUT_OF_MEMORY = 2 when refused):
+ *
+ *   cuMemAlloc_v2, cuMemAllocPitch_v2 (rows rounded up to 512 bytes), cuMemFree_v2,
+ *   cuMemAllocAsync, cuMemFreeAsync, cuMemAllocFromPoolAsync (and their _ptsz forms; the pool
+ *   is not used): served by the tenant's caching allocator, stream-ordered where the call is.
+ *   cuMemFree_v2 synchronises the context first; memory vramd did not hand out goes to the
+ *   driver.
+ *   cuMemCreate, cuMemAllocManaged: the driver makes the memory; its size is then charged to the
+ *   tenant against its limit (on the tenant's GPU; cuMemCreate elsewhere is not charged), and
+ *   taken back when the driver frees it: for cuMemCreate, once every reference to the handle is
+ *   released and every mapping gone (cuMemRelease, cuMemRetainAllocationHandle, cuMemMap and
+ *   cuMemUnmap are hooked to count them); managed memory at its cuMemFree_v2. A refused charge
+ *   frees the memory at once and fails the call. Managed memory is charged in full when made,
+ *   wherever the driver keeps it until touched.
+ *   cuMemGetInfo_v2, and NVML's nvmlDeviceGetMemoryInfo / _v2 for the tenant's GPU: the
+ *   tenant's view, total = its limit, free = what it could still get, used = total - free (NVML
+ *   _v2: reserved = 0). Both give the same figures.
+ *
+ * Allocations on another GPU than the tenant's go to the driver (logged once). When no tenant can
+ * be set up (no daemon), the allocation calls are refused with the reason in vram_last_error and
+ * on stderr once: memory never escapes vramd's books silently. Refusals libvram.so makes itself
+ * are reported to the daemon (`vramd status` refusals). */
+
+/* Allocations and frees vramd's allocator served through the interposed runtime and driver entry
+ * points in this process (0 where libvram.so was not preloaded). */
 unsigned long long vram_interposed_calls(void);
+
+/* What each interposed entry point did, as JSON; free it with vram_string_free. NULL on error.
+ *   {"preloaded": bool, "allocator_calls": N, "dlsym_answered": N,
+ *    "proc_address_replaced": {"by_pointer": N, "by_name": N},
+ *    "hooks": {"cuMemAlloc_v2": {"served": N, "passed": N, "refused": N}, ...}}
+ * "served": by vramd (allocated, freed, charged, uncharged, answered with the tenant's view);
+ * "passed": to the function underneath, unchanged; "refused": failed by vramd. */
+char *vram_interposer_stats_json(void);
 
 /* For a caching layer above libvram (PyTorch's, in pool mode): how many of the bytes it holds
  * from libvram are in use by the application. `vramd status` then shows that as the tenant's
@@ -136,6 +179,12 @@ int vram_shared_verify(vram_shared_t *h, uint64_t version);
 /* Waits up to timeout_ms for a version newer than `than` (0: any): 1 and *version set, 0 on
  * time-out, -1 on error. */
 int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint64_t *version);
+
+/* The tenant's view of its memory, as cuMemGetInfo_v2 and NVML's memory info answer it inside a
+ * tenant: *total is its limit, *free what it could still get now (its limit less what it holds,
+ * charged and uses outside vramd, within what the device has free for it). 0, or -1 with the
+ * reason in vram_last_error(). */
+int vram_mem_get_info(uint64_t *free, uint64_t *total);
 
 #ifdef __cplusplus
 }

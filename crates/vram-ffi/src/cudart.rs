@@ -1,26 +1,34 @@
-//! Pool mode's segment source: `cudaMalloc` and `cudaFree` as a process that preloads libvram.so
-//! sees them (`vramd run --torch-mode pool` sets `LD_PRELOAD`). PyTorch's own caching allocator,
-//! and any other library that takes device memory through the CUDA runtime, then gets its
-//! segments from vramd: PyTorch works exactly as without vramd (its statistics, snapshots, graphs,
-//! `record_stream`, `torch.compile`), while the tenant's limit, priority, crash reclaim and elastic
-//! sharing apply to every byte.
+//! Pool mode's segment source: `cudaMalloc` and `cudaFree` (and the stream-ordered
+//! `cudaMallocAsync` / `cudaFreeAsync`) as a process that preloads libvram.so sees them (`vramd
+//! run` sets `LD_PRELOAD`). With `VRAMD_TORCH_MODE=pool`, PyTorch's own caching allocator, and
+//! any other library that takes device memory through the CUDA runtime, gets its segments from
+//! vramd here: PyTorch works exactly as without vramd (its statistics, snapshots, graphs,
+//! `record_stream`, `torch.compile`), while the tenant's limit, priority, crash reclaim and
+//! elastic sharing apply to every byte.
 //!
-//! Calls vramd does not serve go on to the CUDA runtime's own functions: a free of memory vramd
-//! did not hand out, `cudaFree(NULL)` (which programs use to create the context), an allocation on
-//! another GPU than the tenant's, and everything when libvram.so was loaded without
-//! `VRAMD_TORCH_MODE=pool` (full mode loads the same library; its frees are `vram_free`'s).
+//! Calls not served here go on to the CUDA runtime's own functions: a free of memory vramd did
+//! not hand out, `cudaFree(NULL)` (which programs use to create the context), an allocation on
+//! another GPU than the tenant's, and everything outside pool mode (full mode loads the same
+//! library; its frees are `vram_free`'s). The runtime then calls the driver, whose allocation
+//! calls libvram.so interposes as well ([`crate::interpose`]): an allocation that passes through
+//! here is served there, by the same allocator, and one served here never reaches the driver.
+//! Either way a block is served once, and freed by whichever entry point sees it.
 //!
 //! `cudaFree` synchronises the device, as the runtime's does: callers rely on it (PyTorch frees a
 //! segment only when its own events say the GPU is done with it, but other libraries do not).
+//! `cudaFreeAsync` does not: the allocator's stream fences keep the block from another stream
+//! until the free's stream has passed it.
 
 use std::ffi::{c_int, c_void, CStr};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use vram_core::alloc::StreamId;
 use vram_core::Bytes;
 
-use crate::{guarded, tenant, TENANT};
+use crate::interpose::stats::{self, Hook};
+use crate::interpose::tenant_or_log;
+use crate::{guarded, refusal, tenant, TENANT};
 
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_INVALID_VALUE: c_int = 1;
@@ -30,6 +38,8 @@ const CUDA_ERROR_NO_RUNTIME: c_int = 35;
 
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;
+type MallocAsyncFn = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) -> c_int;
+type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type SyncFn = unsafe extern "C" fn() -> c_int;
 type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 
@@ -37,6 +47,8 @@ type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 struct Runtime {
     malloc: Option<MallocFn>,
     free: Option<FreeFn>,
+    malloc_async: Option<MallocAsyncFn>,
+    free_async: Option<FreeAsyncFn>,
     synchronize: Option<SyncFn>,
     get_device: Option<GetDeviceFn>,
 }
@@ -51,6 +63,8 @@ fn runtime() -> &'static Runtime {
     RUNTIME.get_or_init(|| {
         let malloc = next_symbol(c"cudaMalloc");
         let free = next_symbol(c"cudaFree");
+        let malloc_async = next_symbol(c"cudaMallocAsync");
+        let free_async = next_symbol(c"cudaFreeAsync");
         let synchronize = next_symbol(c"cudaDeviceSynchronize");
         let get_device = next_symbol(c"cudaGetDevice");
         // SAFETY: each pointer, where not null, is the CUDA runtime's function of that name, whose
@@ -59,6 +73,10 @@ fn runtime() -> &'static Runtime {
             Runtime {
                 malloc: (!malloc.is_null()).then(|| std::mem::transmute::<_, MallocFn>(malloc)),
                 free: (!free.is_null()).then(|| std::mem::transmute::<_, FreeFn>(free)),
+                malloc_async: (!malloc_async.is_null())
+                    .then(|| std::mem::transmute::<_, MallocAsyncFn>(malloc_async)),
+                free_async: (!free_async.is_null())
+                    .then(|| std::mem::transmute::<_, FreeAsyncFn>(free_async)),
                 synchronize: (!synchronize.is_null())
                     .then(|| std::mem::transmute::<_, SyncFn>(synchronize)),
                 get_device: (!get_device.is_null())
@@ -72,9 +90,6 @@ fn pool_mode() -> bool {
     static POOL: OnceLock<bool> = OnceLock::new();
     *POOL.get_or_init(|| std::env::var("VRAMD_TORCH_MODE").is_ok_and(|m| m == "pool"))
 }
-
-/// Segments served and returned through the runtime entry points (for `vram_interposed_calls`).
-static SERVED: AtomicU64 = AtomicU64::new(0);
 
 /// The calling thread's current CUDA device, if the runtime answers.
 fn current_device() -> Option<c_int> {
@@ -92,6 +107,51 @@ enum Served {
     Refused,
 }
 
+/// Serves `size` bytes for `stream` in pool mode; `Pass` outside it and for another GPU.
+fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Served {
+    if !pool_mode() {
+        return Served::Pass;
+    }
+    let served = guarded(Served::Refused, || {
+        let t = tenant_or_log()?;
+        if let Some(device) = current_device() {
+            if device as u32 != t.gpu {
+                warn_other_gpu(device, t.gpu);
+                return Ok(Served::Pass);
+            }
+        }
+        let size = Bytes(size as u64);
+        let ptr = t
+            .alloc
+            .alloc(size, stream)
+            .map_err(|e| refusal::alloc_refused(t, what, size, &e))?;
+        Ok(Served::Done(ptr))
+    });
+    match served {
+        Served::Done(_) => stats::served(hook),
+        Served::Pass => stats::passed(hook),
+        Served::Refused => stats::refused(hook),
+    }
+    served
+}
+
+/// Whether pool mode serves the free of `ptr` (memory vramd's allocator handed out).
+fn frees_here(ptr: *mut c_void) -> bool {
+    pool_mode() && !ptr.is_null() && matches!(TENANT.get(), Some(Ok(t)) if t.alloc.owns(ptr as u64))
+}
+
+/// Frees `ptr`, which [`frees_here`], into the tenant's allocator.
+fn free_here(hook: Hook, what: &str, ptr: *mut c_void, stream: StreamId) -> c_int {
+    guarded(CUDA_ERROR_INVALID_VALUE, || {
+        let t = tenant()?;
+        t.alloc
+            .free(ptr as u64, stream)
+            .map_err(|e| format!("vramd: {what}: {e}"))?;
+        stats::served(hook);
+        Ok(CUDA_SUCCESS)
+    })
+}
+
 /// See the module documentation.
 ///
 /// # Safety
@@ -101,40 +161,47 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
     if dev_ptr.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if pool_mode() {
-        let served = guarded(Served::Refused, || {
-            let t = tenant()?;
-            if let Some(device) = current_device() {
-                if device as u32 != t.gpu {
-                    warn_other_gpu(device, t.gpu);
-                    return Ok(Served::Pass);
-                }
-            }
-            let size = Bytes(size as u64);
-            let ptr = t.alloc.alloc(size, StreamId(0)).map_err(|e| {
-                let w = t.client.welcome();
-                format!(
-                    "vramd: tenant `{}` could not allocate {size}: {e} (limit {}, guarantee {})",
-                    w.name, w.limit, w.guarantee
-                )
-            })?;
-            Ok(Served::Done(ptr))
-        });
-        match served {
-            Served::Done(ptr) => {
-                SERVED.fetch_add(1, Ordering::Relaxed);
-                // SAFETY: the caller passes a pointer valid for one write (checked non-null).
-                unsafe { *dev_ptr = ptr as *mut c_void };
-                return CUDA_SUCCESS;
-            }
-            Served::Refused => return CUDA_ERROR_MEMORY_ALLOCATION,
-            Served::Pass => {}
+    match serve(Hook::CudaMalloc, "cudaMalloc", size, StreamId(0)) {
+        Served::Done(ptr) => {
+            // SAFETY: the caller passes a pointer valid for one write (checked non-null).
+            unsafe { *dev_ptr = ptr as *mut c_void };
+            CUDA_SUCCESS
         }
+        Served::Refused => CUDA_ERROR_MEMORY_ALLOCATION,
+        Served::Pass => match runtime().malloc {
+            // SAFETY: the runtime's own cudaMalloc with the caller's arguments.
+            Some(malloc) => unsafe { malloc(dev_ptr, size) },
+            None => CUDA_ERROR_NO_RUNTIME,
+        },
     }
-    match runtime().malloc {
-        // SAFETY: the runtime's own cudaMalloc with the caller's arguments.
-        Some(malloc) => unsafe { malloc(dev_ptr, size) },
-        None => CUDA_ERROR_NO_RUNTIME,
+}
+
+/// See the module documentation: served on the caller's stream.
+///
+/// # Safety
+/// `dev_ptr` must be valid for one pointer write, as for the runtime's `cudaMallocAsync`.
+#[no_mangle]
+pub unsafe extern "C" fn cudaMallocAsync(
+    dev_ptr: *mut *mut c_void,
+    size: usize,
+    stream: *mut c_void,
+) -> c_int {
+    if dev_ptr.is_null() {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    let sid = StreamId(stream as u64);
+    match serve(Hook::CudaMallocAsync, "cudaMallocAsync", size, sid) {
+        Served::Done(ptr) => {
+            // SAFETY: the caller passes a pointer valid for one write (checked non-null).
+            unsafe { *dev_ptr = ptr as *mut c_void };
+            CUDA_SUCCESS
+        }
+        Served::Refused => CUDA_ERROR_MEMORY_ALLOCATION,
+        Served::Pass => match runtime().malloc_async {
+            // SAFETY: the runtime's own cudaMallocAsync with the caller's arguments.
+            Some(malloc) => unsafe { malloc(dev_ptr, size, stream) },
+            None => CUDA_ERROR_NO_RUNTIME,
+        },
     }
 }
 
@@ -154,10 +221,8 @@ fn warn_other_gpu(device: c_int, gpu: u32) {
 /// As for the runtime's `cudaFree`: `ptr` is null or a pointer `cudaMalloc` returned.
 #[no_mangle]
 pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
-    let ours = pool_mode()
-        && !ptr.is_null()
-        && matches!(TENANT.get(), Some(Ok(t)) if t.alloc.owns(ptr as u64));
-    if !ours {
+    if !frees_here(ptr) {
+        stats::passed(Hook::CudaFree);
         return match runtime().free {
             // SAFETY: the runtime's own cudaFree with the caller's argument.
             Some(free) => unsafe { free(ptr) },
@@ -173,21 +238,38 @@ pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
             return r;
         }
     }
-    guarded(CUDA_ERROR_INVALID_VALUE, || {
-        let t = tenant()?;
-        t.alloc
-            .free(ptr as u64, StreamId(0))
-            .map_err(|e| format!("vramd: cudaFree: {e}"))?;
-        SERVED.fetch_add(1, Ordering::Relaxed);
-        Ok(CUDA_SUCCESS)
-    })
+    free_here(Hook::CudaFree, "cudaFree", ptr, StreamId(0))
 }
 
-/// How many `cudaMalloc` / `cudaFree` calls vramd served in this process: zero in a process where
-/// the runtime's functions were not interposed (libvram.so not preloaded, or not in pool mode).
+/// See the module documentation: no synchronisation, the block stays with `stream` until the
+/// stream has passed the free.
+///
+/// # Safety
+/// As for the runtime's `cudaFreeAsync`: `ptr` is a pointer an allocation call returned.
+#[no_mangle]
+pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> c_int {
+    if !frees_here(ptr) {
+        stats::passed(Hook::CudaFreeAsync);
+        return match runtime().free_async {
+            // SAFETY: the runtime's own cudaFreeAsync with the caller's arguments.
+            Some(free) => unsafe { free(ptr, stream) },
+            None => CUDA_ERROR_NO_RUNTIME,
+        };
+    }
+    free_here(
+        Hook::CudaFreeAsync,
+        "cudaFreeAsync",
+        ptr,
+        StreamId(stream as u64),
+    )
+}
+
+/// How many allocations and frees vramd served through interposed entry points in this process:
+/// the runtime's here (pool mode) and the driver's (`interpose`). Zero where libvram.so
+/// was not preloaded (or nothing allocated through those entry points).
 #[no_mangle]
 pub extern "C" fn vram_interposed_calls() -> u64 {
-    SERVED.load(Ordering::Relaxed)
+    stats::allocator_calls()
 }
 
 /// Whether this process's `cudaMalloc` is libvram.so's: 1 if it is (the library was preloaded and

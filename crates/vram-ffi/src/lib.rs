@@ -4,8 +4,12 @@
 //! `VRAMD_PRIORITY`, `VRAMD_GPU`, and `VRAMD_ALLOC` for allocator settings such as
 //! `min_grow=16MiB,max_handle=32MiB`).
 //!
+//! Preloaded (`vramd run` does it), the library also interposes the CUDA runtime's allocation
+//! calls in pool mode (`cudart`) and, always, the driver's and NVML's memory calls and `dlsym`
+//! (`interpose`): every device allocation of the process goes through vramd.
+//!
 //! Nothing here aborts or unwinds into C: every entry point catches panics, and errors go to the
-//! calling thread's `vram_last_error`.
+//! calling thread's `vram_last_error`. Refusals made here are reported to the daemon (`refusal`).
 
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
@@ -23,8 +27,11 @@ use vram_core::alloc::{AllocConfig, StreamId};
 use vram_core::Bytes;
 
 mod cudart;
+mod interpose;
+mod refusal;
 mod shared;
 pub use cudart::{vram_interposed_calls, vram_interposing};
+pub use interpose::stats::vram_interposer_stats_json;
 pub use shared::VramShared;
 
 /// The process's tenant: its connection and its allocator.
@@ -191,19 +198,18 @@ fn check_device(t: &Tenant, device: c_int) -> Result<(), String> {
 pub extern "C" fn vram_alloc(size: isize, device: c_int, stream: *mut c_void) -> *mut c_void {
     guarded(std::ptr::null_mut(), || {
         let t = tenant()?;
-        check_device(t, device)?;
-        let size = u64::try_from(size).map_err(|_| format!("vramd: negative size {size}"))?;
+        let refused = |reason: &str, message: String| {
+            refusal::refused_here(&t.client, Bytes(size.max(0) as u64), reason, &message);
+            message
+        };
+        check_device(t, device).map_err(|m| refused("other", m))?;
+        let size = u64::try_from(size)
+            .map_err(|_| refused("bad_size", format!("vramd: negative size {size}")))?;
         let stream = StreamId(stream as u64);
-        let ptr = t.alloc.alloc(Bytes(size), stream).map_err(|e| {
-            let w = t.client.welcome();
-            format!(
-                "vramd: tenant `{}` could not allocate {}: {e} (limit {}, guarantee {})",
-                w.name,
-                Bytes(size),
-                w.limit,
-                w.guarantee
-            )
-        })?;
+        let ptr = t
+            .alloc
+            .alloc(Bytes(size), stream)
+            .map_err(|e| refusal::alloc_refused(t, "vram_alloc", Bytes(size), &e))?;
         Ok(ptr as *mut c_void)
     })
 }
@@ -360,5 +366,25 @@ pub extern "C" fn vram_snapshot_json() -> *mut c_char {
         let v = serde_json::json!({ "gpu": t.gpu, "segments": segments });
         let s = CString::new(v.to_string()).map_err(|e| e.to_string())?;
         Ok(s.into_raw())
+    })
+}
+
+/// See `include/vram.h`.
+///
+/// # Safety
+/// `free` and `total` must each be valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn vram_mem_get_info(free: *mut u64, total: *mut u64) -> c_int {
+    if free.is_null() || total.is_null() {
+        return -1;
+    }
+    guarded(-1, || {
+        let (t, f) = interpose::tenant_view(tenant()?)?;
+        // SAFETY: the caller passes two pointers valid for one write each (checked non-null).
+        unsafe {
+            *total = t;
+            *free = f;
+        }
+        Ok(0)
     })
 }

@@ -1,73 +1,14 @@
-//! Builds `tests/c/stress.c` against libvram.so with gcc and runs it against a real daemon.
+//! Builds the C programs of `tests/c/` against libvram.so with gcc and runs them against a real
+//! daemon.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use vram_core::Bytes;
 
+use cprog::build;
+
 mod common;
-
-/// The directory cargo put libvram.so in (this test runs from `target/<profile>/deps`), or, for
-/// a bundle run on a machine without cargo (`.gpu/run` copies the library into the project's
-/// `target/release`), that directory.
-fn lib_dir() -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let beside = exe.parent().unwrap().parent().unwrap().to_path_buf();
-    let project = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../target/release");
-    let no_cargo = !Path::new(env!("CARGO")).exists();
-    if no_cargo && !beside.join("libvram.so").exists() && project.join("libvram.so").exists() {
-        return project;
-    }
-    beside
-}
-
-/// libvram.so, built for this test's profile. `cargo test` builds the library as an rlib only,
-/// so the shared object is built here once if it is missing.
-fn ensure_lib(lib: &Path) {
-    static BUILT: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
-    let mut built = BUILT.lock().unwrap_or_else(|p| p.into_inner());
-    if *built || lib.join("libvram.so").exists() {
-        *built = true;
-        return;
-    }
-    let release = lib.file_name().is_some_and(|n| n == "release");
-    let mut cargo = Command::new(env!("CARGO"));
-    cargo.args(["build", "-p", "vram-ffi", "--lib"]);
-    if release {
-        cargo.arg("--release");
-    }
-    // The target directory is the one above `debug/` or `release/`.
-    cargo.env("CARGO_TARGET_DIR", lib.parent().unwrap());
-    let status = cargo.status().expect("cargo runs");
-    assert!(status.success(), "building libvram.so failed");
-    assert!(
-        lib.join("libvram.so").exists(),
-        "libvram.so not in {}",
-        lib.display()
-    );
-    *built = true;
-}
-
-/// Builds `tests/c/{name}.c` against libvram.so into `out`.
-fn build(name: &str, out: &Path) -> PathBuf {
-    let lib = lib_dir();
-    ensure_lib(&lib);
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let exe = out.join(name);
-    let cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "gcc".into()))
-        .args(["-O1", "-Wall", "-Werror", "-pthread", "-I"])
-        .arg(manifest.join("include"))
-        .arg(manifest.join(format!("tests/c/{name}.c")))
-        .arg("-o")
-        .arg(&exe)
-        .arg(format!("-L{}", lib.display()))
-        .arg("-lvram")
-        .arg(format!("-Wl,-rpath,{}", lib.display()))
-        .status()
-        .expect("gcc runs");
-    assert!(cc.success(), "gcc failed");
-    exe
-}
+mod cprog;
 
 #[test]
 fn c_program_uses_the_allocator_from_several_threads() {

@@ -15,7 +15,7 @@ mod status;
 pub use conn::{Conn, Received};
 pub use frame::{FrameHeader, HEADER_LEN, MAGIC};
 pub use message::{
-    Budget, DeviceDesc, Envelope, ErrorCode, ErrorReply, GrantId, Hello, Reply, Request, Role,
+    Budget, DeviceDesc, Envelope, ErrorCode, ErrorReply, GrantId, Hello, Reply, Request, Resume, Role,
     Welcome,
 };
 pub use shared::{

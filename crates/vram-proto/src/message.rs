@@ -36,6 +36,17 @@ pub struct Hello {
     pub gpu: Option<u32>,
     /// The client's name and version, for logs.
     pub client: String,
+    /// A tenant coming back after its connection was lost (the daemon restarted): what it still
+    /// holds, so that a daemon that adopted it books exactly that.
+    pub resume: Option<Resume>,
+}
+
+/// What a reconnecting tenant still holds: the grants it has not given back (ids from any earlier
+/// daemon) and the memory it charged.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Resume {
+    pub grants: Vec<(GrantId, Bytes)>,
+    pub charged: Bytes,
 }
 
 /// Requests, client to daemon.

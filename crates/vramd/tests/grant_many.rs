@@ -26,6 +26,7 @@ fn raw_tenant(d: &Daemon, name: &str, limit: Bytes) -> Conn {
         },
         gpu: None,
         client: "grant_many test".into(),
+        resume: None,
     });
     conn.send(1, &hello, &[]).unwrap();
     let r = conn.recv::<Reply>().unwrap();

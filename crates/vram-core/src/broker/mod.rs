@@ -415,6 +415,21 @@ impl Broker {
         taken
     }
 
+    /// Books memory a tenant already holds, without the rules of [`Broker::grant`]: a tenant
+    /// adopted after a daemon restart holds what it was granted before, whatever the books say
+    /// now. May break the invariant (then [`Broker::deficit`] says by how much).
+    pub fn adopt(&mut self, id: TenantId, held: Bytes, charged: Bytes) {
+        if let Some(t) = self.tenants.get_mut(&id) {
+            t.held = t.held.saturating_add(held);
+            t.charged = t.charged.saturating_add(charged);
+        }
+    }
+
+    /// The connected tenant of that name.
+    pub fn id_of(&self, name: &str) -> Option<TenantId> {
+        self.by_name.get(name).copied()
+    }
+
     /// Counts a refusal the tenant's own library made (its limit, checked without asking).
     pub fn count_refusal(&mut self, id: TenantId, reason: &str) {
         if let Some(t) = self.tenants.get_mut(&id) {

@@ -62,13 +62,17 @@ def install(mode=None):
 
 
 def _patch_mem_get_info():
+    import ctypes
+
     import torch
 
     def mem_get_info(device=None):
-        """(free, total) as this tenant sees it: total is its limit, free what it may still take."""
-        s = _lib.stats()
-        held = s["stats"]["core"]["held"]
-        return (max(s["limit"] - held, 0), s["limit"])
+        """(free, total) as this tenant sees it: total is its limit, free what it may still take
+        (the same figures libvram.so's cuMemGetInfo_v2 and NVML hooks answer)."""
+        free, total = ctypes.c_uint64(), ctypes.c_uint64()
+        if _lib.lib().vram_mem_get_info(ctypes.byref(free), ctypes.byref(total)) != 0:
+            raise RuntimeError(_lib.last_error() or "vramd: vram_mem_get_info failed")
+        return (free.value, total.value)
 
     torch.cuda.mem_get_info = mem_get_info
     torch.cuda.memory.mem_get_info = mem_get_info

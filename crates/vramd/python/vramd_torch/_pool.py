@@ -12,7 +12,6 @@ sharing — when the daemon asks for memory back, a thread empties PyTorch's cac
 segments go back through `cudaFree`) and hands them to the daemon.
 """
 
-import os
 import sys
 import threading
 import time
@@ -41,12 +40,6 @@ def install():
             "vramd: pool mode needs libvram.so preloaded, so that the CUDA runtime's cudaMalloc "
             "is vramd's: run the program under `vramd run --torch-mode pool`, or start it with "
             "LD_PRELOAD=<path of libvram.so> VRAMD_TORCH_MODE=pool"
-        )
-    if "expandable_segments:true" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "").lower():
-        print(
-            "vramd: PYTORCH_CUDA_ALLOC_CONF has expandable_segments:True, whose segments come "
-            "from the driver, not cudaMalloc: they bypass vramd in pool mode",
-            file=sys.stderr,
         )
     _state = _State(torch)
     _count_captures(torch)

@@ -1,7 +1,12 @@
 //! `vramd run`: starts a program as a tenant, unchanged.
 //!
 //! The program gets the tenant's settings as `VRAMD_*` variables, which libvram.so reads when it
-//! first connects. For Python, a private directory goes first on `PYTHONPATH`, holding the
+//! first connects, and libvram.so preloaded (`LD_PRELOAD`, in both torch modes): its `dlsym`,
+//! `cuGetProcAddress` and the driver's allocation, `cuMemCreate` and memory-info calls are
+//! libvram.so's, so every device allocation of the program goes through vramd, whichever library
+//! makes it (PyTorch, JAX, CuPy, NCCL). A program it starts inherits the variables and, if it
+//! uses the GPU, is a tenant of its own (refused, under a `--tenant` name already in use). For
+//! Python, a private directory goes first on `PYTHONPATH`, holding the
 //! `vramd_torch` package and a `sitecustomize` that installs vramd's allocator into PyTorch right
 //! after `torch` is imported, before any CUDA allocation (see `python/vramd_torch/`). The
 //! program's exit status is ours; SIGTERM, SIGHUP and SIGQUIT sent to us are passed on, and SIGINT
@@ -37,10 +42,11 @@ pub struct Args {
     #[arg(long)]
     pub gpu: Option<u32>,
     /// How PyTorch takes vramd's allocator: `pool` keeps PyTorch's caching allocator on top of
-    /// vramd's segments (libvram.so is preloaded and serves the CUDA runtime's cudaMalloc and
-    /// cudaFree, so every PyTorch feature works, and any CUDA program becomes a tenant); `full`
-    /// gives vramd every tensor (its own fragmentation handling; PyTorch's statistics answered
-    /// from vramd's).
+    /// vramd's segments (libvram.so serves the CUDA runtime's cudaMalloc and cudaFree, so every
+    /// PyTorch feature works); `full` gives vramd every tensor (its own fragmentation handling;
+    /// PyTorch's statistics answered from vramd's). In both, libvram.so is preloaded and serves
+    /// the driver's allocation calls, so memory taken past PyTorch (cuBLAS workspaces, NCCL, JAX,
+    /// CuPy) goes through vramd too.
     #[arg(long, value_enum, default_value_t = TorchMode::Full)]
     pub torch_mode: TorchMode,
     /// The program and its arguments.
@@ -112,12 +118,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         .env("VRAMD_SOCKET", args.socket.path())
         .env("VRAMD_LIB", &lib)
         .env("VRAMD_TORCH_MODE", args.torch_mode.as_str())
-        .env("PYTHONPATH", python_path(python.path()));
-    if args.torch_mode == TorchMode::Pool {
-        // libvram.so's cudaMalloc / cudaFree go before the CUDA runtime's: PyTorch's caching
-        // allocator (and any program allocating through the runtime) takes its segments from us.
-        cmd.env("LD_PRELOAD", preload(&lib));
-    }
+        .env("PYTHONPATH", python_path(python.path()))
+        // libvram.so's dlsym, cuGetProcAddress and driver allocation calls go before the
+        // driver's (and, in pool mode, its cudaMalloc / cudaFree before the CUDA runtime's).
+        .env("LD_PRELOAD", preload(&lib));
     let settings = [
         ("VRAMD_TENANT", args.tenant.clone()),
         (

@@ -11,6 +11,7 @@ mod scrub;
 mod session;
 mod shared;
 mod slot;
+mod state;
 
 use std::collections::HashMap;
 use std::os::unix::fs::PermissionsExt;
@@ -148,6 +149,7 @@ pub struct Server {
     daemon: Arc<Daemon>,
     listener: UnixListener,
     pool_threads: Vec<JoinHandle<()>>,
+    keeper: Arc<state::Keeper>,
 }
 
 /// Stops a running server from another thread (a signal handler's thread, a test).
@@ -197,6 +199,9 @@ impl Server {
             metrics: OnceLock::new(),
             shared: shared::SharedServer::default(),
         });
+        // Tenants of a daemon before are adopted before anything else sees the books.
+        let keeper = Arc::new(state::Keeper::adopt(&daemon, &daemon.socket));
+        pool_threads.push(start_keeper(daemon.clone(), keeper.clone())?);
         pool_threads.push(scrub::start(daemon.clone())?);
         if let Some(probe) = opts.probe {
             // The first reading before any tenant is admitted, so that memory already in use on
@@ -214,6 +219,7 @@ impl Server {
             daemon,
             listener,
             pool_threads,
+            keeper,
         })
     }
 
@@ -268,6 +274,8 @@ impl Server {
                 }
             }
         }
+        // The next daemon adopts the tenants from this: they reconnect to it.
+        self.keeper.final_save(&self.daemon);
         tracing::info!("shutting down: closing {} connections", sessions.len());
         for conn in self.daemon.conns.lock().expect("conns").values() {
             let _ = conn.stream().shutdown(std::net::Shutdown::Both);
@@ -285,6 +293,21 @@ impl Server {
         tracing::info!("stopped");
         Ok(())
     }
+}
+
+/// The state file's housekeeping, every [`state::SAVE_EVERY`] until shutdown.
+fn start_keeper(
+    daemon: Arc<Daemon>,
+    keeper: Arc<state::Keeper>,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("vramd-state".into())
+        .spawn(move || {
+            while !daemon.is_shutting_down() {
+                daemon.sleep_unless_shutdown(state::SAVE_EVERY);
+                keeper.tick(&daemon);
+            }
+        })
 }
 
 fn bind_socket(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {

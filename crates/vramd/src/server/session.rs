@@ -207,9 +207,11 @@ impl Session {
             pid: self.pid,
             uid: self.uid,
         };
-        let (id, t) = s.connect(request, self.conn_id).inspect_err(|e| {
-            tracing::warn!(pid = self.pid, "tenant refused at connect: {}", e.message);
-        })?;
+        let (id, t) = s
+            .connect(request, self.conn_id, hello.resume.as_ref())
+            .inspect_err(|e| {
+                tracing::warn!(pid = self.pid, "tenant refused at connect: {}", e.message);
+            })?;
         tracing::info!(
             tenant = t.name, class = t.class, guarantee = %t.guarantee, limit = %t.limit,
             pid = self.pid, gpu = slot, client = hello.client, "tenant connected"

@@ -7,7 +7,7 @@ use std::time::Instant;
 use vram_core::broker::{Broker, GrantError, Policy, ReclaimAsk, Tenant, TenantId, TenantRequest};
 use vram_core::Bytes;
 use vram_device::{BackendKind, Device, Handle};
-use vram_proto::{DeviceDesc, DeviceStatus, ErrorCode, ErrorReply, GrantId, TenantStatus};
+use vram_proto::{DeviceDesc, DeviceStatus, ErrorCode, ErrorReply, GrantId, Resume, TenantStatus};
 
 use super::pool::{Pool, Ready};
 use super::shared::Books;
@@ -24,6 +24,23 @@ struct State {
     waiting: usize,
     /// The driver's figures as last reconciled (`None`: never read).
     driver: Option<DriverView>,
+    /// Grants booked without a handle here: a tenant adopted after a daemon restart holds them
+    /// from the daemon before (the memory lives in its imports).
+    adopted: HashMap<GrantId, (TenantId, Bytes)>,
+    /// Adopted tenants that have not reconnected yet: the process that must come back.
+    pending: HashMap<TenantId, Process>,
+    /// Each tenant's process, for the state file.
+    processes: HashMap<TenantId, Process>,
+    /// The books changed since the state file was last written.
+    dirty: bool,
+}
+
+/// A tenant's process as the state file names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Process {
+    pid: u32,
+    uid: u32,
+    start_time: u64,
 }
 
 /// What the last reading of the driver showed beyond the books, for status.
@@ -84,6 +101,10 @@ impl Slot {
                 shared: Books::default(),
                 waiting: 0,
                 driver: None,
+                adopted: HashMap::new(),
+                pending: HashMap::new(),
+                processes: HashMap::new(),
+                dirty: false,
             }),
             returned: Condvar::new(),
             pool,
@@ -146,17 +167,169 @@ impl Slot {
         }
     }
 
-    pub fn connect(&self, req: TenantRequest, conn: u64) -> Result<(TenantId, Tenant), ErrorReply> {
-        let mut s = self.lock();
-        let id = s.broker.connect(req).map_err(|e| ErrorReply {
+    /// Admits a tenant on connection `conn`. A tenant adopted after a daemon restart comes back
+    /// here: the same name from the same process takes its books over, settled against what it
+    /// says it holds (`resume`); the name from another process is refused while the adopted one
+    /// lives.
+    pub fn connect(
+        &self,
+        req: TenantRequest,
+        conn: u64,
+        resume: Option<&Resume>,
+    ) -> Result<(TenantId, Tenant), ErrorReply> {
+        let admission = |message: String| ErrorReply {
             code: ErrorCode::Admission,
             reason: None,
-            message: e.to_string(),
-        })?;
-        s.conn_of.insert(id, conn);
-        let tenant = s.broker.tenant(id).expect("just connected").clone();
-        self.pool.set_room(s.broker.free());
+            message,
+        };
+        let mut s = self.lock();
+        let st = &mut *s;
+        let adopted = st
+            .broker
+            .id_of(&req.name)
+            .and_then(|id| Some((id, *st.pending.get(&id)?)));
+        let id = match adopted {
+            Some((id, p)) if p.pid == req.pid && p.uid == req.uid => {
+                st.pending.remove(&id);
+                if let Some(r) = resume {
+                    settle(st, id, r);
+                }
+                id
+            }
+            Some((_, p)) => {
+                return Err(admission(format!(
+                    "tenant name `{}` is held by pid {}, adopted after a daemon restart and not \
+                     reconnected yet",
+                    req.name, p.pid
+                )))
+            }
+            None => {
+                let process = Process {
+                    pid: req.pid,
+                    uid: req.uid,
+                    start_time: super::state::process_start_time(req.pid).unwrap_or(0),
+                };
+                let id = st
+                    .broker
+                    .connect(req)
+                    .map_err(|e| admission(e.to_string()))?;
+                st.processes.insert(id, process);
+                if let Some(r) = resume {
+                    settle(st, id, r);
+                }
+                id
+            }
+        };
+        st.conn_of.insert(id, conn);
+        st.dirty = true;
+        let tenant = st.broker.tenant(id).expect("just connected").clone();
+        self.pool.set_room(st.broker.free());
         Ok((id, tenant))
+    }
+
+    /// Takes over a tenant of the daemon before from the state it left: its books as they were,
+    /// awaiting its reconnect. A process that is gone is not adopted (its memory went with it).
+    pub fn adopt(&self, t: &super::state::SavedTenant) -> Result<TenantId, String> {
+        if !super::state::still_running(t.pid, t.start_time) {
+            return Err(format!("pid {} is gone", t.pid));
+        }
+        let req = |guarantee| TenantRequest {
+            name: t.name.clone(),
+            class: Some(t.class.clone()),
+            guarantee: Some(guarantee),
+            limit: Some(t.limit),
+            pid: t.pid,
+            uid: t.uid,
+        };
+        let mut s = self.lock();
+        let st = &mut *s;
+        // The configuration may have changed meanwhile: what it no longer allows is said, and the
+        // tenant keeps what it holds, without a guarantee.
+        let id = match st.broker.connect(req(t.guarantee)) {
+            Ok(id) => id,
+            Err(e) => {
+                tracing::warn!(tenant = t.name, "adopted without its guarantee: {e}");
+                st.broker
+                    .connect(req(Bytes::ZERO))
+                    .map_err(|e| e.to_string())?
+            }
+        };
+        let held = t.grants.iter().map(|g| g.1).sum();
+        st.broker.adopt(id, held, t.charged);
+        for &(grant, size) in &t.grants {
+            st.adopted.insert(grant, (id, size));
+        }
+        let p = Process {
+            pid: t.pid,
+            uid: t.uid,
+            start_time: t.start_time,
+        };
+        st.pending.insert(id, p);
+        st.processes.insert(id, p);
+        st.dirty = true;
+        self.pool.set_room(st.broker.free());
+        Ok(id)
+    }
+
+    /// Drops adopted tenants whose process is gone without reconnecting; their names and what
+    /// was booked to them.
+    pub fn reap_pending(&self) -> Vec<(String, Bytes)> {
+        let gone: Vec<TenantId> = {
+            let s = self.lock();
+            s.pending
+                .iter()
+                .filter(|(_, p)| !super::state::still_running(p.pid, p.start_time))
+                .map(|(id, _)| *id)
+                .collect()
+        };
+        gone.into_iter()
+            .filter_map(|id| self.disconnect(id))
+            .map(|(t, _)| {
+                let total = t.total();
+                (t.name, total)
+            })
+            .collect()
+    }
+
+    /// The slot's part of the state file, and whether it changed since the last call.
+    pub fn saved(&self) -> (u64, Vec<super::state::SavedTenant>, bool) {
+        let mut s = self.lock();
+        let dirty = std::mem::take(&mut s.dirty);
+        let mut grants: HashMap<TenantId, Vec<(GrantId, Bytes)>> = HashMap::new();
+        for (id, (t, h)) in &s.grants {
+            grants.entry(*t).or_default().push((*id, h.size()));
+        }
+        for (id, (t, size)) in &s.adopted {
+            grants.entry(*t).or_default().push((*id, *size));
+        }
+        let tenants = s
+            .broker
+            .tenants()
+            .filter_map(|(id, t)| {
+                let p = s.processes.get(&id)?;
+                let mut g = grants.remove(&id).unwrap_or_default();
+                g.sort();
+                Some(super::state::SavedTenant {
+                    gpu: self.index,
+                    name: t.name.clone(),
+                    class: t.class.clone(),
+                    guarantee: t.guarantee,
+                    limit: t.limit,
+                    pid: p.pid,
+                    uid: p.uid,
+                    start_time: p.start_time,
+                    grants: g,
+                    charged: t.charged,
+                })
+            })
+            .collect();
+        (s.next_grant, tenants, dirty)
+    }
+
+    /// Grant ids start at `next` (above any a daemon before gave).
+    pub fn start_grants_at(&self, next: u64) {
+        let mut s = self.lock();
+        s.next_grant = s.next_grant.max(next);
     }
 
     /// Grants handles of `sizes` (each rounded up to the granularity), in order: all of them or
@@ -203,6 +376,7 @@ impl Slot {
                 s.next_grant += 1;
                 // The grant table keeps the handle; the caller sends the fd.
                 s.grants.insert(id, (tenant, handle));
+                s.dirty = true;
                 (id, size, fd)
             })
             .collect())
@@ -265,6 +439,7 @@ impl Slot {
     pub fn uncharge(&self, tenant: TenantId, bytes: Bytes) {
         let mut s = self.lock();
         s.broker.uncharge(tenant, bytes);
+        s.dirty = true;
         self.pool.set_room(s.broker.free());
         if s.waiting > 0 {
             self.returned.notify_all();
@@ -337,6 +512,9 @@ impl Slot {
             Booking::Charge => s.broker.charge(tenant, size),
         }
         .map_err(|e| refused(&e))?;
+        if matches!(how, Booking::Charge) {
+            s.dirty = true;
+        }
         self.pool.set_room(s.broker.free());
         Ok(())
     }
@@ -348,10 +526,11 @@ impl Slot {
         ids: &[GrantId],
     ) -> Result<(Bytes, Bytes), ErrorReply> {
         let mut s = self.lock();
-        if let Some(bad) = ids
-            .iter()
-            .find(|id| !matches!(s.grants.get(id), Some((t, _)) if *t == tenant))
-        {
+        let ours = |s: &State, id: &GrantId| {
+            matches!(s.grants.get(id), Some((t, _)) if *t == tenant)
+                || matches!(s.adopted.get(id), Some((t, _)) if *t == tenant)
+        };
+        if let Some(bad) = ids.iter().find(|id| !ours(&s, id)) {
             return Err(ErrorReply {
                 code: ErrorCode::UnknownGrant,
                 reason: None,
@@ -360,11 +539,19 @@ impl Slot {
         }
         let mut handles = Vec::with_capacity(ids.len());
         let mut bytes = Bytes::ZERO;
+        let mut adopted = Bytes::ZERO;
         for id in ids {
             if let Some((_, h)) = s.grants.remove(id) {
                 bytes += h.size();
                 handles.push(h);
+            } else if let Some((_, size)) = s.adopted.remove(id) {
+                // Its memory was the daemon before's: it is gone with the tenant's import.
+                adopted += size;
             }
+        }
+        s.dirty = true;
+        if adopted > Bytes::ZERO {
+            s.broker.release(tenant, adopted);
         }
         // The room the pool will have once these bytes are back in the books.
         let room = s.broker.free() + bytes;
@@ -406,6 +593,10 @@ impl Slot {
                 .map(|(id, _)| *id)
                 .collect();
             s.conn_of.remove(&tenant);
+            s.adopted.retain(|_, (t, _)| *t != tenant);
+            s.pending.remove(&tenant);
+            s.processes.remove(&tenant);
+            s.dirty = true;
             ids.iter()
                 .filter_map(|id| s.grants.remove(id))
                 .map(|(_, h)| h)
@@ -560,6 +751,48 @@ impl Slot {
             })
             .collect();
         (device, tenants)
+    }
+}
+
+/// Settles an adopted tenant's books against what it says it holds: grants it no longer holds
+/// (given back, or never received, as the daemon before stopped) are unbooked; grants it holds
+/// that the books lack (the state file's last moments) are booked by the rules of a grant, as
+/// they were then; charges likewise. What it claims beyond its rules is not booked, and said.
+fn settle(s: &mut State, id: TenantId, r: &Resume) {
+    let claimed: HashMap<GrantId, Bytes> = r.grants.iter().copied().collect();
+    let known: Vec<(GrantId, Bytes)> = s
+        .adopted
+        .iter()
+        .filter(|(_, (t, _))| *t == id)
+        .map(|(g, (_, b))| (*g, *b))
+        .collect();
+    for (g, size) in &known {
+        if !claimed.contains_key(g) {
+            s.adopted.remove(g);
+            s.broker.release(id, *size);
+        }
+    }
+    for (g, size) in &r.grants {
+        if s.adopted.contains_key(g) || s.grants.contains_key(g) {
+            continue;
+        }
+        match s.broker.grant(id, *size) {
+            Ok(()) => {
+                s.adopted.insert(*g, (id, *size));
+            }
+            Err(e) => tracing::warn!(
+                grant = g.0,
+                "a grant the tenant says it holds is not booked: {e}"
+            ),
+        }
+    }
+    let charged = s.broker.tenant(id).map_or(Bytes::ZERO, |t| t.charged);
+    if r.charged < charged {
+        s.broker.uncharge(id, charged - r.charged);
+    } else if r.charged > charged {
+        if let Err(e) = s.broker.charge(id, r.charged - charged) {
+            tracing::warn!("memory the tenant says it charged is not booked: {e}");
+        }
     }
 }
 

@@ -1,0 +1,289 @@
+//! A tenant's link to the daemon, which outlives any one connection: when the daemon restarts (a
+//! crash, an upgrade), the link connects again with backoff and registers as the same tenant,
+//! saying what it still holds (its grants and charges, tracked here), so that the new daemon books
+//! exactly that. Calls that were under way when the connection went are answered after the
+//! reconnect, or fail with the reason if the link gives up.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::SyncSender;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use vram_core::Bytes;
+use vram_proto::{ErrorCode, GrantId, Hello, Received, Reply, Request, Resume, Role, Welcome};
+
+use crate::transport::Transport;
+use crate::{ClientError, TenantOptions};
+
+/// The first pause between reconnect attempts; it doubles up to [`BACKOFF_MAX`].
+const BACKOFF_START: Duration = Duration::from_millis(10);
+const BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// How long a lost link keeps trying before calls fail: long enough for a service manager to
+/// restart the daemon and for it to measure its devices.
+pub(crate) const RECONNECT_FOR: Duration = Duration::from_secs(120);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// What to do with a call whose connection was lost before its reply came.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Lost {
+    /// Send it again once reconnected (its effect did not happen, or happening twice is harmless).
+    Retry,
+    /// Its effect is carried by the reconnect itself (a return: the grant is no longer in what
+    /// the link says it holds): answer it as done.
+    Done,
+    /// Fail it (shared-buffer calls: their state does not survive a daemon restart).
+    Fail,
+}
+
+pub(crate) struct Link {
+    socket: PathBuf,
+    opts: TenantOptions,
+    transport: RwLock<Arc<Transport>>,
+    /// Where the daemon's reclaim requests go; each new transport gets a clone. Dropped when the
+    /// owner closes, which ends the reclaim worker.
+    reclaim_tx: Mutex<Option<SyncSender<(u64, Bytes)>>>,
+    /// Grants held and not given back, by id (ids stay valid across daemon restarts).
+    held: Mutex<BTreeMap<GrantId, Bytes>>,
+    charged: AtomicU64,
+    /// Serialises reconnects: one thread reconnects, the others wait for its outcome.
+    reconnecting: Mutex<()>,
+    reconnects: AtomicU64,
+    closed: AtomicBool,
+}
+
+impl Link {
+    /// Connects and registers; the first connection's failure is the caller's error (no retry).
+    pub(crate) fn connect(
+        socket: PathBuf,
+        opts: TenantOptions,
+        reclaim_tx: SyncSender<(u64, Bytes)>,
+    ) -> Result<(Arc<Link>, Welcome), ClientError> {
+        let (transport, welcome) = register(&socket, &opts, Some(reclaim_tx.clone()), None)?;
+        let link = Arc::new(Link {
+            socket,
+            opts,
+            transport: RwLock::new(transport),
+            reclaim_tx: Mutex::new(Some(reclaim_tx)),
+            held: Mutex::new(BTreeMap::new()),
+            charged: AtomicU64::new(0),
+            reconnecting: Mutex::new(()),
+            reconnects: AtomicU64::new(0),
+            closed: AtomicBool::new(false),
+        });
+        link.watch(&link.transport());
+        Ok((link, welcome))
+    }
+
+    /// Reconnects in the background as soon as `t` is found lost, so that an idle tenant is back
+    /// (and hears the new daemon's reclaim requests) without waiting for its next call.
+    fn watch(self: &Arc<Self>, t: &Arc<Transport>) {
+        let link = Arc::downgrade(self);
+        t.on_lost(Box::new(move || {
+            let spawned = std::thread::Builder::new()
+                .name("vram-client-reconnect".into())
+                .spawn(move || {
+                    let Some(link) = link.upgrade() else { return };
+                    let t = link.transport();
+                    if t.is_dead() && !link.closed.load(Ordering::Acquire) {
+                        let why = ClientError::Lost("the daemon closed the connection".into());
+                        if let Err(e) = link.reconnect(&t, &why) {
+                            tracing::warn!("vramd: could not reconnect: {e}");
+                        }
+                    }
+                });
+            if let Err(e) = spawned {
+                tracing::warn!("vramd: cannot start the reconnect thread: {e}");
+            }
+        }));
+    }
+
+    pub(crate) fn transport(&self) -> Arc<Transport> {
+        self.transport
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Sends `request` and waits for its reply; a lost connection is reconnected and the request
+    /// handled as `lost` says.
+    pub(crate) fn call(
+        self: &Arc<Self>,
+        request: &Request,
+        lost: Lost,
+    ) -> Result<Received<Reply>, ClientError> {
+        let t = self.transport();
+        match t.call(request) {
+            Err(e) if t.is_dead() && lost != Lost::Fail && !self.closed.load(Ordering::Acquire) => {
+                self.reconnect(&t, &e)?;
+                match lost {
+                    Lost::Retry => self.transport().call(request),
+                    _ => Ok(Received {
+                        id: 0,
+                        msg: Reply::Ack,
+                        fds: Vec::new(),
+                    }),
+                }
+            }
+            r => r,
+        }
+    }
+
+    /// Sends `request` without waiting for its reply. On a lost connection the request is
+    /// dropped: what it would have told the daemon travels with the reconnect.
+    pub(crate) fn send_only(self: &Arc<Self>, request: &Request) -> Result<(), ClientError> {
+        let t = self.transport();
+        match t.send_only(request) {
+            Err(e) if t.is_dead() && !self.closed.load(Ordering::Acquire) => self.reconnect(&t, &e),
+            r => r,
+        }
+    }
+
+    pub(crate) fn note_granted(&self, grants: impl IntoIterator<Item = (GrantId, Bytes)>) {
+        lock(&self.held).extend(grants);
+    }
+
+    pub(crate) fn note_returned(&self, ids: &[GrantId]) {
+        let mut held = lock(&self.held);
+        for id in ids {
+            held.remove(id);
+        }
+    }
+
+    pub(crate) fn note_charged(&self, bytes: Bytes) {
+        self.charged.fetch_add(bytes.get(), Ordering::Relaxed);
+    }
+
+    pub(crate) fn note_uncharged(&self, bytes: Bytes) {
+        let _ = self
+            .charged
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                Some(c.saturating_sub(bytes.get()))
+            });
+    }
+
+    /// How many times the link has reconnected.
+    pub(crate) fn reconnects(&self) -> u64 {
+        self.reconnects.load(Ordering::Relaxed)
+    }
+
+    /// The owner is done: no more reconnects; the reclaim worker ends with the connection.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        lock(&self.reclaim_tx).take();
+        self.transport().close();
+    }
+
+    /// Replaces the dead transport `dead` with a new registration, retrying with backoff for
+    /// [`RECONNECT_FOR`]. Another thread's reconnect, finished or under way, counts.
+    fn reconnect(
+        self: &Arc<Self>,
+        dead: &Arc<Transport>,
+        why: &ClientError,
+    ) -> Result<(), ClientError> {
+        let _one = lock(&self.reconnecting);
+        if !Arc::ptr_eq(&self.transport(), dead) {
+            return Ok(());
+        }
+        let started = Instant::now();
+        tracing::warn!("vramd: connection to the daemon lost ({why}); reconnecting");
+        let mut pause = BACKOFF_START;
+        loop {
+            if self.closed.load(Ordering::Acquire) {
+                return Err(ClientError::Lost("the client is closing".into()));
+            }
+            let resume = Resume {
+                grants: lock(&self.held).iter().map(|(id, b)| (*id, *b)).collect(),
+                charged: Bytes(self.charged.load(Ordering::Relaxed)),
+            };
+            let tx = lock(&self.reclaim_tx).clone();
+            match register(&self.socket, &self.opts, tx, Some(resume)) {
+                Ok((transport, welcome)) => {
+                    self.watch(&transport);
+                    *self
+                        .transport
+                        .write()
+                        .unwrap_or_else(PoisonError::into_inner) = transport;
+                    self.reconnects.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        tenant = welcome.name,
+                        "vramd: reconnected after {:.0} ms",
+                        started.elapsed().as_secs_f64() * 1e3
+                    );
+                    return Ok(());
+                }
+                Err(e) if !worth_retrying(&e) => return Err(e),
+                Err(e) => {
+                    if started.elapsed() > RECONNECT_FOR {
+                        return Err(ClientError::Lost(format!(
+                            "the daemon did not come back within {} s: {e}",
+                            RECONNECT_FOR.as_secs()
+                        )));
+                    }
+                }
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(BACKOFF_MAX);
+        }
+    }
+}
+
+/// A refusal that another try can cure: the daemon not listening yet, or still holding the name
+/// of this tenant's previous connection.
+fn worth_retrying(e: &ClientError) -> bool {
+    match e {
+        ClientError::Daemon(r) => matches!(r.code, ErrorCode::Admission | ErrorCode::ShuttingDown),
+        ClientError::Proto(vram_proto::ProtoError::Version { .. }) => false,
+        _ => true,
+    }
+}
+
+/// Opens a connection and registers on it as the tenant `opts` describes.
+fn register(
+    socket: &std::path::Path,
+    opts: &TenantOptions,
+    reclaim_tx: Option<SyncSender<(u64, Bytes)>>,
+    resume: Option<Resume>,
+) -> Result<(Arc<Transport>, Welcome), ClientError> {
+    let stream =
+        std::os::unix::net::UnixStream::connect(socket).map_err(|source| ClientError::Connect {
+            path: socket.display().to_string(),
+            source,
+        })?;
+    let transport = Transport::new(stream, reclaim_tx);
+    transport.start_idle_reader();
+    let hello = Hello {
+        role: Role::Tenant {
+            name: opts.name.clone(),
+            class: opts.class.clone(),
+            guarantee: opts.guarantee,
+            limit: opts.limit,
+        },
+        gpu: opts.gpu,
+        client: format!("vram-client {}", env!("CARGO_PKG_VERSION")),
+        resume,
+    };
+    let reply = transport.call(&Request::Hello(hello));
+    let welcome = match reply {
+        Ok(Received {
+            msg: Reply::Welcome(w),
+            ..
+        }) => w,
+        Ok(other) => {
+            transport.close();
+            return Err(ClientError::Unexpected {
+                request: "Hello",
+                reply: format!("{:?}", other.msg),
+            });
+        }
+        Err(e) => {
+            transport.close();
+            return Err(e);
+        }
+    };
+    Ok((transport, welcome))
+}

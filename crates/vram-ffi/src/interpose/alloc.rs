@@ -1,0 +1,360 @@
+//! The driver's allocation calls, served by the tenant's caching allocator (as pool mode's
+//! `cudaMalloc` is): `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2`, and the
+//! stream-ordered `cuMemAllocAsync`, `cuMemFreeAsync`, `cuMemAllocFromPoolAsync`.
+//!
+//! The synchronous calls use stream 0, the asynchronous ones the caller's stream: the allocator
+//! reuses a block freed on stream S at once on S and on other streams only after a fence
+//! recorded on S, which is what stream-ordered allocation promises. The `_ptsz` forms (what a
+//! program built for per-thread default streams calls) treat stream 0 as the calling thread's
+//! default stream, `CU_STREAM_PER_THREAD`, as the driver does. `cuMemAllocFromPoolAsync` is
+//! served from the tenant's memory whatever pool it names: a pool's own settings (release
+//! threshold, IPC export) do not apply to vramd's memory.
+//!
+//! `cuMemFree_v2` of vramd's memory synchronises the context first, as the driver's does
+//! (callers rely on it); a pointer vramd did not hand out goes to the driver's own function, and
+//! managed memory charged by [`super::charged`] is freed there and uncharged. A free of memory
+//! vramd handed out that its allocator refuses (a double free) fails with
+//! `CUDA_ERROR_INVALID_VALUE`; it is never passed on.
+
+use std::ffi::c_uint;
+
+use vram_core::alloc::StreamId;
+use vram_core::Bytes;
+
+use super::real::{self, MemAllocAsync, MemAllocFromPoolAsync, MemFreeAsync};
+use super::stats::{self, Hook};
+use super::{
+    charged, current_gpu, tenant_or_log, CuDevicePtr, CuResult, CuStream, Gpu,
+    CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
+};
+use crate::{guarded, TENANT};
+
+/// Rows of `cuMemAllocPitch` start this many bytes apart at least (the driver's own pitch
+/// alignment on current GPUs).
+const PITCH_ALIGN: usize = 512;
+
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
+const PER_THREAD_STREAM: u64 = 2;
+
+/// What vramd did with an allocation request.
+enum Outcome {
+    Done(CuDevicePtr),
+    /// Not vramd's to serve (another GPU): the driver's own function takes it.
+    Pass,
+    Refused,
+}
+
+/// Serves `size` bytes for `stream` from the tenant's allocator.
+fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Outcome {
+    let outcome = guarded(Outcome::Refused, || {
+        let t = tenant_or_log()?;
+        if current_gpu(t) != Gpu::Tenant {
+            return Ok(Outcome::Pass);
+        }
+        let size = Bytes(size as u64);
+        t.alloc
+            .alloc(size, stream)
+            .map(Outcome::Done)
+            .map_err(|e| crate::refusal::alloc_refused(t, what, size, &e))
+    });
+    match outcome {
+        Outcome::Done(_) => stats::served(hook),
+        Outcome::Pass => stats::passed(hook),
+        Outcome::Refused => stats::refused(hook),
+    }
+    outcome
+}
+
+/// Frees `ptr` into the tenant's allocator if vramd handed it out: `None` if it did not.
+fn free_ours(hook: Hook, ptr: CuDevicePtr, stream: StreamId) -> Option<CuResult> {
+    let t = match TENANT.get() {
+        Some(Ok(t)) if ptr != 0 && t.alloc.owns(ptr) => t,
+        _ => return None,
+    };
+    Some(guarded(CUDA_ERROR_INVALID_VALUE, || {
+        t.alloc
+            .free(ptr, stream)
+            .map_err(|e| format!("vramd: {}: {e}", name(hook)))?;
+        stats::served(hook);
+        Ok(CUDA_SUCCESS)
+    }))
+}
+
+fn name(hook: Hook) -> &'static str {
+    match hook {
+        Hook::MemFree => "cuMemFree",
+        Hook::MemFreeAsync => "cuMemFreeAsync",
+        _ => "free",
+    }
+}
+
+/// The stream an asynchronous call means: stream 0 of a `_ptsz` call is the per-thread stream.
+fn stream_id(stream: CuStream, per_thread: bool) -> StreamId {
+    match (stream as u64, per_thread) {
+        (0, true) => StreamId(PER_THREAD_STREAM),
+        (s, _) => StreamId(s),
+    }
+}
+
+/// See the module documentation.
+///
+/// # Safety
+/// As for the driver's `cuMemAlloc_v2`: `dptr` is valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CuDevicePtr, bytesize: usize) -> CuResult {
+    if dptr.is_null() || bytesize == 0 {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    match serve(Hook::MemAlloc, "cuMemAlloc", bytesize, StreamId(0)) {
+        Outcome::Done(p) => {
+            // SAFETY: the caller passes a pointer valid for one write (checked non-null).
+            unsafe { *dptr = p };
+            CUDA_SUCCESS
+        }
+        Outcome::Refused => CUDA_ERROR_OUT_OF_MEMORY,
+        Outcome::Pass => match real::driver().mem_alloc {
+            // SAFETY: the driver's own function with the caller's arguments.
+            Some(f) => unsafe { f(dptr, bytesize) },
+            None => CUDA_ERROR_NOT_FOUND,
+        },
+    }
+}
+
+/// See the module documentation: rows of `width` bytes rounded up to 512, `pitch * height`
+/// bytes in all.
+///
+/// # Safety
+/// As for the driver's `cuMemAllocPitch_v2`: `dptr` and `pitch` are valid for one write each.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocPitch_v2(
+    dptr: *mut CuDevicePtr,
+    pitch: *mut usize,
+    width: usize,
+    height: usize,
+    element_size: c_uint,
+) -> CuResult {
+    if dptr.is_null() || pitch.is_null() || width == 0 || height == 0 {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if !matches!(element_size, 4 | 8 | 16) {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    let Some((row, size)) = width
+        .checked_next_multiple_of(PITCH_ALIGN)
+        .and_then(|row| Some((row, row.checked_mul(height)?)))
+    else {
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    };
+    match serve(Hook::MemAllocPitch, "cuMemAllocPitch", size, StreamId(0)) {
+        Outcome::Done(p) => {
+            // SAFETY: both out pointers are valid for one write (checked non-null).
+            unsafe {
+                *dptr = p;
+                *pitch = row;
+            }
+            CUDA_SUCCESS
+        }
+        Outcome::Refused => CUDA_ERROR_OUT_OF_MEMORY,
+        Outcome::Pass => match real::driver().mem_alloc_pitch {
+            // SAFETY: the driver's own function with the caller's arguments.
+            Some(f) => unsafe { f(dptr, pitch, width, height, element_size) },
+            None => CUDA_ERROR_NOT_FOUND,
+        },
+    }
+}
+
+/// See the module documentation.
+///
+/// # Safety
+/// As for the driver's `cuMemFree_v2`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFree_v2(dptr: CuDevicePtr) -> CuResult {
+    let ours = dptr != 0 && matches!(TENANT.get(), Some(Ok(t)) if t.alloc.owns(dptr));
+    if ours {
+        if let Some(sync) = real::driver().ctx_synchronize {
+            // SAFETY: the driver's cuCtxSynchronize takes no arguments.
+            let r = unsafe { sync() };
+            if r != CUDA_SUCCESS {
+                // A failed kernel, a capture underway: nothing is freed, as the driver's own
+                // cuMemFree would refuse too.
+                return r;
+            }
+        }
+        return free_ours(Hook::MemFree, dptr, StreamId(0)).unwrap_or(CUDA_ERROR_INVALID_VALUE);
+    }
+    if let Some(r) = charged::free_managed(dptr) {
+        return r;
+    }
+    if dptr != 0 {
+        stats::passed(Hook::MemFree);
+    }
+    match real::driver().mem_free {
+        // SAFETY: the driver's own function with the caller's argument.
+        Some(f) => unsafe { f(dptr) },
+        None => CUDA_ERROR_NOT_FOUND,
+    }
+}
+
+/// `cuMemAllocAsync` and its `_ptsz` form.
+///
+/// # Safety
+/// `dptr` is valid for one write.
+unsafe fn alloc_async(
+    dptr: *mut CuDevicePtr,
+    bytesize: usize,
+    stream: CuStream,
+    per_thread: bool,
+    real: Option<MemAllocAsync>,
+) -> CuResult {
+    if dptr.is_null() || bytesize == 0 {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    let sid = stream_id(stream, per_thread);
+    match serve(Hook::MemAllocAsync, "cuMemAllocAsync", bytesize, sid) {
+        Outcome::Done(p) => {
+            // SAFETY: valid for one write (checked non-null).
+            unsafe { *dptr = p };
+            CUDA_SUCCESS
+        }
+        Outcome::Refused => CUDA_ERROR_OUT_OF_MEMORY,
+        Outcome::Pass => match real {
+            // SAFETY: the driver's own function with the caller's arguments.
+            Some(f) => unsafe { f(dptr, bytesize, stream) },
+            None => CUDA_ERROR_NOT_FOUND,
+        },
+    }
+}
+
+/// `cuMemFreeAsync` and its `_ptsz` form.
+fn free_async(
+    dptr: CuDevicePtr,
+    stream: CuStream,
+    per_thread: bool,
+    real: Option<MemFreeAsync>,
+) -> CuResult {
+    if let Some(r) = free_ours(Hook::MemFreeAsync, dptr, stream_id(stream, per_thread)) {
+        return r;
+    }
+    stats::passed(Hook::MemFreeAsync);
+    match real {
+        // SAFETY: the driver's own function with the caller's arguments.
+        Some(f) => unsafe { f(dptr, stream) },
+        None => CUDA_ERROR_NOT_FOUND,
+    }
+}
+
+/// `cuMemAllocFromPoolAsync` and its `_ptsz` form.
+///
+/// # Safety
+/// `dptr` is valid for one write.
+unsafe fn alloc_from_pool_async(
+    dptr: *mut CuDevicePtr,
+    bytesize: usize,
+    pool: *mut std::ffi::c_void,
+    stream: CuStream,
+    per_thread: bool,
+    real: Option<MemAllocFromPoolAsync>,
+) -> CuResult {
+    if dptr.is_null() || bytesize == 0 {
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    let sid = stream_id(stream, per_thread);
+    match serve(
+        Hook::MemAllocFromPoolAsync,
+        "cuMemAllocFromPoolAsync",
+        bytesize,
+        sid,
+    ) {
+        Outcome::Done(p) => {
+            // SAFETY: valid for one write (checked non-null).
+            unsafe { *dptr = p };
+            CUDA_SUCCESS
+        }
+        Outcome::Refused => CUDA_ERROR_OUT_OF_MEMORY,
+        Outcome::Pass => match real {
+            // SAFETY: the driver's own function with the caller's arguments.
+            Some(f) => unsafe { f(dptr, bytesize, pool, stream) },
+            None => CUDA_ERROR_NOT_FOUND,
+        },
+    }
+}
+
+/// See the module documentation.
+///
+/// # Safety
+/// As for the driver's `cuMemAllocAsync`: `dptr` is valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync(
+    dptr: *mut CuDevicePtr,
+    bytesize: usize,
+    stream: CuStream,
+) -> CuResult {
+    let real = real::driver().mem_alloc_async;
+    // SAFETY: the caller's pointer, valid for one write as this function requires.
+    unsafe { alloc_async(dptr, bytesize, stream, false, real) }
+}
+
+/// See the module documentation (stream 0 is the per-thread default stream).
+///
+/// # Safety
+/// As for the driver's `cuMemAllocAsync_ptsz`: `dptr` is valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync_ptsz(
+    dptr: *mut CuDevicePtr,
+    bytesize: usize,
+    stream: CuStream,
+) -> CuResult {
+    let real = real::driver().mem_alloc_async_ptsz;
+    // SAFETY: the caller's pointer, valid for one write as this function requires.
+    unsafe { alloc_async(dptr, bytesize, stream, true, real) }
+}
+
+/// See the module documentation.
+///
+/// # Safety
+/// As for the driver's `cuMemFreeAsync`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFreeAsync(dptr: CuDevicePtr, stream: CuStream) -> CuResult {
+    free_async(dptr, stream, false, real::driver().mem_free_async)
+}
+
+/// See the module documentation (stream 0 is the per-thread default stream).
+///
+/// # Safety
+/// As for the driver's `cuMemFreeAsync_ptsz`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CuDevicePtr, stream: CuStream) -> CuResult {
+    free_async(dptr, stream, true, real::driver().mem_free_async_ptsz)
+}
+
+/// See the module documentation: served from the tenant's memory whatever `pool` is.
+///
+/// # Safety
+/// As for the driver's `cuMemAllocFromPoolAsync`: `dptr` is valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync(
+    dptr: *mut CuDevicePtr,
+    bytesize: usize,
+    pool: *mut std::ffi::c_void,
+    stream: CuStream,
+) -> CuResult {
+    let real = real::driver().mem_alloc_from_pool_async;
+    // SAFETY: the caller's pointer, valid for one write as this function requires.
+    unsafe { alloc_from_pool_async(dptr, bytesize, pool, stream, false, real) }
+}
+
+/// See the module documentation (stream 0 is the per-thread default stream).
+///
+/// # Safety
+/// As for the driver's `cuMemAllocFromPoolAsync_ptsz`: `dptr` is valid for one write.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocFromPoolAsync_ptsz(
+    dptr: *mut CuDevicePtr,
+    bytesize: usize,
+    pool: *mut std::ffi::c_void,
+    stream: CuStream,
+) -> CuResult {
+    let real = real::driver().mem_alloc_from_pool_async_ptsz;
+    // SAFETY: the caller's pointer, valid for one write as this function requires.
+    unsafe { alloc_from_pool_async(dptr, bytesize, pool, stream, true, real) }
+}

@@ -1,0 +1,176 @@
+//! The driver's own functions, which the hooks call to do the work they do not do themselves and
+//! which `cuGetProcAddress` answers are compared against.
+//!
+//! Found once, through glibc's `dlsym` (never the interposed one) on the driver library the
+//! process already loaded (`RTLD_NOLOAD`), else on `libcuda.so.1` loaded here (which finds a
+//! stand-in on `LD_LIBRARY_PATH` in the tests). A function the driver lacks is `None`.
+
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::OnceLock;
+
+use super::dlsym;
+use super::{CuDevicePtr, CuResult, CuStream};
+
+pub(crate) type MemAlloc = unsafe extern "C" fn(*mut CuDevicePtr, usize) -> CuResult;
+pub(crate) type MemAllocPitch =
+    unsafe extern "C" fn(*mut CuDevicePtr, *mut usize, usize, usize, c_uint) -> CuResult;
+pub(crate) type MemFree = unsafe extern "C" fn(CuDevicePtr) -> CuResult;
+pub(crate) type MemAllocAsync = unsafe extern "C" fn(*mut CuDevicePtr, usize, CuStream) -> CuResult;
+pub(crate) type MemFreeAsync = unsafe extern "C" fn(CuDevicePtr, CuStream) -> CuResult;
+pub(crate) type MemAllocFromPoolAsync =
+    unsafe extern "C" fn(*mut CuDevicePtr, usize, *mut c_void, CuStream) -> CuResult;
+pub(crate) type MemCreate =
+    unsafe extern "C" fn(*mut u64, usize, *const super::vmm::AllocationProp, u64) -> CuResult;
+pub(crate) type MemRelease = unsafe extern "C" fn(u64) -> CuResult;
+pub(crate) type MemRetainAllocationHandle = unsafe extern "C" fn(*mut u64, *mut c_void) -> CuResult;
+pub(crate) type MemMap = unsafe extern "C" fn(CuDevicePtr, usize, usize, u64, u64) -> CuResult;
+pub(crate) type MemUnmap = unsafe extern "C" fn(CuDevicePtr, usize) -> CuResult;
+pub(crate) type MemAllocManaged = unsafe extern "C" fn(*mut CuDevicePtr, usize, c_uint) -> CuResult;
+pub(crate) type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> CuResult;
+pub(crate) type CtxSynchronize = unsafe extern "C" fn() -> CuResult;
+pub(crate) type CtxGetDevice = unsafe extern "C" fn(*mut c_int) -> CuResult;
+pub(crate) type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
+pub(crate) type DeviceGetUuid = unsafe extern "C" fn(*mut [u8; 16], c_int) -> CuResult;
+pub(crate) type GetProcAddress =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64) -> CuResult;
+pub(crate) type GetProcAddressV2 =
+    unsafe extern "C" fn(*const c_char, *mut *mut c_void, c_int, u64, *mut c_int) -> CuResult;
+
+/// The driver's functions that libvram.so hooks or calls.
+pub(crate) struct Driver {
+    pub mem_alloc: Option<MemAlloc>,
+    pub mem_alloc_pitch: Option<MemAllocPitch>,
+    pub mem_free: Option<MemFree>,
+    pub mem_alloc_async: Option<MemAllocAsync>,
+    pub mem_alloc_async_ptsz: Option<MemAllocAsync>,
+    pub mem_free_async: Option<MemFreeAsync>,
+    pub mem_free_async_ptsz: Option<MemFreeAsync>,
+    pub mem_alloc_from_pool_async: Option<MemAllocFromPoolAsync>,
+    pub mem_alloc_from_pool_async_ptsz: Option<MemAllocFromPoolAsync>,
+    pub mem_create: Option<MemCreate>,
+    pub mem_release: Option<MemRelease>,
+    pub mem_retain_allocation_handle: Option<MemRetainAllocationHandle>,
+    pub mem_map: Option<MemMap>,
+    pub mem_unmap: Option<MemUnmap>,
+    pub mem_alloc_managed: Option<MemAllocManaged>,
+    pub mem_get_info: Option<MemGetInfo>,
+    pub ctx_synchronize: Option<CtxSynchronize>,
+    pub ctx_get_device: Option<CtxGetDevice>,
+    pub device_get: Option<DeviceGet>,
+    pub device_get_uuid: Option<DeviceGetUuid>,
+    pub get_proc_address: Option<GetProcAddress>,
+    pub get_proc_address_v2: Option<GetProcAddressV2>,
+}
+
+/// `dlopen` of the driver library: the one the process has, else loaded now.
+fn driver_library() -> *mut c_void {
+    let name = c"libcuda.so.1";
+    // SAFETY: dlopen with a NUL-terminated name; RTLD_NOLOAD only looks for a loaded library.
+    let loaded = unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if !loaded.is_null() {
+        return loaded;
+    }
+    // SAFETY: as above; loading the driver library runs no initialiser with preconditions.
+    unsafe { libc::dlopen(name.as_ptr(), libc::RTLD_NOW) }
+}
+
+/// Resolves `name` in `lib` as a function of type `F` (a C function pointer type).
+///
+/// # Safety
+/// `F` must be the C signature of the driver's function `name`.
+unsafe fn function<F: Copy>(lib: *mut c_void, name: &CStr) -> Option<F> {
+    const { assert!(std::mem::size_of::<F>() == std::mem::size_of::<*mut c_void>()) };
+    if lib.is_null() {
+        return None;
+    }
+    let p = dlsym::lookup(lib, name);
+    // SAFETY: a non-null pointer is the driver's function `name`, whose signature the caller
+    // vouches `F` is; F is a function pointer, of a pointer's size (asserted above).
+    (!p.is_null()).then(|| unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+}
+
+/// The driver's functions, found on first use.
+pub(crate) fn driver() -> &'static Driver {
+    static DRIVER: OnceLock<Driver> = OnceLock::new();
+    DRIVER.get_or_init(|| {
+        let lib = driver_library();
+        // SAFETY: each type is the C signature of the function named (cuda.h, CUDA 12 and 13).
+        unsafe {
+            Driver {
+                mem_alloc: function(lib, c"cuMemAlloc_v2"),
+                mem_alloc_pitch: function(lib, c"cuMemAllocPitch_v2"),
+                mem_free: function(lib, c"cuMemFree_v2"),
+                mem_alloc_async: function(lib, c"cuMemAllocAsync"),
+                mem_alloc_async_ptsz: function(lib, c"cuMemAllocAsync_ptsz"),
+                mem_free_async: function(lib, c"cuMemFreeAsync"),
+                mem_free_async_ptsz: function(lib, c"cuMemFreeAsync_ptsz"),
+                mem_alloc_from_pool_async: function(lib, c"cuMemAllocFromPoolAsync"),
+                mem_alloc_from_pool_async_ptsz: function(lib, c"cuMemAllocFromPoolAsync_ptsz"),
+                mem_create: function(lib, c"cuMemCreate"),
+                mem_release: function(lib, c"cuMemRelease"),
+                mem_retain_allocation_handle: function(lib, c"cuMemRetainAllocationHandle"),
+                mem_map: function(lib, c"cuMemMap"),
+                mem_unmap: function(lib, c"cuMemUnmap"),
+                mem_alloc_managed: function(lib, c"cuMemAllocManaged"),
+                mem_get_info: function(lib, c"cuMemGetInfo_v2"),
+                ctx_synchronize: function(lib, c"cuCtxSynchronize"),
+                ctx_get_device: function(lib, c"cuCtxGetDevice"),
+                device_get: function(lib, c"cuDeviceGet"),
+                device_get_uuid: function(lib, c"cuDeviceGetUuid_v2")
+                    .or_else(|| function(lib, c"cuDeviceGetUuid")),
+                get_proc_address: function(lib, c"cuGetProcAddress"),
+                get_proc_address_v2: function(lib, c"cuGetProcAddress_v2"),
+            }
+        }
+    })
+}
+
+/// The driver entry points libvram.so hooks, by their exported names.
+const HOOKED: &[&CStr] = &[
+    c"cuGetProcAddress",
+    c"cuGetProcAddress_v2",
+    c"cuMemAlloc_v2",
+    c"cuMemAllocPitch_v2",
+    c"cuMemFree_v2",
+    c"cuMemAllocAsync",
+    c"cuMemAllocAsync_ptsz",
+    c"cuMemFreeAsync",
+    c"cuMemFreeAsync_ptsz",
+    c"cuMemAllocFromPoolAsync",
+    c"cuMemAllocFromPoolAsync_ptsz",
+    c"cuMemCreate",
+    c"cuMemRelease",
+    c"cuMemRetainAllocationHandle",
+    c"cuMemMap",
+    c"cuMemUnmap",
+    c"cuMemAllocManaged",
+    c"cuMemGetInfo_v2",
+];
+
+/// The hook for a function pointer the driver handed out, if the pointer is the real address of
+/// a function libvram.so hooks.
+pub(crate) fn hook_for_pointer(p: *mut c_void) -> Option<*mut c_void> {
+    static PAIRS: OnceLock<Vec<(usize, usize)>> = OnceLock::new();
+    if p.is_null() {
+        return None;
+    }
+    let pairs = PAIRS.get_or_init(|| {
+        let lib = driver_library();
+        HOOKED
+            .iter()
+            .filter_map(|name| {
+                let real = if lib.is_null() {
+                    std::ptr::null_mut()
+                } else {
+                    dlsym::lookup(lib, name)
+                };
+                let hook = dlsym::hook_for(name.to_bytes())?;
+                (!real.is_null()).then_some((real as usize, hook as usize))
+            })
+            .collect()
+    });
+    pairs
+        .iter()
+        .find(|(real, _)| *real == p as usize)
+        .map(|&(_, hook)| hook as *mut c_void)
+}

@@ -1,0 +1,66 @@
+//! Refusals the library makes itself, made visible to the operator.
+//!
+//! A request the daemon refuses (a grant, a charge) is counted by the daemon when it refuses it.
+//! A request refused here never reaches the daemon: the allocator's own limit check (a request
+//! that cannot fit under the limit however the heap were packed), a size the allocator cannot
+//! serve, a call for another GPU. Those are sent to the daemon with [`Client::report_refusal`]
+//! (without waiting), which counts them in `vramd status` and `vramd_tenant_refusals_total` and
+//! logs one event. Each reason is also written to this process's stderr once, not on every call:
+//! a program that retries a refused allocation in a loop would otherwise flood its log.
+
+use std::collections::HashSet;
+use std::sync::{LazyLock, Mutex};
+
+use vram_client::Client;
+use vram_core::alloc::AllocError;
+use vram_core::Bytes;
+
+use crate::Tenant;
+
+/// The start of the reason the allocator's own limit check gives (`CachingAllocator::check_limit`
+/// in vram-client): how a refusal made here is told from a grant the daemon refused.
+const LIMIT_CHECK: &str = "the tenant's limit is ";
+
+/// Writes `message` to stderr the first time `reason` is seen in this process.
+pub(crate) fn log_once(reason: &str, message: &str) {
+    static SEEN: LazyLock<Mutex<HashSet<String>>> = LazyLock::new(Default::default);
+    let first = SEEN
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(reason.to_owned());
+    if first {
+        eprintln!("{message} (reported once per reason)");
+    }
+}
+
+/// A refusal made in this library: logged once per reason, and reported to the daemon.
+pub(crate) fn refused_here(client: &Client, bytes: Bytes, reason: &str, message: &str) {
+    log_once(reason, message);
+    // Nothing to do if it cannot be sent: the connection is gone, and the next call says so.
+    let _ = client.report_refusal(bytes, reason, message);
+}
+
+/// A refusal the daemon made (and counted): only logged once per reason.
+pub(crate) fn refused_by_daemon(reason: &str, message: &str) {
+    log_once(reason, message);
+}
+
+/// The message for an allocation of `size` the tenant's allocator refused, after logging it and,
+/// where the refusal was made here, reporting it. `what` names the call (`cudaMalloc`, ...).
+pub(crate) fn alloc_refused(t: &Tenant, what: &str, size: Bytes, e: &AllocError) -> String {
+    let w = t.client.welcome();
+    let message = format!(
+        "vramd: tenant `{}` could not allocate {size}: {e} (limit {}, guarantee {}; {what})",
+        w.name, w.limit, w.guarantee
+    );
+    match e {
+        AllocError::OutOfMemory { source, .. } if source.reason.starts_with(LIMIT_CHECK) => {
+            refused_here(&t.client, size, "over_limit", &message);
+        }
+        // A grant the daemon refused: it counted the refusal.
+        AllocError::OutOfMemory { .. } => refused_by_daemon("grant_refused", &message),
+        AllocError::TooLarge { .. } => refused_here(&t.client, size, "bad_size", &message),
+        AllocError::UnknownBlock { .. } => refused_here(&t.client, size, "other", &message),
+    }
+    message
+}

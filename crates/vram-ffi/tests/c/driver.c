@@ -1,0 +1,268 @@
+/* libvram.so's driver-level interposition, as a program that loads the driver itself sees it.
+ * Run by tests/driver_abi.rs with LD_PRELOAD=libvram.so, LD_LIBRARY_PATH naming the directory of
+ * the stand-in driver and NVML (fake_cuda.c, fake_nvml.c: mechanics only, the proof on a real
+ * driver is the GPU run), VRAMD_LIMIT=256MiB, against a host-backend daemon, whose memory the
+ * program can write with memset.
+ *
+ *   driver            every hook; prints "driver: ok", then waits for a line on stdin while the
+ *                     test reads the daemon's status (64 MiB charged through cuMemCreate)
+ *   driver nodaemon   VRAMD_SOCKET names no daemon: allocations are refused, never passed on */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vram.h"
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*free_fn)(CUdeviceptr);
+typedef CUresult (*pitch_fn)(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
+typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
+typedef CUresult (*free_async_fn)(CUdeviceptr, void *);
+typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned int);
+typedef CUresult (*create_fn)(unsigned long long *, size_t, const void *, unsigned long long);
+typedef CUresult (*release_fn)(unsigned long long);
+typedef CUresult (*map_fn)(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long long);
+typedef CUresult (*unmap_fn)(CUdeviceptr, size_t);
+typedef CUresult (*retain_fn)(unsigned long long *, void *);
+typedef CUresult (*info_fn)(size_t *, size_t *);
+typedef CUresult (*count_fn)(int *);
+typedef CUresult (*proc_v2_fn)(const char *, void **, int, unsigned long long, int *);
+typedef CUresult (*proc_fn)(const char *, void **, int, unsigned long long);
+
+/* CUmemAllocationProp: pinned device memory on device 0. */
+struct prop {
+    unsigned int type, handle_types, location_type;
+    int location_id;
+    void *win32;
+    unsigned char flags[8];
+};
+static const struct prop DEVICE0 = {1, 0, 1, 0, NULL, {0}};
+
+typedef struct {
+    unsigned long long total, free, used;
+} nvml_memory;
+typedef struct {
+    unsigned int version;
+    unsigned long long total, reserved, free, used;
+} nvml_memory_v2;
+
+#define CHECK(cond)                                                                            \
+    do {                                                                                       \
+        if (!(cond)) {                                                                         \
+            printf("FAILED line %d: %s (%s)\n", __LINE__, #cond,                               \
+                   vram_last_error() ? vram_last_error() : "no error");                        \
+            return 1;                                                                          \
+        }                                                                                      \
+    } while (0)
+
+static void *cuda;
+static int (*calls)(const char *);
+static void *(*own)(const char *);
+
+static void *sym(const char *name) { return dlsym(cuda, name); }
+
+static int no_daemon(void) {
+    alloc_fn alloc = (alloc_fn)sym("cuMemAlloc_v2");
+    create_fn create = (create_fn)sym("cuMemCreate");
+    CUdeviceptr p = 0;
+    CHECK(alloc(&p, 1 << 20) == 2 && p == 0);
+    CHECK(strstr(vram_last_error(), "cannot reach vramd") != NULL);
+    CHECK(alloc(&p, 1 << 20) == 2);
+    unsigned long long h = 0;
+    CHECK(create(&h, 2 << 20, &DEVICE0, 0) == 2);
+    /* Nothing reached the driver: no silent escape. */
+    CHECK(calls("cuMemAlloc_v2") == 0 && calls("cuMemCreate") == 0);
+    printf("nodaemon: ok\n");
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    CHECK(cuda != NULL);
+    /* Names libvram.so does not hook come from the driver unchanged. */
+    calls = (int (*)(const char *))sym("fake_calls");
+    own = (void *(*)(const char *))sym("fake_own");
+    CHECK(calls != NULL && own != NULL);
+    CHECK(sym("cuDeviceGetCount") == own("cuDeviceGetCount"));
+    CHECK(sym("no_such_symbol") == NULL);
+    int n = 0;
+    CHECK(((count_fn)sym("cuDeviceGetCount"))(&n) == 0 && n == 7);
+    if (argc > 1 && strcmp(argv[1], "nodaemon") == 0)
+        return no_daemon();
+
+    /* Hooked names: libvram.so's function, the same one a direct link reaches. */
+    alloc_fn alloc = (alloc_fn)sym("cuMemAlloc_v2");
+    free_fn mem_free = (free_fn)sym("cuMemFree_v2");
+    CHECK(alloc != NULL && alloc != own("cuMemAlloc_v2"));
+    CHECK((void *)alloc == dlsym(RTLD_DEFAULT, "cuMemAlloc_v2"));
+    CHECK((void *)mem_free != own("cuMemFree_v2"));
+    /* RTLD_NEXT is resolved from the caller's place, not libvram.so's: libvram.so itself comes
+     * after this program (from libvram.so, nothing after it has the name). */
+    CHECK(dlsym(RTLD_NEXT, "vram_last_error") != NULL);
+    CHECK(dlsym(RTLD_NEXT, "vram_last_error") == dlsym(RTLD_DEFAULT, "vram_last_error"));
+    CHECK(dlsym(RTLD_NEXT, "cuMemAlloc_v2") == (void *)alloc);
+    /* A library without the name still has none. */
+    void *nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    CHECK(nvml != NULL);
+    CHECK(dlsym(nvml, "cuMemAlloc_v2") == NULL);
+
+    /* cuGetProcAddress: the hooks for hooked functions, the driver's for the rest. */
+    proc_v2_fn proc = (proc_v2_fn)sym("cuGetProcAddress_v2");
+    CHECK(proc != NULL && (void *)proc != own("cuGetProcAddress_v2"));
+    void *f = NULL;
+    int status = -1;
+    CHECK(proc("cuMemAlloc", &f, 12000, 0, &status) == 0 && status == 0);
+    CHECK(f == (void *)alloc);
+    CHECK(proc("cuMemFree", &f, 12000, 0, NULL) == 0 && f == (void *)mem_free);
+    CHECK(proc("cuGetProcAddress", &f, 12000, 0, NULL) == 0 && f == (void *)proc);
+    CHECK(proc("cuDeviceGetCount", &f, 12000, 0, NULL) == 0 && f == own("cuDeviceGetCount"));
+    CHECK(proc("cuMemAllocAsync", &f, 12000, 2, NULL) == 0);
+    CHECK(f != own("cuMemAllocAsync_ptsz") && f == dlsym(RTLD_DEFAULT, "cuMemAllocAsync_ptsz"));
+    CHECK(proc("cuNoSuchCall", &f, 12000, 0, &status) == 500 && status == 1);
+    proc_fn proc_v1 = NULL;
+    CHECK(proc("cuGetProcAddress", (void **)&proc_v1, 11030, 0, NULL) == 0);
+    CHECK((void *)proc_v1 == dlsym(RTLD_DEFAULT, "cuGetProcAddress"));
+    alloc_fn alloc2 = NULL;
+    CHECK(proc_v1("cuMemAlloc", (void **)&alloc2, 11030, 0) == 0 && alloc2 == alloc);
+    CHECK(proc("cuMemCreate", &f, 12000, 0, NULL) == 0 && f == sym("cuMemCreate"));
+
+    /* Allocations through both routes are vramd's: writable, distinct, never the driver's. */
+    size_t len = (size_t)64 << 20;
+    CUdeviceptr a = 0, b = 0;
+    CHECK(alloc(&a, len) == 0 && a != 0);
+    CHECK(alloc2(&b, len) == 0 && b != 0 && b != a);
+    memset((void *)a, 0xab, len);
+    memset((void *)b, 0xcd, len);
+    for (size_t i = 0; i < len; i += 4093)
+        CHECK(((unsigned char *)a)[i] == 0xab && ((unsigned char *)b)[i] == 0xcd);
+    CHECK(calls("cuMemAlloc_v2") == 0);
+    CHECK(alloc(&a, 0) == 1);
+    /* Past the limit: out of memory (2), the reason in vram_last_error. */
+    CUdeviceptr big = 0;
+    CHECK(alloc(&big, (size_t)512 << 20) == 2 && big == 0);
+    CHECK(strstr(vram_last_error(), "limit") != NULL);
+    printf("refused as expected: %s\n", vram_last_error());
+
+    /* cuMemFree synchronises, then frees into vramd; a second free is refused, not passed on. */
+    CHECK(mem_free(a) == 0);
+    CHECK(calls("cuCtxSynchronize") == 1);
+    CHECK(mem_free(a) == 1);
+    CHECK(mem_free(b) == 0);
+    CHECK(calls("cuMemFree_v2") == 0);
+    /* Memory vramd did not hand out goes to the driver. */
+    CUdeviceptr theirs = 0;
+    CHECK(((alloc_fn)own("cuMemAlloc_v2"))(&theirs, 4096) == 0);
+    CHECK(mem_free(theirs) == 0 && calls("cuMemFree_v2") == 1);
+
+    /* Stream-ordered, on a stream and on the per-thread default stream. */
+    alloc_async_fn alloc_async = (alloc_async_fn)sym("cuMemAllocAsync");
+    free_async_fn free_async = (free_async_fn)sym("cuMemFreeAsync");
+    alloc_async_fn alloc_ptsz = (alloc_async_fn)sym("cuMemAllocAsync_ptsz");
+    free_async_fn free_ptsz = (free_async_fn)sym("cuMemFreeAsync_ptsz");
+    void *stream = (void *)0x1234;
+    CUdeviceptr c = 0, d = 0;
+    CHECK(alloc_async(&c, 1 << 20, stream) == 0 && c != 0);
+    CHECK(alloc_ptsz(&d, 1 << 20, NULL) == 0 && d != 0 && d != c);
+    memset((void *)c, 1, 1 << 20);
+    memset((void *)d, 2, 1 << 20);
+    CHECK(free_async(c, stream) == 0);
+    CHECK(free_ptsz(d, NULL) == 0);
+    CHECK(calls("cuMemAllocAsync") == 0 && calls("cuMemFreeAsync") == 0);
+
+    /* Pitched: rows of 1000 bytes 1024 apart. */
+    CUdeviceptr e = 0;
+    size_t pitch = 0;
+    CHECK(((pitch_fn)sym("cuMemAllocPitch_v2"))(&e, &pitch, 1000, 64, 4) == 0 && pitch == 1024);
+    memset((void *)e, 3, pitch * 64);
+    CHECK(mem_free(e) == 0 && calls("cuMemAllocPitch_v2") == 0);
+
+    /* cuMemCreate: made by the driver, charged to the tenant; refused past the limit, when the
+     * handle goes back to the driver at once. The charge lasts until the driver frees the memory:
+     * h is mapped and its handle released (the test sees it still charged), h2 is released
+     * unmapped (freed at once). */
+    create_fn create = (create_fn)sym("cuMemCreate");
+    release_fn release = (release_fn)sym("cuMemRelease");
+    map_fn map = (map_fn)sym("cuMemMap");
+    unmap_fn unmap = (unmap_fn)sym("cuMemUnmap");
+    retain_fn retain = (retain_fn)sym("cuMemRetainAllocationHandle");
+    CHECK(map && unmap && retain && (void *)map == dlsym(RTLD_DEFAULT, "cuMemMap"));
+    const CUdeviceptr va = 0x7f0000000000ULL;
+    unsigned long long h = 0, h2 = 0, hbig = 0;
+    CHECK(create(&h, len, &DEVICE0, 0) == 0 && h != 0 && calls("cuMemCreate") == 1);
+    CHECK(map(va, len, 0, h, 0) == 0 && calls("cuMemMap") == 1);
+    CHECK(release(h) == 0 && calls("cuMemRelease") == 1);
+    CHECK(create(&h2, (size_t)2 << 20, &DEVICE0, 0) == 0);
+    CHECK(release(h2) == 0 && calls("cuMemRelease") == 2);
+    CHECK(create(&hbig, (size_t)512 << 20, &DEVICE0, 0) == 2);
+    CHECK(calls("cuMemCreate") == 3 && calls("cuMemRelease") == 3);
+    printf("charge refused as expected: %s\n", vram_last_error());
+
+    /* Managed memory: the driver's, charged; its free uncharges. */
+    managed_fn managed = (managed_fn)sym("cuMemAllocManaged");
+    CUdeviceptr m = 0;
+    CHECK(managed(&m, (size_t)16 << 20, 1) == 0 && m != 0 && calls("cuMemAllocManaged") == 1);
+    memset((void *)m, 4, (size_t)16 << 20);
+    CHECK(mem_free(m) == 0 && calls("cuMemFree_v2") == 2);
+    CUdeviceptr mbig = 0;
+    CHECK(managed(&mbig, (size_t)512 << 20, 1) == 2 && mbig == 0);
+    CHECK(calls("cuMemFree_v2") == 3);
+
+    /* The tenant's view: total its limit, free what it could still get; NVML agrees exactly
+     * for its GPU and passes other GPUs through. */
+    info_fn info = (info_fn)sym("cuMemGetInfo_v2");
+    size_t free_bytes = 0, total = 0;
+    CHECK(info(&free_bytes, &total) == 0);
+    printf("cuMemGetInfo: free %zu total %zu\n", free_bytes, total);
+    CHECK(total == (size_t)256 << 20);
+    CHECK(free_bytes <= total - len); /* the 64 MiB charged through cuMemCreate */
+    int (*handle_by_index)(unsigned int, void **) =
+        (int (*)(unsigned int, void **))dlsym(nvml, "nvmlDeviceGetHandleByIndex_v2");
+    int (*nvml_info)(void *, nvml_memory *) =
+        (int (*)(void *, nvml_memory *))dlsym(nvml, "nvmlDeviceGetMemoryInfo");
+    int (*nvml_info_v2)(void *, nvml_memory_v2 *) =
+        (int (*)(void *, nvml_memory_v2 *))dlsym(nvml, "nvmlDeviceGetMemoryInfo_v2");
+    CHECK(handle_by_index && nvml_info && nvml_info_v2);
+    CHECK((void *)nvml_info == dlsym(RTLD_DEFAULT, "nvmlDeviceGetMemoryInfo"));
+    void *dev0 = NULL, *dev1 = NULL;
+    CHECK(handle_by_index(0, &dev0) == 0 && handle_by_index(1, &dev1) == 0);
+    nvml_memory mem = {0};
+    CHECK(nvml_info(dev0, &mem) == 0);
+    CHECK(mem.total == total && mem.free == free_bytes && mem.used == total - free_bytes);
+    nvml_memory_v2 mem2 = {0};
+    mem2.version = (unsigned int)sizeof(nvml_memory_v2) | (2u << 24);
+    CHECK(nvml_info_v2(dev0, &mem2) == 0);
+    CHECK(mem2.total == total && mem2.free == free_bytes && mem2.reserved == 0 &&
+          mem2.used == total - free_bytes);
+    mem2.version = 1;
+    CHECK(nvml_info_v2(dev0, &mem2) == 25); /* NVML's own error, unchanged */
+    CHECK(nvml_info(dev1, &mem) == 0 && mem.total == 80ULL << 30 && mem.free == 70ULL << 30);
+
+    char *stats = vram_interposer_stats_json();
+    CHECK(stats != NULL && strstr(stats, "\"preloaded\":true") != NULL);
+    printf("stats: %s\n", stats);
+    vram_string_free(stats);
+    printf("interposed calls: %llu\n", vram_interposed_calls());
+    CHECK(vram_interposed_calls() == 10);
+    printf("driver: ok\n");
+    fflush(stdout);
+    /* The test reads the daemon's status meanwhile, then writes a line or closes stdin. */
+    char line[16];
+    if (fgets(line, sizeof line, stdin) == NULL)
+        line[0] = '\0';
+    /* Another reference to h (as NCCL takes before it frees) and its release: still mapped, still
+     * charged. The unmap frees it: the charge goes back, and the tenant may have 64 MiB more. */
+    size_t charged_free = 0, now_free = 0;
+    CHECK(info(&charged_free, &total) == 0);
+    unsigned long long again = 0;
+    CHECK(retain(&again, (void *)va) == 0 && again == h);
+    CHECK(release(again) == 0);
+    CHECK(info(&now_free, &total) == 0 && now_free == charged_free);
+    CHECK(unmap(va, len) == 0 && calls("cuMemUnmap") == 1);
+    CHECK(info(&now_free, &total) == 0 && now_free == charged_free + len);
+    printf("unmapped: free %zu, was %zu\n", now_free, charged_free);
+    return 0;
+}

@@ -1,0 +1,287 @@
+/* A stand-in for the NVIDIA driver library, built by tests/driver_abi.rs as libcuda.so.1 and
+ * found through LD_LIBRARY_PATH, so that libvram.so's driver interposition can be tested on a
+ * machine without a GPU. It checks the mechanics only: which lookups and calls reach
+ * libvram.so's hooks, what the hooks pass on to the driver and what they never pass on. Its
+ * "device memory" is malloc'd host memory and it knows nothing of contexts or streams; the proof
+ * against the real driver is the GPU run.
+ *
+ * Every function counts its calls; fake_calls(name) reads a count and fake_own(name) gives this
+ * library's own function, so that a test can tell it from libvram.so's hook. */
+#include <stdlib.h>
+#include <string.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+
+enum {
+    C_DEVICE_GET_COUNT,
+    C_CTX_SYNCHRONIZE,
+    C_MEM_ALLOC,
+    C_MEM_ALLOC_PITCH,
+    C_MEM_FREE,
+    C_MEM_ALLOC_ASYNC,
+    C_MEM_FREE_ASYNC,
+    C_MEM_ALLOC_MANAGED,
+    C_MEM_CREATE,
+    C_MEM_RELEASE,
+    C_MEM_GET_INFO,
+    C_MEM_MAP,
+    C_MEM_UNMAP,
+    C_COUNT
+};
+static const char *const NAMES[C_COUNT] = {
+    "cuDeviceGetCount", "cuCtxSynchronize", "cuMemAlloc_v2",    "cuMemAllocPitch_v2",
+    "cuMemFree_v2",     "cuMemAllocAsync",  "cuMemFreeAsync",   "cuMemAllocManaged",
+    "cuMemCreate",      "cuMemRelease",     "cuMemGetInfo_v2",  "cuMemMap",
+    "cuMemUnmap",
+};
+static int calls[C_COUNT];
+
+int fake_calls(const char *name) {
+    for (int i = 0; i < C_COUNT; i++)
+        if (strcmp(NAMES[i], name) == 0)
+            return __atomic_load_n(&calls[i], __ATOMIC_SEQ_CST);
+    return -1;
+}
+
+static void count(int i) { __atomic_add_fetch(&calls[i], 1, __ATOMIC_SEQ_CST); }
+
+CUresult cuInit(unsigned int flags) {
+    (void)flags;
+    return 0;
+}
+
+/* Not hooked by libvram.so: proves that lookups of other names pass through. */
+CUresult cuDeviceGetCount(int *n) {
+    count(C_DEVICE_GET_COUNT);
+    *n = 7;
+    return 0;
+}
+
+CUresult cuDeviceGet(int *device, int ordinal) {
+    *device = ordinal;
+    return 0;
+}
+
+CUresult cuCtxGetDevice(int *device) {
+    *device = 0;
+    return 0;
+}
+
+CUresult cuCtxSynchronize(void) {
+    count(C_CTX_SYNCHRONIZE);
+    return 0;
+}
+
+static CUresult host_alloc(CUdeviceptr *p, size_t n) {
+    void *m = malloc(n);
+    if (m == NULL)
+        return 2;
+    *p = (CUdeviceptr)m;
+    return 0;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+    count(C_MEM_ALLOC);
+    return host_alloc(p, n);
+}
+
+CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t height,
+                            unsigned int element) {
+    (void)element;
+    count(C_MEM_ALLOC_PITCH);
+    *pitch = (width + 511) / 512 * 512;
+    return host_alloc(p, *pitch * height);
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+    count(C_MEM_FREE);
+    free((void *)p);
+    return 0;
+}
+
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *stream) {
+    (void)stream;
+    count(C_MEM_ALLOC_ASYNC);
+    return host_alloc(p, n);
+}
+CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, void *stream) {
+    return cuMemAllocAsync(p, n, stream);
+}
+
+CUresult cuMemFreeAsync(CUdeviceptr p, void *stream) {
+    (void)stream;
+    count(C_MEM_FREE_ASYNC);
+    free((void *)p);
+    return 0;
+}
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *stream) { return cuMemFreeAsync(p, stream); }
+
+CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *stream) {
+    (void)pool;
+    return cuMemAllocAsync(p, n, stream);
+}
+CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, void *pool, void *stream) {
+    (void)pool;
+    return cuMemAllocAsync(p, n, stream);
+}
+
+CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned int flags) {
+    (void)flags;
+    count(C_MEM_ALLOC_MANAGED);
+    return host_alloc(p, n);
+}
+
+static unsigned long long next_handle = 0x1000;
+
+CUresult cuMemCreate(unsigned long long *handle, size_t size, const void *prop,
+                     unsigned long long flags) {
+    (void)size;
+    (void)prop;
+    (void)flags;
+    count(C_MEM_CREATE);
+    *handle = __atomic_add_fetch(&next_handle, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+CUresult cuMemRelease(unsigned long long handle) {
+    (void)handle;
+    count(C_MEM_RELEASE);
+    return 0;
+}
+
+/* Mappings of handles, by address (a handful is all the tests make). */
+static struct {
+    unsigned long long ptr, handle;
+} mapped[16];
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, unsigned long long handle,
+                  unsigned long long flags) {
+    (void)size;
+    (void)offset;
+    (void)flags;
+    count(C_MEM_MAP);
+    for (int i = 0; i < 16; i++)
+        if (mapped[i].ptr == 0) {
+            mapped[i].ptr = ptr;
+            mapped[i].handle = handle;
+            return 0;
+        }
+    return 2;
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    (void)size;
+    count(C_MEM_UNMAP);
+    for (int i = 0; i < 16; i++)
+        if (mapped[i].ptr == ptr) {
+            mapped[i].ptr = 0;
+            return 0;
+        }
+    return 1;
+}
+
+CUresult cuMemRetainAllocationHandle(unsigned long long *handle, void *addr) {
+    for (int i = 0; i < 16; i++)
+        if (mapped[i].ptr == (CUdeviceptr)addr) {
+            *handle = mapped[i].handle;
+            return 0;
+        }
+    return 1;
+}
+
+/* The whole stand-in "GPU": 80 GiB, 70 GiB of it free. */
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    count(C_MEM_GET_INFO);
+    *total = (size_t)80 << 30;
+    *free_bytes = (size_t)70 << 30;
+    return 0;
+}
+
+CUresult cuDeviceGetUuid_v2(unsigned char uuid[16], int device) {
+    for (int i = 0; i < 16; i++)
+        uuid[i] = (unsigned char)(device * 16 + i);
+    return 0;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
+                             unsigned long long flags, int *status);
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags);
+
+/* This library's functions by the names cuGetProcAddress takes (without version suffixes), with
+ * the CUDA version from which each is the one given; the per-thread forms after their base. */
+struct entry {
+    const char *name;
+    int since;
+    int per_thread;
+    void *fn;
+};
+static const struct entry TABLE[] = {
+    {"cuInit", 2000, 0, (void *)cuInit},
+    {"cuDeviceGetCount", 2000, 0, (void *)cuDeviceGetCount},
+    {"cuDeviceGet", 2000, 0, (void *)cuDeviceGet},
+    {"cuCtxGetDevice", 2000, 0, (void *)cuCtxGetDevice},
+    {"cuCtxSynchronize", 2000, 0, (void *)cuCtxSynchronize},
+    {"cuMemAlloc", 3020, 0, (void *)cuMemAlloc_v2},
+    {"cuMemAllocPitch", 3020, 0, (void *)cuMemAllocPitch_v2},
+    {"cuMemFree", 3020, 0, (void *)cuMemFree_v2},
+    {"cuMemGetInfo", 3020, 0, (void *)cuMemGetInfo_v2},
+    {"cuMemAllocManaged", 6000, 0, (void *)cuMemAllocManaged},
+    {"cuMemCreate", 10020, 0, (void *)cuMemCreate},
+    {"cuMemRelease", 10020, 0, (void *)cuMemRelease},
+    {"cuMemMap", 10020, 0, (void *)cuMemMap},
+    {"cuMemUnmap", 10020, 0, (void *)cuMemUnmap},
+    {"cuMemRetainAllocationHandle", 11000, 0, (void *)cuMemRetainAllocationHandle},
+    {"cuMemAllocAsync", 11020, 0, (void *)cuMemAllocAsync},
+    {"cuMemAllocAsync", 11020, 1, (void *)cuMemAllocAsync_ptsz},
+    {"cuMemFreeAsync", 11020, 0, (void *)cuMemFreeAsync},
+    {"cuMemFreeAsync", 11020, 1, (void *)cuMemFreeAsync_ptsz},
+    {"cuMemAllocFromPoolAsync", 11020, 0, (void *)cuMemAllocFromPoolAsync},
+    {"cuMemAllocFromPoolAsync", 11020, 1, (void *)cuMemAllocFromPoolAsync_ptsz},
+    {"cuDeviceGetUuid", 11040, 0, (void *)cuDeviceGetUuid_v2},
+    {"cuGetProcAddress", 11030, 0, (void *)cuGetProcAddress},
+    {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2},
+};
+
+static void *find(const char *symbol, int version, int per_thread) {
+    void *best = NULL;
+    for (size_t i = 0; i < sizeof TABLE / sizeof TABLE[0]; i++) {
+        const struct entry *e = &TABLE[i];
+        if (strcmp(e->name, symbol) == 0 && e->since <= version &&
+            (e->per_thread == per_thread || (!best && !e->per_thread)))
+            best = e->fn;
+    }
+    return best;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
+                             unsigned long long flags, int *status) {
+    void *f = find(symbol, version, (flags & 2) != 0);
+    *pfn = f;
+    if (status)
+        *status = f ? 0 : 1; /* CU_GET_PROC_ADDRESS_SUCCESS / _SYMBOL_NOT_FOUND */
+    return f ? 0 : 500;      /* CUDA_ERROR_NOT_FOUND */
+}
+
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, unsigned long long flags) {
+    return cuGetProcAddress_v2(symbol, pfn, version, flags, NULL);
+}
+
+/* This library's own function of an exported name (a lookup libvram.so does not see). */
+void *fake_own(const char *name) {
+    static const struct {
+        const char *name;
+        void *fn;
+    } OWN[] = {
+        {"cuDeviceGetCount", (void *)cuDeviceGetCount},
+        {"cuMemAlloc_v2", (void *)cuMemAlloc_v2},
+        {"cuMemFree_v2", (void *)cuMemFree_v2},
+        {"cuMemAllocAsync_ptsz", (void *)cuMemAllocAsync_ptsz},
+        {"cuMemCreate", (void *)cuMemCreate},
+        {"cuGetProcAddress_v2", (void *)cuGetProcAddress_v2},
+    };
+    for (size_t i = 0; i < sizeof OWN / sizeof OWN[0]; i++)
+        if (strcmp(OWN[i].name, name) == 0)
+            return OWN[i].fn;
+    return NULL;
+}

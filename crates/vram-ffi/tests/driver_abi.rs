@@ -1,0 +1,130 @@
+//! libvram.so's driver-level interposition (`src/interpose/`), tested on a machine without a GPU:
+//! `tests/c/driver.c` loads a stand-in driver and NVML (`tests/c/fake_cuda.c`, `fake_nvml.c`,
+//! built here as `libcuda.so.1` and `libnvidia-ml.so.1` and found through `LD_LIBRARY_PATH`) the
+//! way XLA and ctypes load the real ones, with libvram.so preloaded, against a host-backend
+//! daemon. The stand-ins test the mechanics: which lookups reach the hooks, what reaches the
+//! driver and what never does. The proof against the real driver is the GPU run.
+
+use std::io::{BufRead, Write};
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use vram_core::Bytes;
+
+mod common;
+mod cprog;
+
+/// The stand-in libraries, built into `dir`.
+fn stand_ins(dir: &Path) {
+    cprog::build_shared("fake_cuda", "libcuda.so.1", dir);
+    cprog::build_shared("fake_nvml", "libnvidia-ml.so.1", dir);
+}
+
+/// `driver.c` run with libvram.so preloaded and the stand-ins on the library path.
+fn driver_command(exe: &Path, libs: &Path, socket: &Path) -> Command {
+    let mut cmd = Command::new(exe);
+    cmd.env("LD_PRELOAD", cprog::lib_dir().join("libvram.so"))
+        .env("LD_LIBRARY_PATH", libs)
+        .env("VRAMD_SOCKET", socket)
+        .env("VRAMD_TENANT", "c-driver")
+        .env("VRAMD_LIMIT", "256MiB");
+    cmd
+}
+
+#[test]
+fn driver_calls_looked_up_by_name_or_proc_address_are_served_charged_and_refused() {
+    let out = tempfile::tempdir().unwrap();
+    stand_ins(out.path());
+    let exe = cprog::build("driver", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(8));
+    let mut child = driver_command(&exe, out.path(), &daemon.socket)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut seen = String::new();
+    while !seen.contains("driver: ok") {
+        let mut line = String::new();
+        if stdout.read_line(&mut line).unwrap() == 0 {
+            let _ = child.wait();
+            panic!("driver.c stopped early:\n{seen}");
+        }
+        seen += &line;
+    }
+    assert!(
+        seen.contains(
+            "refused as expected: vramd: tenant `c-driver` could not allocate 512 MiB: out of memory"
+        ),
+        "{seen}"
+    );
+    assert!(
+        seen.contains("charge refused as expected: vramd: tenant `c-driver` may not keep 512 MiB made with cuMemCreate"),
+        "{seen}"
+    );
+
+    // The daemon's books: 64 MiB charged (a cuMemCreate handle released but still mapped), and
+    // the refusal the library made itself (the allocator's limit check) counted.
+    let observer = vram_client::Observer::connect(Some(&daemon.socket)).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let tenant = loop {
+        let status = observer.status().unwrap();
+        let t = status
+            .tenants
+            .into_iter()
+            .find(|t| t.name == "c-driver")
+            .expect("the tenant is connected");
+        if t.refusals.contains_key("over_limit") || Instant::now() > deadline {
+            break t;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(tenant.charged, Bytes::mib(64), "{tenant:?}");
+    assert!(tenant.refusals.get("over_limit") >= Some(&1), "{tenant:?}");
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "driver.c failed:\n{seen}{rest}");
+    assert!(rest.contains("unmapped: free"), "{rest}");
+
+    // Released: the charge is taken back.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let gone = observer
+            .status()
+            .unwrap()
+            .tenants
+            .iter()
+            .all(|t| t.name != "c-driver");
+        if gone || Instant::now() > deadline {
+            assert!(gone, "the tenant's connection closed with the process");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn without_a_daemon_driver_allocations_are_refused_never_passed_on() {
+    let out = tempfile::tempdir().unwrap();
+    stand_ins(out.path());
+    let exe = cprog::build("driver", out.path());
+    let run = driver_command(&exe, out.path(), &out.path().join("no-daemon.sock"))
+        .arg("nodaemon")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "driver.c nodaemon failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("nodaemon: ok"), "{stdout}");
+    assert_eq!(
+        stderr.matches("cannot reach vramd").count(),
+        1,
+        "the reason is logged once, however many calls are refused:\n{stderr}"
+    );
+}

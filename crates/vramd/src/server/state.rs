@@ -1,0 +1,278 @@
+//! What a new daemon needs to take over from one that stopped: every tenant (name, process,
+//! class, guarantee, limit) and what it holds (grant ids and sizes, charges), kept in a file
+//! beside the socket.
+//!
+//! Why a file suffices: a daemon that stops does not take the memory with it. The memory a tenant
+//! was granted lives as long as the tenant keeps it imported (a CUDA handle, a memfd), so after a
+//! crash or an upgrade the tenants still hold exactly what they held; only the books are lost. The
+//! file restores the books, not the memory, and lives on a tmpfs such as `/run` (gone at reboot,
+//! when no tenant is left either). It is rewritten whole (to a temporary file, then renamed) when
+//! the books changed, at most every [`SAVE_EVERY`]; a reconnecting tenant says what it holds, and
+//! the difference of those last moments is settled then (`Slot::resume`).
+
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::Context;
+use serde::{Deserialize, Serialize};
+use vram_core::Bytes;
+use vram_proto::GrantId;
+
+/// How often, at most, the file is rewritten while the books change.
+pub const SAVE_EVERY: Duration = Duration::from_millis(100);
+
+/// The file's format version; a file of another version is set aside, not read.
+const FORMAT: u32 = 1;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Saved {
+    pub format: u32,
+    /// The daemon that wrote it.
+    pub daemon_pid: u32,
+    /// The next grant id per device: a new daemon starts above it, so no id is given twice.
+    pub next_grant: Vec<u64>,
+    pub tenants: Vec<SavedTenant>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedTenant {
+    pub gpu: u32,
+    pub name: String,
+    pub class: String,
+    pub guarantee: Bytes,
+    pub limit: Bytes,
+    pub pid: u32,
+    pub uid: u32,
+    /// The process's start time (`/proc/PID/stat`, clock ticks since boot): a pid reused by
+    /// another process is not taken for the tenant.
+    pub start_time: u64,
+    pub grants: Vec<(GrantId, Bytes)>,
+    pub charged: Bytes,
+}
+
+impl Saved {
+    pub fn new(next_grant: Vec<u64>, tenants: Vec<SavedTenant>) -> Saved {
+        Saved {
+            format: FORMAT,
+            daemon_pid: std::process::id(),
+            next_grant,
+            tenants,
+        }
+    }
+}
+
+/// The state file of the daemon listening on `socket`.
+pub fn path_for(socket: &Path) -> PathBuf {
+    let mut p = socket.as_os_str().to_owned();
+    p.push(".state");
+    PathBuf::from(p)
+}
+
+/// Writes `saved` to `path` whole: a reader finds the old file or the new one, never a part.
+pub fn save(path: &Path, saved: &Saved) -> anyhow::Result<()> {
+    let tmp = path.with_extension("state.tmp");
+    let text = serde_json::to_vec(saved)?;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    f.write_all(&text)
+        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    drop(f);
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
+    Ok(())
+}
+
+/// The state a stopped daemon left, if any. A file that cannot be read or is of another format
+/// is renamed aside (`.unreadable`) with the reason, so that it is neither lost nor read again.
+pub fn load(path: &Path) -> Option<Saved> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::warn!(path = %path.display(), "cannot read the state file: {e}");
+            return None;
+        }
+    };
+    let problem = match serde_json::from_slice::<Saved>(&bytes) {
+        Ok(s) if s.format == FORMAT => return Some(s),
+        Ok(s) => format!("format {} (this daemon reads {FORMAT})", s.format),
+        Err(e) => e.to_string(),
+    };
+    let aside = path.with_extension("state.unreadable");
+    tracing::warn!(
+        path = %path.display(), aside = %aside.display(),
+        "the state file cannot be used ({problem}); set aside, tenants are not adopted"
+    );
+    let _ = std::fs::rename(path, aside);
+    None
+}
+
+/// The start time of process `pid` (clock ticks since boot, field 22 of `/proc/PID/stat`), or
+/// `None` if there is no such process (or it is a zombie: it holds no memory any more).
+pub fn process_start_time(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The command name (field 2) is in parentheses and may hold spaces: split after it.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?;
+    if state == "Z" || state == "X" {
+        return None;
+    }
+    // `rest` starts at field 3 (state); the start time is field 22.
+    fields.nth(22 - 4)?.parse().ok()
+}
+
+/// Whether the process that registered as a tenant is still the one running under `pid`.
+pub fn still_running(pid: u32, start_time: u64) -> bool {
+    process_start_time(pid) == Some(start_time)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_state_reads_back_and_a_bad_file_is_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vramd.sock.state");
+        assert_eq!(load(&path), None);
+        let saved = Saved::new(
+            vec![7],
+            vec![SavedTenant {
+                gpu: 0,
+                name: "trainer".into(),
+                class: "high".into(),
+                guarantee: Bytes::gib(4),
+                limit: Bytes::gib(8),
+                pid: 1234,
+                uid: 0,
+                start_time: 99,
+                grants: vec![(GrantId(3), Bytes::mib(2))],
+                charged: Bytes::mib(64),
+            }],
+        );
+        save(&path, &saved).unwrap();
+        assert_eq!(load(&path), Some(saved));
+        std::fs::write(&path, b"{ not json").unwrap();
+        assert_eq!(load(&path), None);
+        assert!(!path.exists());
+        assert!(dir.path().join("vramd.sock.state.unreadable").exists());
+    }
+
+    #[test]
+    fn this_process_is_running_and_a_made_up_start_time_is_not_it() {
+        let me = std::process::id();
+        let start = process_start_time(me).expect("our own stat");
+        assert!(still_running(me, start));
+        assert!(!still_running(me, start + 1));
+        assert_eq!(process_start_time(u32::MAX), None);
+    }
+}
+
+/// Keeps the state file current: rewrites it when the books changed (at most every
+/// [`SAVE_EVERY`]), and drops adopted tenants whose process went without reconnecting.
+pub(super) struct Keeper {
+    path: PathBuf,
+    /// Set once the final state is written at shutdown: nothing is written after it.
+    done: std::sync::atomic::AtomicBool,
+}
+
+impl Keeper {
+    /// Adopts the tenants the daemon before left (tenants whose process is gone are skipped) and
+    /// writes the file anew.
+    pub(super) fn adopt(daemon: &super::Daemon, socket: &Path) -> Keeper {
+        let path = path_for(socket);
+        if let Some(saved) = load(&path) {
+            let mut adopted = 0;
+            for (gpu, slot) in daemon.slots.iter().enumerate() {
+                // Well above any id the daemon before gave in the moments its file lacks.
+                let next = saved.next_grant.get(gpu).copied().unwrap_or(1);
+                slot.start_grants_at(next.saturating_add(1 << 24));
+            }
+            for t in &saved.tenants {
+                let Some(slot) = daemon.slots.get(t.gpu as usize) else {
+                    tracing::warn!(
+                        tenant = t.name,
+                        gpu = t.gpu,
+                        "not adopted: no such device now"
+                    );
+                    continue;
+                };
+                let held: Bytes = t.grants.iter().map(|g| g.1).sum();
+                match slot.adopt(t) {
+                    Ok(_) => {
+                        adopted += 1;
+                        tracing::info!(
+                            tenant = t.name, pid = t.pid, held = %held, charged = %t.charged,
+                            grants = t.grants.len(), "adopted a tenant of the daemon before"
+                        );
+                    }
+                    Err(why) => tracing::info!(
+                        tenant = t.name,
+                        pid = t.pid,
+                        "not adopted ({why}); its memory went with it"
+                    ),
+                }
+            }
+            tracing::info!(
+                adopted,
+                of = saved.tenants.len(),
+                previous_pid = saved.daemon_pid,
+                "took over from the daemon before"
+            );
+        }
+        let keeper = Keeper {
+            path,
+            done: std::sync::atomic::AtomicBool::new(false),
+        };
+        keeper.write(daemon, true);
+        keeper
+    }
+
+    /// Writes the file if the books changed (or `force`).
+    fn write(&self, daemon: &super::Daemon, force: bool) {
+        if self.done.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        let mut next = Vec::new();
+        let mut tenants = Vec::new();
+        let mut changed = force;
+        for slot in &daemon.slots {
+            let (n, t, dirty) = slot.saved();
+            next.push(n);
+            tenants.extend(t);
+            changed |= dirty;
+        }
+        if changed {
+            if let Err(e) = save(&self.path, &Saved::new(next, tenants)) {
+                tracing::warn!("cannot save the daemon's state: {e:#}");
+            }
+        }
+    }
+
+    /// One round of housekeeping (see the type's documentation).
+    pub(super) fn tick(&self, daemon: &super::Daemon) {
+        for slot in &daemon.slots {
+            for (name, held) in slot.reap_pending() {
+                tracing::info!(
+                    tenant = name, held = %held,
+                    "adopted tenant gone without reconnecting; its books are closed"
+                );
+            }
+        }
+        self.write(daemon, false);
+    }
+
+    /// At shutdown, before the connections close: the file keeps every tenant and what it holds,
+    /// for the daemon that comes next; nothing is written after this.
+    pub(super) fn final_save(&self, daemon: &super::Daemon) {
+        self.write(daemon, true);
+        self.done.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
