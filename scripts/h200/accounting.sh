@@ -12,6 +12,7 @@
 #   ten      ten PyTorch tenants of guarantee = limit = capacity/10, all holding at once
 #   speed    JAX and CuPy loops, plain against `vramd run --limit 16GiB`, 3 rounds, order turned
 #   mps      MPS's pinned-memory cap (2G) against memory imported from vramd
+# ACCT_PARTS (space-separated: t_jax_pre t_cupy ... outside ten speed mps) runs only those parts.
 # Results: $OUT/summary.json, and everything in $OUT/r.tgz (r/ itself is moved out of $OUT so
 # that no more than these two files come back).
 set -u
@@ -69,7 +70,11 @@ finish() {
 trap finish EXIT
 trap 'exit 143' INT TERM
 
-bstep compile 60 500 gcc -O1 -o "$W/drv_alloc" "$A/drv_alloc.c" -ldl
+want() { # want PART: whether ACCT_PARTS (space-separated; unset: every part) names it
+  [ -z "${ACCT_PARTS:-}" ] || [[ " $ACCT_PARTS " == *" $1 "* ]]
+}
+
+bstep compile 60 0 gcc -O1 -o "$W/drv_alloc" "$A/drv_alloc.c" -ldl
 DRV=$W/drv_alloc
 
 # The daemon: CUDA, capacity measured (no configuration), no metrics endpoint.
@@ -83,6 +88,7 @@ nvidia-smi > "$R/nvidia_smi_start.txt" 2>&1
 # Each framework as a tenant, limit 4 GiB, in its waiting mode. Reserve: what the later parts need.
 tenant() { # tenant NAME LIMIT_S ENV... -- CMD...
   local name=$1 limit=$2
+  want "t_$name" || return 0
   shift 2
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done
@@ -102,20 +108,20 @@ tenant ctypes 40 -- python3 "$A/ctypes_alloc.py" --wait
 HARGS="--ctx-margin-gib 1.5" tenant nccl 90 -- python3 "$A/nccl_prog.py" --wait
 
 # Memory taken outside vramd, beside a large guarantee.
-bstep outside 120 270 "${H[@]}" hog --out "$R/outside.json" --drv "$DRV" --hog-gib 20 --spare-gib 10
+want outside && bstep outside 120 270 "${H[@]}" hog --out "$R/outside.json" --drv "$DRV" --hog-gib 20 --spare-gib 10
 timeout 10 "$ACCT_VRAMD" status --socket "$ACCT_SOCKET" --json > "$R/status_after_outside.json" 2>&1
 
 # Ten tenants filling the capacity.
-bstep ten 150 200 python3 "$A/ten_tenants.py" run --out "$R/ten.json" --margin-gib 1
+want ten && bstep ten 150 200 python3 "$A/ten_tenants.py" run --out "$R/ten.json" --margin-gib 1
 
 # Speed, plain against vramd run. The harness stops starting runs when its own budget is spent.
 left=$((BUDGET - ($(date +%s) - START) - 90))
 [ "$left" -gt 200 ] && left=200
-bstep speed "$((left + 10))" 80 "${H[@]}" speed --out "$R/speed.json" --rounds 3 --limit 16GiB \
+want speed && bstep speed "$((left + 10))" 80 "${H[@]}" speed --out "$R/speed.json" --rounds 3 --limit 16GiB \
   --seconds 5 --budget-s "$left"
 
 # MPS last: its daemon is stopped by mps_cap.sh's trap whatever happens.
-KILL_AFTER=30 bstep mps 100 40 env DRV="$DRV" bash "$A/mps_cap.sh" "$R/mps"
+want mps && KILL_AFTER=30 bstep mps 100 40 env DRV="$DRV" bash "$A/mps_cap.sh" "$R/mps"
 
 timeout 10 "$ACCT_VRAMD" status --socket "$ACCT_SOCKET" --json > "$R/status_end.json" 2>&1
 nvidia-smi > "$R/nvidia_smi_end.txt" 2>&1

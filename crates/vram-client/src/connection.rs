@@ -29,6 +29,9 @@ pub struct TenantOptions {
     pub limit: Option<Bytes>,
     /// Which of the daemon's devices; `None`: the first.
     pub gpu: Option<u32>,
+    /// Join a tenant registered for this process (`vramd run`'s invitation) instead of
+    /// registering one; the fields above are then the registration's.
+    pub join: Option<String>,
 }
 
 impl TenantOptions {

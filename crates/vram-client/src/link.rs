@@ -64,6 +64,15 @@ impl Link {
         reclaim_tx: SyncSender<(u64, Bytes)>,
     ) -> Result<(Arc<Link>, Welcome), ClientError> {
         let (transport, welcome) = register(&socket, &opts, Some(reclaim_tx.clone()), None)?;
+        // A reconnect registers as the tenant it became, whether it joined or registered.
+        let opts = TenantOptions {
+            name: welcome.name.clone(),
+            class: Some(welcome.class.clone()),
+            guarantee: Some(welcome.guarantee),
+            limit: Some(welcome.limit),
+            gpu: Some(welcome.device.index),
+            join: None,
+        };
         let link = Arc::new(Link {
             socket,
             opts,
@@ -110,26 +119,35 @@ impl Link {
     }
 
     /// Sends `request` and waits for its reply; a lost connection is reconnected and the request
-    /// handled as `lost` says.
+    /// handled as `lost` says, as many times as the daemon restarts meanwhile.
     pub(crate) fn call(
         self: &Arc<Self>,
         request: &Request,
         lost: Lost,
     ) -> Result<Received<Reply>, ClientError> {
-        let t = self.transport();
-        match t.call(request) {
-            Err(e) if t.is_dead() && lost != Lost::Fail && !self.closed.load(Ordering::Acquire) => {
-                self.reconnect(&t, &e)?;
-                match lost {
-                    Lost::Retry => self.transport().call(request),
-                    _ => Ok(Received {
-                        id: 0,
-                        msg: Reply::Ack,
-                        fds: Vec::new(),
-                    }),
+        let started = Instant::now();
+        loop {
+            let t = self.transport();
+            match t.call(request) {
+                Err(e)
+                    if t.is_dead()
+                        && lost != Lost::Fail
+                        && !self.closed.load(Ordering::Acquire) =>
+                {
+                    if started.elapsed() > RECONNECT_FOR {
+                        return Err(e);
+                    }
+                    self.reconnect(&t, &e)?;
+                    if lost == Lost::Done {
+                        return Ok(Received {
+                            id: 0,
+                            msg: Reply::Ack,
+                            fds: Vec::new(),
+                        });
+                    }
                 }
+                r => return r,
             }
-            r => r,
         }
     }
 
@@ -256,13 +274,19 @@ fn register(
         })?;
     let transport = Transport::new(stream, reclaim_tx);
     transport.start_idle_reader();
-    let hello = Hello {
-        role: Role::Tenant {
+    let role = match &opts.join {
+        Some(token) => Role::Join {
+            token: token.clone(),
+        },
+        None => Role::Tenant {
             name: opts.name.clone(),
             class: opts.class.clone(),
             guarantee: opts.guarantee,
             limit: opts.limit,
         },
+    };
+    let hello = Hello {
+        role,
         gpu: opts.gpu,
         client: format!("vram-client {}", env!("CARGO_PKG_VERSION")),
         resume,

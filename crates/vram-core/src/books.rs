@@ -31,6 +31,10 @@ pub struct DriverReading {
     pub reserved: Bytes,
     /// Memory allocated on the device, by anyone.
     pub used: Bytes,
+    /// Of `used`, what the driver may hold for itself that no process accounts for (its overhead
+    /// at start, and room for the page tables and context state that grow as tenants map
+    /// memory): not counted as outside use.
+    pub allowance: Bytes,
     /// Processes the driver lists on the device.
     pub processes: Vec<ProcessUse>,
 }
@@ -114,7 +118,7 @@ impl Reconciled {
 /// A pid the driver lists twice counts once, with its larger figure. A tenant counts in the
 /// accounted total with `max(its figure, charged)`: its charged memory is on the device whether
 /// the driver lists it under the tenant's pid or under none, so it is never counted twice nor
-/// left in `unattributed`. Then `unattributed = used − created − accounted` and
+/// left in `unattributed`. Then `unattributed = used − created − accounted − allowance` and
 /// `surplus = created + accounted − used`, each floored at 0.
 pub fn reconcile(books: &Books, reading: &DriverReading) -> Reconciled {
     let listed = by_pid(&reading.processes);
@@ -160,7 +164,10 @@ pub fn reconcile(books: &Books, reading: &DriverReading) -> Reconciled {
         .saturating_add(sum(tenants_accounted.values().copied()))
         .saturating_add(daemon_accounted)
         .saturating_add(outside_listed);
-    let unattributed = reading.used.saturating_sub(accounted);
+    let unattributed = reading
+        .used
+        .saturating_sub(accounted)
+        .saturating_sub(reading.allowance);
     let surplus = accounted.saturating_sub(reading.used);
 
     Reconciled {
@@ -275,6 +282,7 @@ mod tests {
             total: Bytes::gib(141),
             reserved: Bytes::ZERO,
             used,
+            allowance: Bytes::ZERO,
             processes,
         }
     }

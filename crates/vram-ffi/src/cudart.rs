@@ -137,7 +137,7 @@ fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Served {
 
 /// Whether pool mode serves the free of `ptr` (memory vramd's allocator handed out).
 fn frees_here(ptr: *mut c_void) -> bool {
-    pool_mode() && !ptr.is_null() && matches!(TENANT.get(), Some(Ok(t)) if t.alloc.owns(ptr as u64))
+    pool_mode() && !ptr.is_null() && matches!(TENANT.get(), Some(t) if t.alloc.owns(ptr as u64))
 }
 
 /// Frees `ptr`, which [`frees_here`], into the tenant's allocator.

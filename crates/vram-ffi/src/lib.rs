@@ -41,7 +41,14 @@ pub struct Tenant {
     pub gpu: u32,
 }
 
-static TENANT: OnceLock<Result<Tenant, String>> = OnceLock::new();
+static TENANT: OnceLock<Tenant> = OnceLock::new();
+
+/// The last failed attempt to set the tenant up, and when: attempts are spaced by
+/// [`CONNECT_RETRY`], so a program allocating in a loop while the daemon is away (or its name
+/// still held by a predecessor the daemon has not reaped) does not hammer the socket, and gets
+/// memory once the daemon admits it.
+static LAST_FAILURE: Mutex<Option<(Instant, String)>> = Mutex::new(None);
+const CONNECT_RETRY: Duration = Duration::from_millis(100);
 
 /// Graph captures the application announces (`vram_capture_begin`/`_end`); they may come before
 /// the first allocation connects the tenant.
@@ -82,6 +89,9 @@ fn options_from_env() -> Result<TenantOptions, String> {
         guarantee: env_bytes("VRAMD_GUARANTEE")?,
         limit: env_bytes("VRAMD_LIMIT")?,
         gpu,
+        join: std::env::var(vram_proto::JOIN_ENV)
+            .ok()
+            .filter(|s| !s.is_empty()),
     })
 }
 
@@ -115,8 +125,8 @@ fn connect() -> Result<Tenant, String> {
         *RECLAIM_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         RECLAIM_ASKED.notify_all();
         match TENANT.get() {
-            Some(Ok(t)) => t.alloc.trim(),
-            _ => Bytes::ZERO,
+            Some(t) => t.alloc.trim(),
+            None => Bytes::ZERO,
         }
     }));
     Ok(Tenant {
@@ -135,7 +145,7 @@ fn start_housekeeping() {
             let mut last = (Bytes(u64::MAX), Bytes(u64::MAX));
             loop {
                 std::thread::sleep(Duration::from_millis(200));
-                let Some(Ok(t)) = TENANT.get() else { return };
+                let Some(t) = TENANT.get() else { return };
                 t.alloc.tick(start.elapsed().as_micros() as u64);
                 let s = t.alloc.stats();
                 // A caching layer above (PyTorch's, in pool mode) knows what of its segments is
@@ -157,16 +167,34 @@ fn start_housekeeping() {
         });
 }
 
-/// The process's tenant, connecting on first use.
+/// The process's tenant, connecting on first use; a failed connect is tried again on a later
+/// call (see [`LAST_FAILURE`]).
 pub fn tenant() -> Result<&'static Tenant, String> {
-    let t = TENANT.get_or_init(|| {
-        let t = connect();
-        if t.is_ok() {
-            start_housekeeping();
+    if let Some(t) = TENANT.get() {
+        return Ok(t);
+    }
+    // One thread connects at a time; the others wait for its outcome.
+    let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(t) = TENANT.get() {
+        return Ok(t);
+    }
+    if let Some((at, why)) = last.as_ref() {
+        if at.elapsed() < CONNECT_RETRY {
+            return Err(why.clone());
         }
-        t
-    });
-    t.as_ref().map_err(Clone::clone)
+    }
+    match connect() {
+        Ok(t) => {
+            let t = TENANT.get_or_init(|| t);
+            *last = None;
+            start_housekeeping();
+            Ok(t)
+        }
+        Err(e) => {
+            *last = Some((Instant::now(), e.clone()));
+            Err(e)
+        }
+    }
 }
 
 fn guarded<R>(fallback: R, f: impl FnOnce() -> Result<R, String>) -> R {

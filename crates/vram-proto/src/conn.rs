@@ -2,14 +2,19 @@
 //!
 //! Sending and receiving take `&self`, each behind its own lock, so one thread can read while
 //! others write (the daemon's reclaim requests, a tenant's allocator threads).
+//!
+//! Deadlines: once a frame's first byte has arrived, the whole frame must arrive within the frame
+//! timeout ([`Conn::with_frame_timeout`]); a receiver may also bound the wait for a frame to start
+//! ([`Conn::recv_within`]). A connection built [`Conn::with_send_timeout`] gives each frame it
+//! sends that long to be taken by the peer, and [`Conn::try_send`] never waits for a peer at all.
 
 use std::collections::VecDeque;
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::{Mutex, TryLockError};
+use std::time::{Duration, Instant};
 
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
@@ -22,8 +27,8 @@ use crate::frame::{FrameHeader, HEADER_LEN};
 use crate::message::Envelope;
 use crate::{ProtoError, MAX_FDS, MAX_PAYLOAD, PROTOCOL_VERSION};
 
-/// How long a peer may stall in the middle of a frame before the connection is given up.
-pub const DEFAULT_STALL: Duration = Duration::from_secs(5);
+/// How long a peer may take to send one whole frame, from its first byte.
+pub const DEFAULT_FRAME_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A decoded frame and the file descriptors that came with it.
 #[derive(Debug)]
@@ -47,7 +52,26 @@ pub struct Conn {
     stream: UnixStream,
     tx: Mutex<()>,
     rx: Mutex<Rx>,
-    stall: Duration,
+    frame_timeout: Duration,
+    /// Set: every frame sent must be taken by the peer within this (`SO_SNDTIMEO` carries it).
+    send_timeout: Option<Duration>,
+}
+
+/// How a send may wait for the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Up to the send timeout (forever without one).
+    Bounded,
+    /// Not at all for the frame to start: a full socket or a busy sender is
+    /// [`ProtoError::WouldBlock`] with nothing sent.
+    Never,
+}
+
+/// The encoded length of `msg` as the payload of a frame with id `id`: whether it fits
+/// [`MAX_PAYLOAD`] before it is sent.
+pub fn payload_len<T: Serialize>(id: u64, msg: &T) -> Result<usize, ProtoError> {
+    postcard::experimental::serialized_size(&Envelope { id, msg })
+        .map_err(|e| ProtoError::Decode(format!("cannot encode: {e}")))
 }
 
 impl Conn {
@@ -61,26 +85,59 @@ impl Conn {
                 end: 0,
                 fds: VecDeque::new(),
             }),
-            stall: DEFAULT_STALL,
+            frame_timeout: DEFAULT_FRAME_TIMEOUT,
+            send_timeout: None,
         }
     }
 
-    /// Sets how long a peer may stall mid-frame.
-    pub fn with_stall_timeout(mut self, stall: Duration) -> Conn {
-        self.stall = stall;
+    /// Sets how long a peer may take to send one whole frame, from its first byte.
+    pub fn with_frame_timeout(mut self, timeout: Duration) -> Conn {
+        self.frame_timeout = timeout;
         self
+    }
+
+    /// Bounds every send: a frame the peer does not take within `timeout` (it does not read) is
+    /// [`ProtoError::SendTimeout`], and the connection is shut down, since the peer may have got
+    /// part of the frame.
+    pub fn with_send_timeout(mut self, timeout: Duration) -> std::io::Result<Conn> {
+        self.stream.set_write_timeout(Some(timeout))?;
+        self.send_timeout = Some(timeout);
+        Ok(self)
     }
 
     pub fn stream(&self) -> &UnixStream {
         &self.stream
     }
 
-    /// Sends one frame, with `fds` attached.
+    /// Sends one frame, with `fds` attached; waits up to the send timeout, if one is set.
     pub fn send<T: Serialize>(
         &self,
         id: u64,
         msg: &T,
         fds: &[BorrowedFd<'_>],
+    ) -> Result<(), ProtoError> {
+        self.send_frame(id, msg, fds, Wait::Bounded)
+    }
+
+    /// Sends one frame without waiting for the peer: if another thread is sending on this
+    /// connection, or the peer's socket has no room for it, nothing is sent and the answer is
+    /// [`ProtoError::WouldBlock`]. A frame the socket takes only in part is finished within the
+    /// send timeout (a frame a few dozen bytes long is taken whole or not at all).
+    pub fn try_send<T: Serialize>(
+        &self,
+        id: u64,
+        msg: &T,
+        fds: &[BorrowedFd<'_>],
+    ) -> Result<(), ProtoError> {
+        self.send_frame(id, msg, fds, Wait::Never)
+    }
+
+    fn send_frame<T: Serialize>(
+        &self,
+        id: u64,
+        msg: &T,
+        fds: &[BorrowedFd<'_>],
+        wait: Wait,
     ) -> Result<(), ProtoError> {
         if fds.len() > MAX_FDS {
             return Err(ProtoError::TooManyFds {
@@ -97,21 +154,40 @@ impl Conn {
             });
         }
         let header = FrameHeader::new(fds.len(), payload.len()).encode();
-        let _guard = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        self.send_raw(&header, &payload, fds)
+        let _guard = match wait {
+            Wait::Bounded => self.tx.lock().unwrap_or_else(|p| p.into_inner()),
+            Wait::Never => match self.tx.try_lock() {
+                Ok(g) => g,
+                Err(TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(TryLockError::WouldBlock) => return Err(ProtoError::WouldBlock),
+            },
+        };
+        self.send_raw(&header, &payload, fds, wait)
     }
 
     /// Writes bytes as they are, for tests that must send malformed frames.
     pub fn send_bytes(&self, bytes: &[u8]) -> Result<(), ProtoError> {
         let _guard = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        self.send_raw(bytes, &[], &[])
+        self.send_raw(bytes, &[], &[], Wait::Bounded)
     }
 
-    fn send_raw(&self, a: &[u8], b: &[u8], fds: &[BorrowedFd<'_>]) -> Result<(), ProtoError> {
+    fn send_raw(
+        &self,
+        a: &[u8],
+        b: &[u8],
+        fds: &[BorrowedFd<'_>],
+        wait: Wait,
+    ) -> Result<(), ProtoError> {
         let total = a.len() + b.len();
         let mut sent = 0;
+        let started = Instant::now();
+        // Whether SO_SNDTIMEO was shortened to what is left of the frame's time.
+        let mut shortened = false;
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
-        while sent < total {
+        let result = loop {
+            if sent == total {
+                break Ok(());
+            }
             let mut control = SendAncillaryBuffer::new(&mut space);
             // The descriptors ride with the frame's first byte, and only once.
             if sent == 0 && !fds.is_empty() {
@@ -123,13 +199,45 @@ impl Conn {
                 (&[][..], &b[sent - a.len()..])
             };
             let iov = [IoSlice::new(ia), IoSlice::new(ib)];
-            match rustix::net::sendmsg(&self.stream, &iov, &mut control, SendFlags::NOSIGNAL) {
+            let mut flags = SendFlags::NOSIGNAL;
+            if sent == 0 && wait == Wait::Never {
+                flags |= SendFlags::DONTWAIT;
+            }
+            match rustix::net::sendmsg(&self.stream, &iov, &mut control, flags) {
                 Ok(n) => sent += n,
                 Err(rustix::io::Errno::INTR) => continue,
-                Err(e) => return Err(ProtoError::Io(e.into())),
+                Err(rustix::io::Errno::AGAIN) if sent == 0 && wait == Wait::Never => {
+                    break Err(ProtoError::WouldBlock)
+                }
+                Err(rustix::io::Errno::AGAIN) => break Err(self.send_timed_out(sent)),
+                Err(e) => break Err(ProtoError::Io(e.into())),
             }
+            if sent < total {
+                if let Some(limit) = self.send_timeout {
+                    // The rest of the frame gets what is left of its time, not a fresh timeout.
+                    let left = limit.saturating_sub(started.elapsed());
+                    if left.is_zero() {
+                        break Err(self.send_timed_out(sent));
+                    }
+                    self.stream.set_write_timeout(Some(left))?;
+                    shortened = true;
+                }
+            }
+        };
+        if shortened {
+            // Best effort: the next frame gets the whole timeout again.
+            let _ = self.stream.set_write_timeout(self.send_timeout);
         }
-        Ok(())
+        result
+    }
+
+    /// The send timeout ran out with `sent` bytes of a frame taken: the stream can no longer be
+    /// trusted, so it is shut down.
+    fn send_timed_out(&self, sent: usize) -> ProtoError {
+        if sent > 0 {
+            let _ = self.stream.shutdown(std::net::Shutdown::Both);
+        }
+        ProtoError::SendTimeout(self.send_timeout.unwrap_or_default())
     }
 
     /// Whether a whole frame (or a header [`Conn::recv`] would refuse) is already buffered, so that
@@ -147,14 +255,27 @@ impl Conn {
     }
 
     /// Receives one frame. Blocks until a frame starts; once it has, the rest must arrive within
-    /// the stall timeout. A frame of another protocol version is read whole and reported as
+    /// the frame timeout. A frame of another protocol version is read whole and reported as
     /// [`ProtoError::Version`], so the caller can still answer it.
     pub fn recv<T: DeserializeOwned>(&self) -> Result<Received<T>, ProtoError> {
+        self.recv_within(None)
+    }
+
+    /// [`Conn::recv`], with the wait for a frame to start bounded by `idle`
+    /// ([`ProtoError::Idle`] when nothing came).
+    pub fn recv_within<T: DeserializeOwned>(
+        &self,
+        idle: Option<Duration>,
+    ) -> Result<Received<T>, ProtoError> {
         let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
-        let mut timed = false;
-        let result = self.recv_locked(&mut rx, &mut timed);
-        if timed {
-            // Best effort: an idle wait for the next frame must not time out.
+        let mut timer = ReadTimer {
+            idle,
+            frame_started: None,
+            set: false,
+        };
+        let result = self.recv_locked(&mut rx, &mut timer);
+        if timer.set {
+            // Best effort: the next wait for a frame is not bounded unless its caller asks.
             let _ = self.stream.set_read_timeout(None);
         }
         result
@@ -163,15 +284,15 @@ impl Conn {
     fn recv_locked<T: DeserializeOwned>(
         &self,
         rx: &mut Rx,
-        timed: &mut bool,
+        timer: &mut ReadTimer,
     ) -> Result<Received<T>, ProtoError> {
-        self.fill(rx, HEADER_LEN, timed)?;
+        self.fill(rx, HEADER_LEN, timer)?;
         let header: [u8; HEADER_LEN] = rx.buf[rx.start..rx.start + HEADER_LEN]
             .try_into()
             .expect("header length");
         let h = FrameHeader::decode(&header)?;
         let len = h.len as usize;
-        self.fill(rx, HEADER_LEN + len, timed)?;
+        self.fill(rx, HEADER_LEN + len, timer)?;
         let payload_at = rx.start + HEADER_LEN;
         rx.start = payload_at + len;
         let nfds = h.fds as usize;
@@ -197,8 +318,29 @@ impl Conn {
         })
     }
 
+    /// Sets the socket's read timeout for the next read: what is left of the frame's time once
+    /// the frame has begun, else the idle bound if there is one.
+    fn arm(&self, timer: &mut ReadTimer, begun: bool) -> Result<(), ProtoError> {
+        let limit = if begun {
+            let started = *timer.frame_started.get_or_insert_with(Instant::now);
+            let left = self.frame_timeout.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return Err(ProtoError::Stalled(self.frame_timeout));
+            }
+            left
+        } else {
+            match timer.idle {
+                Some(idle) if !timer.set => idle,
+                _ => return Ok(()),
+            }
+        };
+        self.stream.set_read_timeout(Some(limit))?;
+        timer.set = true;
+        Ok(())
+    }
+
     /// Reads until `rx` holds at least `want` unread bytes.
-    fn fill(&self, rx: &mut Rx, want: usize, timed: &mut bool) -> Result<(), ProtoError> {
+    fn fill(&self, rx: &mut Rx, want: usize, timer: &mut ReadTimer) -> Result<(), ProtoError> {
         if rx.end - rx.start >= want {
             return Ok(());
         }
@@ -212,11 +354,8 @@ impl Conn {
             }
         }
         while rx.end - rx.start < want {
-            if !*timed && rx.end > rx.start {
-                // A frame has begun: the rest must not take forever.
-                self.stream.set_read_timeout(Some(self.stall))?;
-                *timed = true;
-            }
+            let begun = rx.end > rx.start;
+            self.arm(timer, begun)?;
             let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
             let mut control = RecvAncillaryBuffer::new(&mut space);
             let end = rx.end;
@@ -229,7 +368,16 @@ impl Conn {
             ) {
                 Ok(m) => m,
                 Err(rustix::io::Errno::INTR) => continue,
-                Err(rustix::io::Errno::AGAIN) => return Err(ProtoError::Stalled(self.stall)),
+                Err(rustix::io::Errno::AGAIN) if begun || timer.frame_started.is_some() => {
+                    return Err(ProtoError::Stalled(self.frame_timeout))
+                }
+                Err(rustix::io::Errno::AGAIN) => {
+                    return Err(match timer.idle {
+                        Some(idle) => ProtoError::Idle(idle),
+                        // A read timeout the caller set on the socket itself.
+                        None => ProtoError::Io(std::io::ErrorKind::WouldBlock.into()),
+                    });
+                }
                 Err(e) => return Err(ProtoError::Io(e.into())),
             };
             for msg in control.drain() {
@@ -257,6 +405,16 @@ impl Conn {
     }
 }
 
+/// The read timeouts one `recv` puts on the socket.
+struct ReadTimer {
+    /// The bound on the wait for a frame to start, if any.
+    idle: Option<Duration>,
+    /// When this frame's first byte was seen.
+    frame_started: Option<Instant>,
+    /// Whether a read timeout was set (and must be taken off at the end).
+    set: bool,
+}
+
 #[cfg(test)]
 mod tests {
     use std::io::{Read, Seek, Write};
@@ -269,7 +427,7 @@ mod tests {
         let (a, b) = UnixStream::pair().unwrap();
         (
             Conn::new(a),
-            Conn::new(b).with_stall_timeout(Duration::from_millis(200)),
+            Conn::new(b).with_frame_timeout(Duration::from_millis(200)),
         )
     }
 

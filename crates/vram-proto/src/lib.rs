@@ -12,11 +12,11 @@ mod message;
 mod shared;
 mod status;
 
-pub use conn::{Conn, Received};
+pub use conn::{payload_len, Conn, Received, DEFAULT_FRAME_TIMEOUT};
 pub use frame::{FrameHeader, HEADER_LEN, MAGIC};
 pub use message::{
-    Budget, DeviceDesc, Envelope, ErrorCode, ErrorReply, GrantId, Hello, Reply, Request, Resume, Role,
-    Welcome,
+    Budget, DeviceDesc, Envelope, ErrorCode, ErrorReply, ExitStatus, GrantId, Hello, Reply,
+    Request, Resume, Role, Welcome,
 };
 pub use shared::{
     LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,
@@ -40,6 +40,10 @@ pub const DEFAULT_SOCKET: &str = "/run/vramd/vramd.sock";
 /// The environment variable that names the daemon's socket.
 pub const SOCKET_ENV: &str = "VRAMD_SOCKET";
 
+/// The environment variable through which `vramd run` hands the program the invitation to join
+/// the tenant it registered (`Role::Join`).
+pub const JOIN_ENV: &str = "VRAMD_JOIN";
+
 /// Errors of the protocol layer.
 #[derive(Debug, thiserror::Error)]
 pub enum ProtoError {
@@ -59,8 +63,14 @@ pub enum ProtoError {
     MissingFds { announced: usize, received: usize },
     #[error("malformed message: {0}")]
     Decode(String),
-    #[error("peer stalled mid-frame for more than {0:?}")]
+    #[error("peer took more than {0:?} to send one frame")]
     Stalled(std::time::Duration),
+    #[error("no frame began within {0:?}")]
+    Idle(std::time::Duration),
+    #[error("peer did not take a frame within {0:?}: it does not read its socket")]
+    SendTimeout(std::time::Duration),
+    #[error("nothing sent: the peer's socket is full or another frame is being sent")]
+    WouldBlock,
     #[error("socket error: {0}")]
     Io(#[from] std::io::Error),
 }

@@ -27,6 +27,9 @@ pub enum Role {
     },
     /// A tool that only reads (`vramd status`, `vramd top`).
     Observer,
+    /// A process taking over a tenant registered for it (`vramd run` registers the tenant, then
+    /// starts the program with the invitation's token): the same uid only, once per invitation.
+    Join { token: String },
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,6 +103,25 @@ pub enum Request {
     },
     /// The tenant's view of its memory. Answered with `Budget`.
     Budget,
+    /// Lets one process of the same uid join this tenant (`Role::Join`): it takes the memory
+    /// side (grants, reclaim requests) while this connection keeps the registration; when the
+    /// member's connection closes, its memory is reclaimed and the tenant stays registered until
+    /// this connection closes. Answered with `Invitation`.
+    Invite,
+    /// The member process ended as `vramd run` saw it: sent by the registering connection before
+    /// it closes, so that the end is logged as what it was. Answered with `Ack`.
+    Exited(ExitStatus),
+    /// The tenant is about to close its connection on purpose (its process ends normally, or it
+    /// is done with vramd): what it still holds then is released as at any close, but the end is
+    /// logged as finished, not as a crash. Answered with `Ack`; the client need not wait for it.
+    Bye,
+}
+
+/// How a tenant's program ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExitStatus {
+    Code(i32),
+    Signal(i32),
 }
 
 /// A tenant's memory as the daemon books it: what `cuMemGetInfo` and NVML's memory info answer
@@ -225,4 +247,8 @@ pub enum Reply {
         grants: Vec<(GrantId, Bytes)>,
     },
     Budget(Budget),
+    /// Answer to `Invite`: what the joining process sends as `Role::Join { token }`.
+    Invitation {
+        token: String,
+    },
 }

@@ -118,12 +118,19 @@ pub struct SharedStatus {
     /// Leases that ran out unrenewed (a writer died or stopped renewing); their drafts were
     /// discarded.
     pub leases_expired: u64,
+    /// Buffers left out of `buffers` so that the report fits in one frame.
+    #[serde(default)]
+    pub buffers_left_out: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SharedBufferStatus {
     pub gpu: u32,
     pub info: BufferInfo,
+    /// Entries of the access list (readers and writers) left out of `info.acl` so that the report
+    /// fits in one frame.
+    #[serde(default)]
+    pub acl_left_out: u32,
 }
 
 /// The background scrub's counters.

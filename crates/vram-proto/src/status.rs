@@ -21,6 +21,16 @@ pub struct DaemonInfo {
     /// Frames refused since start (malformed, oversized, wrong version, bad magic).
     pub protocol_errors: u64,
     pub connections: u64,
+    /// Log lines the daemon could not write (its stderr broken or closed) and dropped.
+    #[serde(default)]
+    pub log_lines_dropped: u64,
+    /// Connections refused at accept: over `[connections]` caps, or the daemon out of file
+    /// descriptors.
+    #[serde(default)]
+    pub connections_refused: u64,
+    /// Tenants left out of this report so that it fits in one frame (counted, not listed).
+    #[serde(default)]
+    pub tenants_left_out: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

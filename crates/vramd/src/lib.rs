@@ -3,5 +3,7 @@
 
 pub mod cmd;
 pub mod config;
+pub mod logging;
 pub mod metrics;
+pub mod notify;
 pub mod server;

@@ -58,7 +58,7 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("vramd: {e:#}");
+            vramd::logging::eprint_line(&format!("vramd: {e:#}"));
             std::process::ExitCode::from(2)
         }
     }

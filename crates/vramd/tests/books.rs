@@ -81,6 +81,7 @@ fn reading(created: Bytes, processes: &[(u32, &str, Bytes)]) -> DriverReading {
         total: Bytes::gib(16),
         reserved: Bytes::ZERO,
         used: created + listed,
+        allowance: Bytes::ZERO,
         processes: processes
             .iter()
             .map(|&(pid, name, used)| ProcessUse {
@@ -202,4 +203,49 @@ fn memory_the_books_cannot_place_is_outside_use() {
     assert_eq!(w["event"], "refused_at_connect", "{w}");
     let msg = w["message"].as_str().unwrap();
     assert!(msg.contains("1 GiB in use outside vramd's books"), "{msg}");
+}
+
+#[test]
+fn a_process_that_made_its_context_before_connecting_is_not_in_its_own_way() {
+    use std::io::{BufRead, Write};
+    let probe = Arc::new(ScriptedProbe::new());
+    let d = InProcess::start(Bytes::gib(16), probe.clone());
+    // A tenant process that waits before it connects (exec keeps the shell's pid), so that the
+    // driver lists its 512 MiB context first, as outside use.
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", "read go; exec \"$0\" \"$@\""])
+        .arg(common::VRAMD)
+        .args([
+            "tenant",
+            "--name",
+            "late",
+            "--guarantee",
+            "16GiB",
+            "--socket",
+        ])
+        .arg(&d.socket)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    probe.set(
+        "host-0",
+        reading(Bytes::ZERO, &[(child.id(), "python3", Bytes::mib(512))]),
+    );
+    assert!(wait_until(Duration::from_secs(5), || {
+        d.status().devices[0].outside_use == Bytes::mib(512)
+    }));
+    // It asks for a guarantee of the whole device: its own context is not in its way.
+    let mut stdin = child.stdin.take().unwrap();
+    writeln!(stdin, "go").unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("\"welcome\""), "{line}");
+    let s = d.status();
+    assert_eq!(s.devices[0].outside_use, Bytes::ZERO, "{s:?}");
+    assert_eq!(s.tenants[0].outside, Bytes::mib(512));
+    drop(stdin);
+    child.wait().unwrap();
 }

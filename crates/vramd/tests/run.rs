@@ -9,6 +9,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use common::{wait_until, Daemon, VRAMD};
+use vram_core::Bytes;
 
 const CONFIG: &str = "capacity = \"8 GiB\"\n";
 
@@ -53,15 +54,17 @@ fn vramd_run(d: &Daemon, flags: &[&str], program: &[&str], env: &[(&str, &Path)]
 }
 
 #[test]
-fn the_program_gets_the_tenant_settings_and_its_exit_status_is_ours() {
+fn the_tenant_is_registered_before_the_program_runs_and_its_exit_status_is_ours() {
     let d = Daemon::start(CONFIG);
-    let script = "import os, sys; \
-        print(*(os.environ.get(k) for k in ('VRAMD_TENANT', 'VRAMD_LIMIT', 'VRAMD_GUARANTEE', \
-        'VRAMD_PRIORITY', 'VRAMD_GPU', 'VRAMD_TORCH_MODE'))); \
-        import vramd_torch; print(vramd_torch.installed()); sys.exit(7)";
-    let out = vramd_run(
-        &d,
-        &[
+    // The program never allocates: the tenant shows all the same, with its settings.
+    let script = "import os, sys, time; \
+        print(bool(os.environ.get('VRAMD_JOIN')), os.environ.get('VRAMD_TENANT'), \
+        os.environ.get('VRAMD_TORCH_MODE'), flush=True); \
+        time.sleep(1); import vramd_torch; print(vramd_torch.installed()); sys.exit(7)";
+    let mut cmd = Command::new(VRAMD);
+    cmd.args(["run", "--socket"])
+        .arg(&d.socket)
+        .args([
             "--tenant",
             "t1",
             "--limit",
@@ -70,12 +73,22 @@ fn the_program_gets_the_tenant_settings_and_its_exit_status_is_ours() {
             "1GiB",
             "--gpu",
             "0",
-            "--torch-mode",
-            "full",
-        ],
-        &["python3", "-c", script],
-        &[],
-    );
+        ])
+        .args(["--torch-mode", "full", "--", "python3", "-c", script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if library().is_none() {
+        cmd.env("VRAMD_LIB", VRAMD);
+    }
+    let child = cmd.spawn().unwrap();
+    assert!(wait_until(Duration::from_secs(10), || {
+        d.status()
+            .tenants
+            .iter()
+            .any(|t| t.name == "t1" && t.limit == Bytes::gib(2) && t.guarantee == Bytes::gib(1))
+    }));
+    let out = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         out.status.code(),
@@ -83,15 +96,66 @@ fn the_program_gets_the_tenant_settings_and_its_exit_status_is_ours() {
         "{stdout}{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(
-        stdout.lines().next(),
-        Some(format!("t1 {} {} None 0 full", 2u64 << 30, 1u64 << 30).as_str())
-    );
+    // The settings travel through the registration, not as variables.
+    assert_eq!(stdout.lines().next(), Some("True None full"));
     assert_eq!(
         stdout.lines().nth(1),
         Some("None"),
         "no torch imported, nothing installed"
     );
+    d.wait_for_no_tenants();
+}
+
+#[test]
+fn what_cannot_work_stops_before_the_program_starts() {
+    let d = Daemon::start(CONFIG);
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran");
+    let program = ["touch", marker.to_str().unwrap()];
+    let cases: Vec<(Vec<&str>, Vec<(&str, &str)>, &str)> = vec![
+        (
+            vec!["--priority", "nonsense"],
+            vec![],
+            "unknown class `nonsense`",
+        ),
+        (
+            vec!["--guarantee", "64GiB"],
+            vec![],
+            "asks for a guarantee of 64 GiB",
+        ),
+        (
+            vec![],
+            vec![("VRAMD_ALLOC", "min_grow=banana")],
+            "VRAMD_ALLOC",
+        ),
+    ];
+    for (flags, env, says) in cases {
+        let mut cmd = Command::new(VRAMD);
+        cmd.args(["run", "--socket"])
+            .arg(&d.socket)
+            .args(&flags)
+            .arg("--")
+            .args(program)
+            .envs(env.iter().copied())
+            .env("VRAMD_LIB", library().unwrap_or_else(|| VRAMD.into()));
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(0), "{flags:?}: {stderr}");
+        assert!(stderr.contains(says), "{flags:?}: {stderr}");
+        assert!(!marker.exists(), "{flags:?}: the program ran");
+    }
+    // A name already in use, and a daemon that is not there.
+    let _holder = d.tenant("taken", &[]);
+    let out = vramd_run(&d, &["--tenant", "taken"], &program, &[]);
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already connected"));
+    let out = Command::new(VRAMD)
+        .args(["run", "--socket", "/nonexistent/vramd.sock", "--"])
+        .args(program)
+        .env("VRAMD_LIB", library().unwrap_or_else(|| VRAMD.into()))
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach vramd"));
+    assert!(!marker.exists(), "the program ran");
 }
 
 #[test]

@@ -65,6 +65,12 @@ def run(a):
     st = H.status()
     cap = a.capacity or H.num(H.dev0(st).get("capacity"))
     rec["capacity"] = cap
+    # What the daemon can promise now: its capacity less what is in use outside its books (the
+    # driver's own few MiB that come and go, any process that is not a tenant).
+    outside = H.num(H.dev0(st).get("outside_use")) or 0
+    rec["outside_use_at_start"] = outside
+    if cap and not a.capacity:
+        cap -= outside
     if not cap:
         rec["error"] = f"no capacity: {st.get('error')}"
         H.write(a.out, rec)

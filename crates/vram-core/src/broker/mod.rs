@@ -425,6 +425,29 @@ impl Broker {
         }
     }
 
+    /// Records that the tenant's memory is now held by process `pid` (a process that joined its
+    /// registration, or the registering one again when that process ended).
+    pub fn set_pid(&mut self, id: TenantId, pid: u32) {
+        if let Some(t) = self.tenants.get_mut(&id) {
+            t.pid = pid;
+        }
+    }
+
+    /// Takes back everything the tenant holds (its process ended; the registration stays):
+    /// returns what it held, charged and used outside its grants.
+    pub fn release_all(&mut self, id: TenantId) -> Bytes {
+        let Some(t) = self.tenants.get_mut(&id) else {
+            return Bytes::ZERO;
+        };
+        let total = t.total();
+        t.held = Bytes::ZERO;
+        t.charged = Bytes::ZERO;
+        t.outside = Bytes::ZERO;
+        t.in_use = Bytes::ZERO;
+        t.cached = Bytes::ZERO;
+        total
+    }
+
     /// The connected tenant of that name.
     pub fn id_of(&self, name: &str) -> Option<TenantId> {
         self.by_name.get(name).copied()

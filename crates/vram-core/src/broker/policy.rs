@@ -69,3 +69,436 @@ impl Policy {
     /// The class a tenant gets when it names none.
     pub const DEFAULT_CLASS: &'static str = "normal";
 }
+
+/// Why a policy cannot work, found before any tenant depends on it. Every message names the
+/// setting and carries the numbers.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error("capacity is 0: there would be nothing to serve")]
+    ZeroCapacity,
+    #[error(
+        "[tenants.\"{name}\"]: `{name}` is not a valid tenant name ({reason}): no process could \
+         connect as it"
+    )]
+    BadTenantName { name: String, reason: &'static str },
+    #[error("[tenants.{name}]: unknown class `{class}`; configured classes: {known}")]
+    UnknownClass {
+        name: String,
+        class: String,
+        known: String,
+    },
+    #[error("[tenants.{name}]: guarantee {guarantee} is above its limit {limit}")]
+    GuaranteeAboveLimit {
+        name: String,
+        guarantee: Bytes,
+        limit: Bytes,
+    },
+    #[error(
+        "declared guarantees overflow: `{name}`'s {guarantee} on top of the {before} declared \
+         before it is more than 64 bits can count"
+    )]
+    GuaranteesOverflow {
+        name: String,
+        guarantee: Bytes,
+        before: Bytes,
+    },
+    #[error("declared guarantees sum to {total}, above the capacity {capacity}")]
+    GuaranteesAboveCapacity { total: Bytes, capacity: Bytes },
+    #[error("priority_reserve {reserve} is above the capacity {capacity}")]
+    ReserveAboveCapacity { reserve: Bytes, capacity: Bytes },
+    #[error("[classes.{class}]: default_guarantee {guarantee} is above its default_limit {limit}")]
+    ClassGuaranteeAboveLimit {
+        class: String,
+        guarantee: Bytes,
+        limit: Bytes,
+    },
+    #[error("[classes.{class}]: default_guarantee {guarantee} is above the capacity {capacity}")]
+    ClassGuaranteeAboveCapacity {
+        class: String,
+        guarantee: Bytes,
+        capacity: Bytes,
+    },
+    #[error("the capacity cannot change while serving ({serving} now, {asked} asked)")]
+    CapacityChanged { serving: Bytes, asked: Bytes },
+    #[error(
+        "the new guarantees do not fit what is held now: connected tenants' guarantees or \
+         holdings ({connected}) and declared tenants' guarantees not connected ({offline}) need \
+         more than the capacity {capacity}"
+    )]
+    DoesNotFitNow {
+        connected: Bytes,
+        offline: Bytes,
+        capacity: Bytes,
+    },
+}
+
+impl Policy {
+    /// Whether this policy can work: a capacity, declared tenants with valid names and known
+    /// classes, each guarantee within its limit, guarantees that sum (without overflow) to no
+    /// more than the capacity, a reserve within the capacity. [`Broker::new`] checks less; the
+    /// daemon checks this first, at start and on reload.
+    pub fn check(&self) -> Result<(), PolicyError> {
+        if self.capacity == Bytes::ZERO {
+            return Err(PolicyError::ZeroCapacity);
+        }
+        if self.priority_reserve > self.capacity {
+            return Err(PolicyError::ReserveAboveCapacity {
+                reserve: self.priority_reserve,
+                capacity: self.capacity,
+            });
+        }
+        for (class, c) in &self.classes {
+            if let Some(limit) = c.default_limit.filter(|l| c.default_guarantee > *l) {
+                return Err(PolicyError::ClassGuaranteeAboveLimit {
+                    class: class.clone(),
+                    guarantee: c.default_guarantee,
+                    limit,
+                });
+            }
+            if c.default_guarantee > self.capacity {
+                return Err(PolicyError::ClassGuaranteeAboveCapacity {
+                    class: class.clone(),
+                    guarantee: c.default_guarantee,
+                    capacity: self.capacity,
+                });
+            }
+        }
+        let mut total = Bytes::ZERO;
+        for (name, t) in &self.tenants {
+            if let Some(reason) = super::name_problem(name) {
+                return Err(PolicyError::BadTenantName {
+                    name: name.clone(),
+                    reason,
+                });
+            }
+            if !self.classes.contains_key(&t.class) {
+                return Err(PolicyError::UnknownClass {
+                    name: name.clone(),
+                    class: t.class.clone(),
+                    known: self.classes.keys().cloned().collect::<Vec<_>>().join(", "),
+                });
+            }
+            let limit = t.limit.unwrap_or(self.capacity);
+            if t.guarantee > limit {
+                return Err(PolicyError::GuaranteeAboveLimit {
+                    name: name.clone(),
+                    guarantee: t.guarantee,
+                    limit,
+                });
+            }
+            total =
+                total
+                    .checked_add(t.guarantee)
+                    .ok_or_else(|| PolicyError::GuaranteesOverflow {
+                        name: name.clone(),
+                        guarantee: t.guarantee,
+                        before: total,
+                    })?;
+        }
+        if total > self.capacity {
+            return Err(PolicyError::GuaranteesAboveCapacity {
+                total,
+                capacity: self.capacity,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// One connected tenant's settings under a new policy.
+struct Revised {
+    id: super::TenantId,
+    class: String,
+    priority: u32,
+    guarantee: Bytes,
+    limit: Bytes,
+}
+
+impl super::Broker {
+    /// Puts `new` in force while serving: classes, the priority reserve, declared tenants. A
+    /// connected tenant gets its class's new priority; a declared one its new declaration's
+    /// guarantee, and a limit no higher than the declaration's (nor than a lower one its process
+    /// asked for). A limit below what a tenant holds takes nothing back: it only stops growth.
+    /// Class defaults apply to tenants that connect from now on. Refused, with nothing changed:
+    /// a policy [`Policy::check`] refuses, another capacity, or guarantees that the memory held
+    /// now leaves no room for. Returns what changed, one line each, for the log.
+    pub fn replace_policy(&mut self, new: Policy) -> Result<Vec<String>, PolicyError> {
+        let revised = self.revised(&new)?;
+        let mut changes = describe_classes(&self.policy, &new);
+        changes.extend(describe_declared(&self.policy, &new));
+        for r in revised {
+            let t = self.tenants.get_mut(&r.id).expect("revised from the map");
+            let mut said = Vec::new();
+            if t.class != r.class {
+                said.push(format!("class `{}` → `{}`", t.class, r.class));
+            }
+            if t.priority != r.priority {
+                said.push(format!("priority {} → {}", t.priority, r.priority));
+            }
+            if t.guarantee != r.guarantee {
+                said.push(format!("guarantee {} → {}", t.guarantee, r.guarantee));
+            }
+            if t.limit != r.limit {
+                said.push(format!("limit {} → {}", t.limit, r.limit));
+                if t.total() > r.limit {
+                    said.push(format!(
+                        "it holds {}, above the new limit: nothing is taken back, it cannot grow",
+                        t.total()
+                    ));
+                }
+            }
+            if !said.is_empty() {
+                changes.push(format!("tenant `{}`: {}", t.name, said.join(", ")));
+            }
+            t.class = r.class;
+            t.priority = r.priority;
+            t.guarantee = r.guarantee;
+            t.limit = r.limit;
+        }
+        if self.policy.priority_reserve != new.priority_reserve {
+            changes.push(format!(
+                "priority_reserve {} → {}",
+                self.policy.priority_reserve, new.priority_reserve
+            ));
+        }
+        self.policy = new;
+        Ok(changes)
+    }
+
+    /// Whether [`Broker::replace_policy`] would put `new` in force now, without changing
+    /// anything.
+    pub fn check_policy(&self, new: &Policy) -> Result<(), PolicyError> {
+        self.revised(new).map(|_| ())
+    }
+
+    /// Every connected tenant's settings under `new`, if `new` can be put in force now.
+    fn revised(&self, new: &Policy) -> Result<Vec<Revised>, PolicyError> {
+        new.check()?;
+        if new.capacity != self.policy.capacity {
+            return Err(PolicyError::CapacityChanged {
+                serving: self.policy.capacity,
+                asked: new.capacity,
+            });
+        }
+        let revised: Vec<Revised> = self
+            .tenants
+            .iter()
+            .map(|(id, t)| self.revise(*id, t, new))
+            .collect();
+        let mut connected = Bytes::ZERO;
+        for r in &revised {
+            let total = self.tenants[&r.id].total();
+            connected = connected.saturating_add(r.guarantee.max(total));
+        }
+        let offline = new
+            .tenants
+            .iter()
+            .filter(|(name, _)| !self.by_name.contains_key(*name))
+            .fold(Bytes::ZERO, |sum, (_, d)| sum.saturating_add(d.guarantee));
+        if connected.saturating_add(offline) > new.capacity {
+            return Err(PolicyError::DoesNotFitNow {
+                connected,
+                offline,
+                capacity: new.capacity,
+            });
+        }
+        Ok(revised)
+    }
+
+    /// `t`'s class, priority, guarantee and limit under `new`.
+    fn revise(&self, id: super::TenantId, t: &super::Tenant, new: &Policy) -> Revised {
+        let cap = new.capacity;
+        match new.tenants.get(&t.name) {
+            Some(d) => {
+                let declared_limit = d.limit.unwrap_or(cap);
+                // What the process asked for is not kept; a limit below the old declaration's
+                // was its own asking, and stays if still lower.
+                let old_declared = self
+                    .policy
+                    .tenants
+                    .get(&t.name)
+                    .map(|o| o.limit.unwrap_or(cap));
+                let limit = match old_declared {
+                    Some(old) if t.limit >= old => declared_limit,
+                    _ => t.limit.min(declared_limit),
+                };
+                Revised {
+                    id,
+                    priority: new.classes[&d.class].priority,
+                    class: d.class.clone(),
+                    guarantee: d.guarantee,
+                    limit: limit.max(d.guarantee),
+                }
+            }
+            None => Revised {
+                id,
+                class: t.class.clone(),
+                priority: new.classes.get(&t.class).map_or(t.priority, |c| c.priority),
+                guarantee: t.guarantee,
+                limit: t.limit,
+            },
+        }
+    }
+}
+
+fn describe_classes(old: &Policy, new: &Policy) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, c) in &new.classes {
+        match old.classes.get(name) {
+            None => out.push(format!("class `{name}` added (priority {})", c.priority)),
+            Some(o) if o != c => out.push(format!("class `{name}` changed: {o:?} → {c:?}")),
+            Some(_) => {}
+        }
+    }
+    for name in old.classes.keys().filter(|n| !new.classes.contains_key(*n)) {
+        out.push(format!(
+            "class `{name}` removed (its connected tenants keep their priority)"
+        ));
+    }
+    out
+}
+
+fn describe_declared(old: &Policy, new: &Policy) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, d) in &new.tenants {
+        match old.tenants.get(name) {
+            None => out.push(format!(
+                "declared tenant `{name}` added (class `{}`, guarantee {})",
+                d.class, d.guarantee
+            )),
+            Some(o) if o != d => {
+                out.push(format!("declared tenant `{name}` changed: {o:?} → {d:?}"))
+            }
+            Some(_) => {}
+        }
+    }
+    for name in old.tenants.keys().filter(|n| !new.tenants.contains_key(*n)) {
+        out.push(format!(
+            "declared tenant `{name}` removed (if connected, it keeps its guarantee until it goes)"
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Broker, TenantRequest};
+    use super::*;
+
+    fn declared(class: &str, guarantee: Bytes, limit: Option<Bytes>) -> DeclaredTenant {
+        DeclaredTenant {
+            class: class.into(),
+            guarantee,
+            limit,
+        }
+    }
+
+    fn policy(capacity: Bytes) -> Policy {
+        let mut p = Policy::with_capacity(capacity);
+        p.priority_reserve = Bytes::ZERO;
+        p
+    }
+
+    #[test]
+    fn check_refuses_what_cannot_work_with_the_numbers() {
+        assert_eq!(policy(Bytes::ZERO).check(), Err(PolicyError::ZeroCapacity));
+
+        let mut p = policy(Bytes::gib(8));
+        p.tenants
+            .insert("a".into(), declared("normal", Bytes::gib(1), None));
+        p.tenants.insert(
+            "b".into(),
+            declared(
+                "normal",
+                Bytes(u64::MAX - Bytes::mib(512).get() + 1),
+                Some(Bytes(u64::MAX)),
+            ),
+        );
+        let e = p.check().unwrap_err();
+        assert!(matches!(e, PolicyError::GuaranteesOverflow { .. }), "{e}");
+
+        let mut p = policy(Bytes::gib(8));
+        p.tenants
+            .insert("a".into(), declared("normal", Bytes::gib(5), None));
+        p.tenants
+            .insert("b".into(), declared("normal", Bytes::gib(4), None));
+        let e = p.check().unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "declared guarantees sum to 9 GiB, above the capacity 8 GiB"
+        );
+
+        let mut p = policy(Bytes::gib(8));
+        p.tenants
+            .insert("bad name".into(), declared("normal", Bytes::ZERO, None));
+        assert!(matches!(p.check(), Err(PolicyError::BadTenantName { .. })));
+
+        let mut p = policy(Bytes::gib(8));
+        p.priority_reserve = Bytes::gib(9);
+        assert!(matches!(
+            p.check(),
+            Err(PolicyError::ReserveAboveCapacity { .. })
+        ));
+    }
+
+    fn req(name: &str, class: &str, limit: Option<Bytes>) -> TenantRequest {
+        TenantRequest {
+            name: name.into(),
+            class: Some(class.into()),
+            guarantee: None,
+            limit,
+            pid: 1,
+            uid: 0,
+        }
+    }
+
+    #[test]
+    fn replace_policy_updates_connected_tenants_or_changes_nothing() {
+        let cap = Bytes::gib(8);
+        let mut p = policy(cap);
+        p.tenants.insert(
+            "trainer".into(),
+            declared("high", Bytes::gib(2), Some(Bytes::gib(4))),
+        );
+        let mut b = Broker::new(p.clone()).unwrap();
+        let trainer = b.connect(req("trainer", "low", None)).unwrap();
+        let other = b.connect(req("other", "low", Some(Bytes::gib(3)))).unwrap();
+        b.grant(other, Bytes::gib(3)).unwrap();
+
+        // More guarantee for the trainer, a new priority for `low`.
+        let mut q = p.clone();
+        q.tenants.get_mut("trainer").unwrap().guarantee = Bytes::gib(3);
+        q.classes.get_mut("low").unwrap().priority = 5;
+        let changes = b.replace_policy(q.clone()).unwrap();
+        assert!(
+            changes
+                .iter()
+                .any(|c| c.contains("guarantee 2 GiB → 3 GiB")),
+            "{changes:?}"
+        );
+        assert_eq!(b.tenant(trainer).unwrap().guarantee, Bytes::gib(3));
+        assert_eq!(b.tenant(other).unwrap().priority, 5);
+
+        // A declaration the memory held now cannot make room for: refused, nothing changed.
+        let mut r = q.clone();
+        r.tenants
+            .insert("late".into(), declared("normal", Bytes::gib(3), None));
+        let e = b.replace_policy(r).unwrap_err();
+        assert!(matches!(e, PolicyError::DoesNotFitNow { .. }), "{e}");
+        assert_eq!(b.policy(), &q);
+
+        // Another capacity cannot be put in force live.
+        let mut c = q.clone();
+        c.capacity = Bytes::gib(16);
+        assert!(matches!(
+            b.replace_policy(c),
+            Err(PolicyError::CapacityChanged { .. })
+        ));
+
+        // A lower declared limit stops growth without taking anything back.
+        let mut l = q.clone();
+        l.tenants.get_mut("trainer").unwrap().limit = Some(Bytes::gib(3));
+        b.replace_policy(l).unwrap();
+        assert_eq!(b.tenant(trainer).unwrap().limit, Bytes::gib(3));
+    }
+}

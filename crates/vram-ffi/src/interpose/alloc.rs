@@ -68,7 +68,7 @@ fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Outcome {
 /// Frees `ptr` into the tenant's allocator if vramd handed it out: `None` if it did not.
 fn free_ours(hook: Hook, ptr: CuDevicePtr, stream: StreamId) -> Option<CuResult> {
     let t = match TENANT.get() {
-        Some(Ok(t)) if ptr != 0 && t.alloc.owns(ptr) => t,
+        Some(t) if ptr != 0 && t.alloc.owns(ptr) => t,
         _ => return None,
     };
     Some(guarded(CUDA_ERROR_INVALID_VALUE, || {
@@ -169,7 +169,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 /// As for the driver's `cuMemFree_v2`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CuDevicePtr) -> CuResult {
-    let ours = dptr != 0 && matches!(TENANT.get(), Some(Ok(t)) if t.alloc.owns(dptr));
+    let ours = dptr != 0 && matches!(TENANT.get(), Some(t) if t.alloc.owns(dptr));
     if ours {
         if let Some(sync) = real::driver().ctx_synchronize {
             // SAFETY: the driver's cuCtxSynchronize takes no arguments.

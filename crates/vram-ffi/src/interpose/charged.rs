@@ -52,7 +52,7 @@ pub(crate) fn charge(t: &Tenant, what: &str, bytes: Bytes) -> Result<(), String>
 
 /// Takes back a charge (sent without waiting), if the tenant is still there.
 pub(crate) fn uncharge(bytes: u64) {
-    if let Some(Ok(t)) = TENANT.get() {
+    if let Some(t) = TENANT.get() {
         let _ = t.client.uncharge(Bytes(bytes));
     }
 }

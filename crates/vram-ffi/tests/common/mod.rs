@@ -20,6 +20,11 @@ impl Daemon {
     pub fn start(capacity: Bytes) -> Daemon {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("vramd.sock");
+        Self::start_in(dir, socket, capacity)
+    }
+
+    /// A daemon listening on `socket`, inside `dir` (kept while the daemon runs).
+    pub fn start_in(dir: tempfile::TempDir, socket: PathBuf, capacity: Bytes) -> Daemon {
         let dev: Arc<dyn Device> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
         let config = Config::default();
         let opts = ServeOptions {

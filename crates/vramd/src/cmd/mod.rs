@@ -3,6 +3,7 @@
 pub mod bench;
 mod child;
 pub mod demo;
+mod registration;
 pub mod replay;
 pub mod run;
 pub mod serve;
@@ -22,14 +23,18 @@ pub enum LogFormat {
     Json,
 }
 
-/// Logs to stderr; `RUST_LOG` overrides the level (info for the daemon, warn for tools).
+/// Logs to stderr; `RUST_LOG` overrides the level (info for the daemon, warn for tools). A line
+/// stderr refuses is dropped and counted ([`crate::logging`]), never a panic. Colours only on a
+/// terminal: a file or the journal gets plain text.
 pub fn init_logging(format: LogFormat, daemon: bool) {
     use tracing_subscriber::EnvFilter;
     let default = if daemon { "info" } else { "warn" };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(crate::logging::Stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .log_internal_errors(false);
     let _ = match format {
         LogFormat::Text => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),

@@ -1,16 +1,20 @@
 //! `vramd run`: starts a program as a tenant, unchanged.
 //!
-//! The program gets the tenant's settings as `VRAMD_*` variables, which libvram.so reads when it
-//! first connects, and libvram.so preloaded (`LD_PRELOAD`, in both torch modes): its `dlsym`,
+//! First the tenant is registered (`registration.rs`): a tenant the daemon cannot admit, a daemon
+//! that is not running or allocator settings (`VRAMD_ALLOC`) that do not parse stop here, with
+//! the reason and a non-zero exit, before the program runs. The program then gets the
+//! registration's invitation (`VRAMD_JOIN`), which its libvram.so joins with when it first needs
+//! memory, and libvram.so preloaded (`LD_PRELOAD`, in both torch modes): its `dlsym`,
 //! `cuGetProcAddress` and the driver's allocation, `cuMemCreate` and memory-info calls are
 //! libvram.so's, so every device allocation of the program goes through vramd, whichever library
-//! makes it (PyTorch, JAX, CuPy, NCCL). A program it starts inherits the variables and, if it
-//! uses the GPU, is a tenant of its own (refused, under a `--tenant` name already in use). For
-//! Python, a private directory goes first on `PYTHONPATH`, holding the
-//! `vramd_torch` package and a `sitecustomize` that installs vramd's allocator into PyTorch right
-//! after `torch` is imported, before any CUDA allocation (see `python/vramd_torch/`). The
-//! program's exit status is ours; SIGTERM, SIGHUP and SIGQUIT sent to us are passed on, and SIGINT
-//! too unless it came from our terminal, which delivers it to the program itself.
+//! makes it (PyTorch, JAX, CuPy, NCCL). An invitation is taken once: a process the program starts
+//! that uses the GPU too is refused its memory, with the reason. For Python, a private directory
+//! goes first on `PYTHONPATH`, holding the `vramd_torch` package and a `sitecustomize` that
+//! installs vramd's allocator into PyTorch right after `torch` is imported, before any CUDA
+//! allocation (see `python/vramd_torch/`). The program's exit status is ours, and the daemon is
+//! told it (a normal end is logged as such, a signal as a crash); SIGTERM, SIGHUP and SIGQUIT
+//! sent to us are passed on, and SIGINT too unless it came from our terminal, which delivers it to
+//! the program itself.
 
 use std::ffi::{OsStr, OsString};
 use std::io::IsTerminal;
@@ -20,13 +24,14 @@ use std::process::{Command, ExitCode};
 use anyhow::{bail, Context};
 use vram_core::Bytes;
 
+use super::registration::{Ask, Registration};
 use super::SocketArg;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     #[command(flatten)]
     pub socket: SocketArg,
-    /// The tenant's name [default: pid-N, N the program's pid].
+    /// The tenant's name [default: pid-N, N the pid of this `vramd run`].
     #[arg(long)]
     pub tenant: Option<String>,
     /// Memory the daemon keeps for the tenant (e.g. 20GiB).
@@ -49,6 +54,13 @@ pub struct Args {
     /// CuPy) goes through vramd too.
     #[arg(long, value_enum, default_value_t = TorchMode::Full)]
     pub torch_mode: TorchMode,
+    /// Where NVIDIA MPS runs, also set the driver's own cap for this client
+    /// (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) to the tenant's limit, as a hard backstop behind vramd's books:
+    /// memory imported from vramd counts against that cap (measured on an H200, driver 580), and
+    /// so does the client's context. The cap names the device by the program's CUDA ordinal,
+    /// taken as `--gpu` (0 by default): under CUDA_VISIBLE_DEVICES they may differ.
+    #[arg(long)]
+    pub mps_limit: bool,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
     pub command: Vec<OsString>,
@@ -107,6 +119,24 @@ const FORWARDED: [i32; 4] = [
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let lib = find_library()?;
+    if let Ok(settings) = std::env::var("VRAMD_ALLOC") {
+        vram_core::alloc::AllocConfig::default()
+            .set_all(&settings)
+            .map_err(|e| anyhow::anyhow!("VRAMD_ALLOC `{settings}`: {e}"))?;
+    }
+    let registration = Registration::register(
+        &args.socket.path(),
+        Ask {
+            name: args
+                .tenant
+                .clone()
+                .unwrap_or_else(|| format!("pid-{}", std::process::id())),
+            class: args.priority.clone(),
+            guarantee: args.guarantee,
+            limit: args.limit,
+            gpu: args.gpu,
+        },
+    )?;
     let python = tempfile::Builder::new()
         .prefix("vramd-run-")
         .tempdir()
@@ -122,20 +152,13 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         // libvram.so's dlsym, cuGetProcAddress and driver allocation calls go before the
         // driver's (and, in pool mode, its cudaMalloc / cudaFree before the CUDA runtime's).
         .env("LD_PRELOAD", preload(&lib));
-    let settings = [
-        ("VRAMD_TENANT", args.tenant.clone()),
-        (
-            "VRAMD_GUARANTEE",
-            args.guarantee.map(|b| b.get().to_string()),
-        ),
-        ("VRAMD_LIMIT", args.limit.map(|b| b.get().to_string())),
-        ("VRAMD_PRIORITY", args.priority.clone()),
-        ("VRAMD_GPU", args.gpu.map(|g| g.to_string())),
-    ];
-    for (name, value) in settings {
-        if let Some(v) = value {
-            cmd.env(name, v);
-        }
+    cmd.env(vram_proto::JOIN_ENV, registration.token());
+    if args.mps_limit {
+        let w = registration.welcome();
+        cmd.env(
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+            mps_cap(args.gpu.unwrap_or(0), w.limit),
+        );
     }
 
     // Installed before the program starts, so that no signal meant for it is lost.
@@ -163,6 +186,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     handle.close();
     let _ = forwarder.join();
     drop(python);
+    registration.exited(ended(status));
     Ok(exit_code(status))
 }
 
@@ -199,6 +223,12 @@ fn write_python_files(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// MPS's per-client cap for one device: `ORDINAL=NM`, whole MiB, rounded down so that the cap
+/// never exceeds the limit.
+fn mps_cap(ordinal: u32, limit: Bytes) -> String {
+    format!("{ordinal}={}M", limit.get() / Bytes::MIB)
+}
+
 /// libvram.so first, then whatever `LD_PRELOAD` was.
 fn preload(lib: &Path) -> OsString {
     let mut v = lib.as_os_str().to_owned();
@@ -219,6 +249,16 @@ fn python_path(ours: &Path) -> OsString {
     p
 }
 
+/// How the program ended, for the daemon.
+fn ended(status: std::process::ExitStatus) -> vram_proto::ExitStatus {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => vram_proto::ExitStatus::Code(c),
+        (None, Some(sig)) => vram_proto::ExitStatus::Signal(sig),
+        (None, None) => vram_proto::ExitStatus::Code(-1),
+    }
+}
+
 /// The program's exit code; killed by signal N, 128 + N as shells report it.
 fn exit_code(status: std::process::ExitStatus) -> ExitCode {
     use std::os::unix::process::ExitStatusExt;
@@ -232,6 +272,12 @@ fn exit_code(status: std::process::ExitStatus) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_mps_cap_names_the_ordinal_and_never_exceeds_the_limit() {
+        assert_eq!(mps_cap(0, Bytes::gib(4)), "0=4096M");
+        assert_eq!(mps_cap(2, Bytes(Bytes::MIB * 3 + 5)), "2=3M");
+    }
 
     #[test]
     fn our_directory_comes_first_on_the_python_path() {

@@ -8,7 +8,7 @@ use anyhow::{bail, Context};
 use vram_core::Bytes;
 use vram_device::{cuda, CudaDevice, Device, HostDevice};
 
-use crate::config::{BackendChoice, Config};
+use crate::config::{BackendChoice, CheckedDevice, Config, ConfigError};
 use crate::metrics::{Exporter, MetricsAddr};
 use crate::server::driver::{DriverProbe, NvmlProbe};
 use crate::server::{ServeOptions, Server};
@@ -31,6 +31,10 @@ pub struct Args {
     /// port, logged), or `off` [default: the config's `metrics`, else 127.0.0.1:9464]
     #[arg(long)]
     pub metrics: Option<MetricsAddr>,
+    /// Say whether FILE is a configuration the daemon can start with (and why not), then exit:
+    /// 0 valid, 1 invalid. Nothing is started; --backend and --capacity are taken into account.
+    #[arg(long, value_name = "FILE", conflicts_with = "config")]
+    pub check_config: Option<PathBuf>,
 }
 
 /// The host backend's capacity when none is configured.
@@ -40,10 +44,16 @@ pub const DEFAULT_HOST_CAPACITY: Bytes = Bytes::gib(16);
 const PROBE_PERIOD: Duration = Duration::from_millis(500);
 
 pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
+    if let Some(path) = &args.check_config {
+        return Ok(check_config(&args, path));
+    }
+    let config_path = args.config.as_deref().unwrap_or(Path::new(""));
     let config = match &args.config {
         Some(p) => Config::load(p).inspect_err(|e| config_error(p, e))?,
         None => Config::default(),
     };
+    // What can be checked before any device is opened (a capacity of 0 among it).
+    refuse_problems(config_path, config.problems(&[]))?;
     let socket = args
         .socket
         .clone()
@@ -56,13 +66,26 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let probe = open_probe(&devices);
     let measured: Vec<Option<Bytes>> = devices
         .iter()
-        .map(|d| measured_memory(probe.as_deref(), d.as_ref()))
+        .enumerate()
+        .map(|(i, d)| {
+            let held = crate::server::held_by_live_tenants(&socket, i as u32);
+            measured_memory(probe.as_deref(), d.as_ref(), held)
+        })
         .collect();
     let caps: Vec<Bytes> = devices
         .iter()
         .zip(&measured)
         .map(|(d, m)| effective_capacity(d.as_ref(), *m, capacity))
         .collect();
+    let facts: Vec<CheckedDevice> = devices
+        .iter()
+        .zip(&caps)
+        .map(|(d, c)| CheckedDevice {
+            capacity: Some(*c),
+            granularity: Some(d.info().granularity),
+        })
+        .collect();
+    refuse_problems(config_path, config.problems(&facts))?;
     let policy_config = config.clone();
     let by_uuid: Vec<(String, Bytes)> = devices
         .iter()
@@ -78,14 +101,12 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     });
     let opts = ServeOptions {
         socket: socket.clone(),
-        socket_mode: config
-            .socket_mode()
-            .inspect_err(|e| config_error(args.config.as_deref().unwrap_or(Path::new("")), e))?,
+        socket_mode: config.socket_mode()?,
         allowed_uids: config.allowed_uids.clone(),
         devices: devices.clone(),
         policy,
         pool: config.pool.clone(),
-        reclaim_timeout: Duration::from_millis(config.reclaim_timeout_ms.unwrap_or(250)),
+        reclaim_timeout: config.reclaim_timeout(),
         probe,
         probe_period: PROBE_PERIOD,
     };
@@ -93,21 +114,18 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
     })?;
     server.configure_shared(&config.shared);
-    let exporter = start_metrics(&server, args.metrics.or(config.metrics))?;
-    let shutdown = server.shutdown_handle();
-    let mut signals = signal_hook::iterator::Signals::new([
-        signal_hook::consts::SIGTERM,
-        signal_hook::consts::SIGINT,
-    ])
-    .context("cannot install signal handlers")?;
-    std::thread::Builder::new()
-        .name("vramd-signals".into())
-        .spawn(move || {
-            if let Some(sig) = signals.forever().next() {
-                tracing::info!(signal = sig, "signal received");
-                shutdown.trigger();
-            }
-        })?;
+    server.configure_connections(config.connections);
+    // From here a failed start drops `server`, which removes the socket it made.
+    let exporter = start_metrics(&server, args.metrics.or(config.metrics)).inspect_err(|e| {
+        tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
+    })?;
+    let reloader = Reloader {
+        path: args.config.clone(),
+        started: config,
+        devices: facts,
+        daemon: server.daemon().clone(),
+    };
+    signals::start(server.shutdown_handle(), reloader)?;
     for (d, cap) in devices.iter().zip(&caps) {
         let info = d.info();
         tracing::info!(
@@ -116,6 +134,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         );
     }
     tracing::info!(socket = %socket.display(), pid = std::process::id(), "vramd ready");
+    crate::notify::notify("READY=1\nSTATUS=serving");
     server.run()?;
     drop(exporter);
     Ok(std::process::ExitCode::SUCCESS)
@@ -142,6 +161,149 @@ fn start_metrics(server: &Server, asked: Option<MetricsAddr>) -> anyhow::Result<
 
 fn config_error(path: &Path, e: &anyhow::Error) {
     tracing::error!(path = %path.display(), error = format!("{e:#}"), "configuration error");
+}
+
+/// Refuses to go on with a configuration that cannot work: each problem logged, all of them in
+/// the error.
+fn refuse_problems(path: &Path, problems: Vec<ConfigError>) -> anyhow::Result<()> {
+    if problems.is_empty() {
+        return Ok(());
+    }
+    let text = problems
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ");
+    let e = anyhow::anyhow!("invalid configuration: {text}");
+    config_error(path, &e);
+    Err(e)
+}
+
+/// `--check-config FILE`: the file's problems on the devices the flags and the file describe
+/// (a GPU's capacity is measured at start, so without `capacity` the guarantees are checked for
+/// overflow only). Prints the verdict; 0 valid, 1 invalid.
+fn check_config(args: &Args, path: &Path) -> std::process::ExitCode {
+    let config = match Config::load(path) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("{}: invalid: {e:#}", path.display());
+            return std::process::ExitCode::from(1);
+        }
+    };
+    let capacity = args.capacity.or(config.capacity);
+    let backend = args.backend.or(config.backend).unwrap_or_default();
+    let device = match backend {
+        BackendChoice::Host => CheckedDevice {
+            capacity: Some(capacity.unwrap_or(DEFAULT_HOST_CAPACITY)),
+            granularity: Some(vram_device::host::DEFAULT_GRANULARITY),
+        },
+        BackendChoice::Cuda | BackendChoice::Auto => CheckedDevice {
+            capacity,
+            granularity: None,
+        },
+    };
+    let problems = config.problems(&[device]);
+    if problems.is_empty() {
+        println!("{}: valid", path.display());
+        if device.capacity.is_none() {
+            println!(
+                "  the capacity is measured at start: declared guarantees must fit the GPU's \
+                 memory then"
+            );
+        }
+        if device.granularity.is_none() {
+            println!("  [pool] sizes are checked against the GPU's granularity at start");
+        }
+        return std::process::ExitCode::SUCCESS;
+    }
+    println!("{}: invalid:", path.display());
+    for p in &problems {
+        println!("  - {p}");
+    }
+    std::process::ExitCode::from(1)
+}
+
+/// Reloads the configuration file (SIGHUP): the live part put in force, or the whole of it
+/// refused and the configuration in force kept; keys that only a restart can change are named.
+struct Reloader {
+    path: Option<PathBuf>,
+    /// The file the daemon started with: what the fixed keys stay.
+    started: Config,
+    devices: Vec<CheckedDevice>,
+    daemon: Arc<crate::server::Daemon>,
+}
+
+impl Reloader {
+    fn reload(&self) {
+        let Some(path) = &self.path else {
+            tracing::warn!(
+                "SIGHUP: there is no configuration file to reload (started without --config)"
+            );
+            return;
+        };
+        crate::notify::notify("RELOADING=1");
+        match self.try_reload(path) {
+            Ok(changes) => {
+                tracing::info!(path = %path.display(), changes = changes.len(), "configuration reloaded");
+                for c in changes {
+                    tracing::info!("configuration change: {c}");
+                }
+            }
+            Err(e) => tracing::error!(
+                path = %path.display(), error = format!("{e:#}"),
+                "configuration reload refused; the configuration in force stays"
+            ),
+        }
+        crate::notify::notify("READY=1\nSTATUS=serving");
+    }
+
+    fn try_reload(&self, path: &Path) -> anyhow::Result<Vec<String>> {
+        let new = Config::load(path)?;
+        let problems = new.problems(&self.devices);
+        if !problems.is_empty() {
+            let text: Vec<String> = problems.iter().map(ToString::to_string).collect();
+            bail!("invalid configuration: {}", text.join("; "));
+        }
+        let fixed = self.started.fixed_changes(&new);
+        if !fixed.is_empty() {
+            tracing::warn!(
+                keys = fixed.join(", "),
+                "configuration: these keys changed in the file but cannot change while serving \
+                 (restart the daemon to apply them); the rest is reloaded"
+            );
+        }
+        Ok(self.daemon.reload(new.live(), |cap| new.policy(cap))?)
+    }
+}
+
+mod signals {
+    //! The signal thread: SIGTERM, SIGINT and SIGQUIT stop the daemon cleanly (every connection
+    //! closed, the socket removed); SIGHUP reloads the configuration.
+
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+
+    use super::Reloader;
+    use crate::server::Shutdown;
+
+    pub(super) fn start(shutdown: Shutdown, reloader: Reloader) -> anyhow::Result<()> {
+        let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGQUIT, SIGHUP])
+            .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
+        std::thread::Builder::new()
+            .name("vramd-signals".into())
+            .spawn(move || {
+                for sig in signals.forever() {
+                    tracing::info!(signal = sig, "signal received");
+                    if sig == SIGHUP {
+                        reloader.reload();
+                        continue;
+                    }
+                    // Signals after the first are logged only: the shutdown is underway.
+                    crate::notify::notify("STOPPING=1");
+                    shutdown.trigger();
+                }
+            })?;
+        Ok(())
+    }
 }
 
 /// What vramd may hand out on a device: on the host backend its configured size; on cuda the
@@ -180,13 +342,13 @@ fn open_probe(devices: &[Arc<dyn Device>]) -> Option<Arc<dyn DriverProbe>> {
     }
 }
 
-fn measured_memory(probe: Option<&dyn DriverProbe>, d: &dyn Device) -> Option<Bytes> {
+fn measured_memory(probe: Option<&dyn DriverProbe>, d: &dyn Device, held: Bytes) -> Option<Bytes> {
     let probe = probe?;
     if d.info().kind != vram_device::BackendKind::Cuda {
         return None;
     }
     probe
-        .total_memory(&d.info().uuid)
+        .total_memory(&d.info().uuid, held)
         .inspect_err(|e| tracing::warn!(uuid = d.info().uuid, "cannot read the GPU's memory: {e}"))
         .ok()
 }
@@ -221,7 +383,7 @@ fn open_devices(
             Ok(d) => Ok(d),
             Err(e) => {
                 let cap = capacity.unwrap_or(DEFAULT_HOST_CAPACITY);
-                eprintln!("vramd: no GPU ({e:#}); serving the host backend, a {cap} memfd device");
+                tracing::warn!("no GPU ({e:#}); serving the host backend, a {cap} memfd device");
                 host()
             }
         },

@@ -40,6 +40,48 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
+/// What the daemon says about itself beyond its figures: refused connections, dropped log lines,
+/// and what it left out of the report to make it fit one frame.
+fn render_notes(r: &StatusReport, out: &mut String) {
+    let d = &r.daemon;
+    if d.connections_refused > 0 {
+        let _ = writeln!(
+            out,
+            "{} connection(s) refused at accept (uids not allowed, [connections] caps, out of \
+             file descriptors: see the daemon's log)",
+            d.connections_refused
+        );
+    }
+    if d.log_lines_dropped > 0 {
+        let _ = writeln!(
+            out,
+            "{} log line(s) dropped: the daemon's stderr refused them",
+            d.log_lines_dropped
+        );
+    }
+    let acl: u64 = r
+        .shared
+        .buffers
+        .iter()
+        .map(|b| u64::from(b.acl_left_out))
+        .sum();
+    let cut_buffers = r
+        .shared
+        .buffers
+        .iter()
+        .filter(|b| b.acl_left_out > 0)
+        .count();
+    if acl > 0 || r.shared.buffers_left_out > 0 || d.tenants_left_out > 0 {
+        let _ = writeln!(
+            out,
+            "this report was cut to fit one frame: {acl} access-list entries of {cut_buffers} \
+             shared buffer(s), {} shared buffer(s) and {} tenant(s) left out (the metrics \
+             endpoint's /status has everything)",
+            r.shared.buffers_left_out, d.tenants_left_out
+        );
+    }
+}
+
 /// The human-readable table.
 pub fn render(r: &StatusReport) -> String {
     let mut out = String::new();
@@ -52,6 +94,7 @@ pub fn render(r: &StatusReport) -> String {
         r.daemon.connections,
         r.daemon.protocol_errors
     );
+    render_notes(r, &mut out);
     let _ = writeln!(
         out,
         "\n{:<4} {:<8} {:<28} {:>11} {:>11} {:>11} {:>11} {:>11}",

@@ -63,6 +63,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         guarantee: args.guarantee,
         limit: args.limit,
         gpu: args.gpu,
+        join: None,
     };
     let client = match Client::connect(Some(&args.socket.path()), &opts) {
         Ok(c) => c,

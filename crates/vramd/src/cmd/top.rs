@@ -458,6 +458,9 @@ mod tests {
                 socket: "/tmp/s".into(),
                 protocol_errors: 0,
                 connections: tenants.len() as u64,
+                log_lines_dropped: 0,
+                connections_refused: 0,
+                tenants_left_out: 0,
             },
             devices: vec![DeviceStatus {
                 index: 0,

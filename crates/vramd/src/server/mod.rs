@@ -3,36 +3,49 @@
 //!
 //! Locking: each device slot has one mutex over its broker and grant table, held only for
 //! bookkeeping, never across device calls or socket writes.
+//!
+//! No peer waits on another: a connection's own replies wait at most `[connections]
+//! send_timeout_ms` for it to read, and requests the daemon sends a tenant on another's behalf
+//! (reclaim) are never waited for (`peer::Peer::offer`).
 
+mod accept;
 pub mod driver;
+mod exit;
+mod fit;
+mod peer;
 mod pool;
 mod reconcile;
+mod reload;
 mod scrub;
 mod session;
 mod shared;
 mod slot;
+mod socket;
 mod state;
 
 use std::collections::HashMap;
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixListener, UnixStream};
-use std::path::{Path, PathBuf};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use vram_core::broker::Policy;
 use vram_device::Device;
-use vram_proto::{Conn, DaemonInfo, StatusReport};
+use vram_proto::{DaemonInfo, StatusReport};
 
 pub use pool::Pool;
+pub use reload::{Reload, ReloadError};
 pub use slot::Applied;
 pub use slot::Slot;
+pub use socket::SocketError;
+pub use state::held_by_live_tenants;
 
-use crate::config::PoolConfig;
+use crate::config::{ConnectionsConfig, PoolConfig};
 use crate::metrics::Instruments;
+use peer::{Offer, Peer};
 
 /// Builds each device's policy from its capacity.
 pub type PolicyFn = Box<dyn Fn(&dyn Device) -> Policy>;
@@ -54,27 +67,48 @@ pub struct ServeOptions {
     pub probe_period: Duration,
 }
 
+/// What may change while serving (`vramd serve` reloads it on SIGHUP), read by each request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Settings {
+    /// Uids allowed to connect.
+    pub allowed_uids: Vec<u32>,
+    /// How long a grant waits for other tenants to give back idle memory.
+    pub reclaim_timeout: Duration,
+    pub connections: ConnectionsConfig,
+}
+
 /// State shared by every connection.
 pub struct Daemon {
     pub(crate) slots: Vec<Slot>,
-    allowed_uids: Vec<u32>,
+    settings: RwLock<Arc<Settings>>,
     socket: PathBuf,
     started: Instant,
-    pub(crate) reclaim_timeout: Duration,
     pub(crate) protocol_errors: AtomicU64,
+    /// Connections refused at accept (caps, uids, out of descriptors).
+    pub(crate) connections_refused: AtomicU64,
     pub(crate) shutting_down: AtomicBool,
     /// Every open connection, so shutdown can close them and reclaim can reach tenants.
-    pub(crate) conns: Mutex<HashMap<u64, Arc<Conn>>>,
+    pub(crate) conns: Mutex<HashMap<u64, Arc<Peer>>>,
     next_conn: AtomicU64,
     pub(crate) next_ask: AtomicU64,
     /// Set when metrics are served; until then the grant path records nothing.
     metrics: OnceLock<Instruments>,
+    /// The driver's figures, where there is a driver to ask, and each device's last reading.
+    pub(crate) books: Option<reconcile::Books>,
     pub(crate) shared: shared::SharedServer,
 }
 
 impl Daemon {
-    pub(crate) fn uid_allowed(&self, uid: u32) -> bool {
-        self.allowed_uids.contains(&uid)
+    /// The settings in force now.
+    pub fn settings(&self) -> Arc<Settings> {
+        self.settings
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    fn set_settings(&self, settings: Settings) {
+        *self.settings.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(settings);
     }
 
     pub(crate) fn metrics(&self) -> Option<&Instruments> {
@@ -97,26 +131,49 @@ impl Daemon {
         }
     }
 
-    /// Asks the tenant on connection `conn` to give back up to `bytes` of idle memory.
+    /// Asks the tenant on connection `conn` to give back up to `bytes` of idle memory, without
+    /// waiting for it: a tenant whose socket is full (it does not read) is skipped, and once it
+    /// has stayed so for `[connections] unread_timeout_ms` it is disconnected, its memory
+    /// reclaimed as on a crash.
     pub(crate) fn ask_reclaim(&self, conn: u64, bytes: vram_core::Bytes) {
-        let Some(c) = self.conns.lock().expect("conns").get(&conn).cloned() else {
+        let Some(peer) = self.conns.lock().expect("conns").get(&conn).cloned() else {
             return;
         };
+        let settings = self.settings();
         let ask = self.next_ask.fetch_add(1, Ordering::Relaxed);
-        let deadline_ms = self.reclaim_timeout.as_millis() as u32;
-        tracing::info!(ask, conn, %bytes, deadline_ms, "asking a tenant to give back idle memory");
-        if let Some(m) = self.metrics() {
-            m.reclaim_asked();
+        let deadline_ms = u32::try_from(settings.reclaim_timeout.as_millis()).unwrap_or(u32::MAX);
+        let request = vram_proto::Reply::Reclaim {
+            ask,
+            bytes,
+            deadline_ms,
+        };
+        match peer.offer(&request) {
+            Offer::Sent => {
+                tracing::info!(ask, conn, %bytes, deadline_ms, "asking a tenant to give back idle memory");
+                if let Some(m) = self.metrics() {
+                    m.reclaim_asked();
+                }
+            }
+            Offer::Skipped { for_, first } => {
+                let unread = settings.connections.unread_timeout();
+                let unread_ms = for_.as_millis() as u64;
+                if for_ >= unread {
+                    tracing::warn!(
+                        conn, pid = peer.pid, unread_ms, limit_ms = unread.as_millis() as u64,
+                        "tenant does not read its socket: disconnected; its memory is reclaimed as \
+                         on a crash"
+                    );
+                    peer.disconnect();
+                } else if first {
+                    tracing::warn!(
+                        conn, pid = peer.pid, %bytes, limit_ms = unread.as_millis() as u64,
+                        "tenant does not read its socket: reclaim request skipped (it is \
+                         disconnected if this lasts)"
+                    );
+                }
+            }
+            Offer::Gone => {}
         }
-        let _ = c.send(
-            0,
-            &vram_proto::Reply::Reclaim {
-                ask,
-                bytes,
-                deadline_ms,
-            },
-            &[],
-        );
     }
 
     /// The whole daemon's state, as `vramd status` shows it.
@@ -136,18 +193,41 @@ impl Daemon {
                 socket: self.socket.display().to_string(),
                 protocol_errors: self.protocol_errors.load(Ordering::Relaxed),
                 connections: self.conns.lock().map(|c| c.len()).unwrap_or(0) as u64,
+                log_lines_dropped: crate::logging::dropped(),
+                connections_refused: self.connections_refused.load(Ordering::Relaxed),
+                tenants_left_out: 0,
             },
             devices,
             tenants,
             shared: shared::status(self),
         }
     }
+
+    /// The status report as the reply to request `id` can carry it: cut to fit one frame when
+    /// it would not (`fit`), with what was left out counted in it and logged.
+    pub(crate) fn status_reply(&self, id: u64) -> StatusReport {
+        let (report, cut) = fit::fit(id, self.status());
+        if let Some(c) = cut {
+            tracing::warn!(
+                acl_entries = c.acl_entries,
+                buffers = c.buffers,
+                tenants = c.tenants,
+                limit = vram_proto::MAX_PAYLOAD,
+                "status report cut to fit one frame: what was left out is counted in it \
+                 (the metrics endpoint's /status has it all)"
+            );
+        }
+        report
+    }
 }
 
-/// A bound, not yet running server.
+/// A bound, not yet running server. Dropped without running (a failed start), it removes its
+/// socket like a stopped one.
 pub struct Server {
     daemon: Arc<Daemon>,
-    listener: UnixListener,
+    listener: Arc<UnixListener>,
+    /// Removes the socket when dropped, if it is still this daemon's.
+    own_socket: socket::OwnSocket,
     pool_threads: Vec<JoinHandle<()>>,
     keeper: Arc<state::Keeper>,
 }
@@ -156,6 +236,7 @@ pub struct Server {
 #[derive(Clone)]
 pub struct Shutdown {
     daemon: Arc<Daemon>,
+    listener: Arc<UnixListener>,
 }
 
 impl Shutdown {
@@ -163,64 +244,80 @@ impl Shutdown {
         if self.daemon.shutting_down.swap(true, Ordering::AcqRel) {
             return;
         }
-        // Wake the accept loop.
-        let _ = UnixStream::connect(&self.daemon.socket);
+        // Wakes the accept loop (`accept` fails at once from now on). Not a connect to the
+        // socket's path: that path may no longer lead to this daemon.
+        let _ = rustix::net::shutdown(&*self.listener, rustix::net::Shutdown::Both);
     }
 }
 
 impl Server {
-    /// Binds the socket and starts the pools. Refuses to replace a socket a live daemon answers on.
+    /// Checks each device's policy, binds the socket and starts the pools. Refuses to replace a
+    /// socket a live daemon answers on, or anything at the path that is not a socket; a policy
+    /// that cannot work is refused before the socket is made.
     pub fn bind(opts: ServeOptions) -> anyhow::Result<Server> {
         if opts.devices.is_empty() {
             bail!("no device to serve");
         }
-        let listener = bind_socket(&opts.socket, opts.socket_mode)?;
         let mut slots = Vec::new();
-        let mut pool_threads = Vec::new();
+        let mut pools = Vec::new();
         for (i, device) in opts.devices.iter().enumerate() {
             let policy = (opts.policy)(device.as_ref());
+            policy.check()?;
             let pool = Pool::new(device.clone(), opts.pool.clone());
-            pool_threads.push(pool.start());
-            slots.push(Slot::new(i as u32, device.clone(), policy, pool)?);
+            slots.push(Slot::new(i as u32, device.clone(), policy, pool.clone())?);
+            pools.push(pool);
         }
-        let daemon = Arc::new(Daemon {
-            slots,
+        let (listener, own_socket) = socket::bind(&opts.socket, opts.socket_mode)?;
+        let mut pool_threads: Vec<JoinHandle<()>> = pools.iter().map(|p| p.start()).collect();
+        let settings = Settings {
             allowed_uids: opts
                 .allowed_uids
                 .unwrap_or_else(|| vec![0, rustix::process::getuid().as_raw()]),
+            reclaim_timeout: opts.reclaim_timeout,
+            connections: ConnectionsConfig::default(),
+        };
+        let daemon = Arc::new(Daemon {
+            slots,
+            settings: RwLock::new(Arc::new(settings)),
             socket: opts.socket,
             started: Instant::now(),
-            reclaim_timeout: opts.reclaim_timeout,
             protocol_errors: AtomicU64::new(0),
+            connections_refused: AtomicU64::new(0),
             shutting_down: AtomicBool::new(false),
             conns: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             next_ask: AtomicU64::new(1),
             metrics: OnceLock::new(),
             shared: shared::SharedServer::default(),
+            books: opts
+                .probe
+                .map(|p| reconcile::Books::new(p, opts.devices.len(), opts.probe_period)),
         });
         // Tenants of a daemon before are adopted before anything else sees the books.
         let keeper = Arc::new(state::Keeper::adopt(&daemon, &daemon.socket));
         pool_threads.push(start_keeper(daemon.clone(), keeper.clone())?);
         pool_threads.push(scrub::start(daemon.clone())?);
-        if let Some(probe) = opts.probe {
+        if let Some(books) = &daemon.books {
             // The first reading before any tenant is admitted, so that memory already in use on
             // the device is never promised.
-            let mut first = vec![None; daemon.slots.len()];
-            reconcile::reconcile_once(&daemon, probe.as_ref(), &mut first);
-            pool_threads.push(reconcile::start(
-                daemon.clone(),
-                probe,
-                opts.probe_period,
-                first,
-            )?);
+            books.check(&daemon);
+            pool_threads.push(reconcile::start(daemon.clone(), books.period())?);
         }
         Ok(Server {
             daemon,
-            listener,
+            listener: Arc::new(listener),
+            own_socket,
             pool_threads,
             keeper,
         })
+    }
+
+    /// Applies the `[connections]` bounds (for connections accepted from now on; defaults until
+    /// called).
+    pub fn configure_connections(&self, connections: ConnectionsConfig) {
+        let mut s = (*self.daemon.settings()).clone();
+        s.connections = connections;
+        self.daemon.set_settings(s);
     }
 
     pub fn daemon(&self) -> &Arc<Daemon> {
@@ -235,50 +332,19 @@ impl Server {
     pub fn shutdown_handle(&self) -> Shutdown {
         Shutdown {
             daemon: self.daemon.clone(),
+            listener: self.listener.clone(),
         }
     }
 
     /// Serves until [`Shutdown::trigger`]; then closes every connection (which returns everything
     /// tenants held), releases the pools and removes the socket.
     pub fn run(self) -> anyhow::Result<()> {
-        let mut sessions: Vec<JoinHandle<()>> = Vec::new();
-        for stream in self.listener.incoming() {
-            if self.daemon.shutting_down.load(Ordering::Acquire) {
-                break;
-            }
-            let stream = match stream {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!("accept failed: {e}");
-                    std::thread::sleep(Duration::from_millis(10));
-                    continue;
-                }
-            };
-            sessions.retain(|h| !h.is_finished());
-            let id = self.daemon.next_conn.fetch_add(1, Ordering::Relaxed);
-            let conn = Arc::new(Conn::new(stream));
-            self.daemon
-                .conns
-                .lock()
-                .expect("conns")
-                .insert(id, conn.clone());
-            let daemon = self.daemon.clone();
-            let spawned = std::thread::Builder::new()
-                .name(format!("vramd-conn-{id}"))
-                .spawn(move || session::run(daemon, id, conn));
-            match spawned {
-                Ok(h) => sessions.push(h),
-                Err(e) => {
-                    tracing::error!("cannot start a connection thread: {e}");
-                    self.daemon.conns.lock().expect("conns").remove(&id);
-                }
-            }
-        }
+        let sessions = accept::run(&self.daemon, &self.listener);
         // The next daemon adopts the tenants from this: they reconnect to it.
         self.keeper.final_save(&self.daemon);
         tracing::info!("shutting down: closing {} connections", sessions.len());
-        for conn in self.daemon.conns.lock().expect("conns").values() {
-            let _ = conn.stream().shutdown(std::net::Shutdown::Both);
+        for peer in self.daemon.conns.lock().expect("conns").values() {
+            peer.disconnect();
         }
         for h in sessions {
             let _ = h.join();
@@ -289,7 +355,7 @@ impl Server {
         for t in self.pool_threads {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.daemon.socket);
+        drop(self.own_socket);
         tracing::info!("stopped");
         Ok(())
     }
@@ -308,26 +374,4 @@ fn start_keeper(
                 keeper.tick(&daemon);
             }
         })
-}
-
-fn bind_socket(path: &Path, mode: u32) -> anyhow::Result<UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
-    }
-    if path.exists() {
-        if UnixStream::connect(path).is_ok() {
-            bail!(
-                "another vramd is already serving on {}; stop it or choose another --socket",
-                path.display()
-            );
-        }
-        std::fs::remove_file(path)
-            .with_context(|| format!("cannot remove stale socket {}", path.display()))?;
-    }
-    let listener =
-        UnixListener::bind(path).with_context(|| format!("cannot bind {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
-        .with_context(|| format!("cannot set mode {mode:o} on {}", path.display()))?;
-    Ok(listener)
 }

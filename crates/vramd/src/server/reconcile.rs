@@ -7,7 +7,7 @@
 //! borrowing stops (the broker's free memory is zero) and borrowers are asked for their idle
 //! memory back.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use vram_core::books::Reconciled;
@@ -20,30 +20,55 @@ use super::Daemon;
 /// driver's own use moves by a few MiB as contexts come and go.
 const LOG_STEP: Bytes = Bytes::mib(64);
 
-/// Runs [`reconcile_once`] every `period` until the daemon shuts down.
-pub(super) fn start(
-    daemon: Arc<Daemon>,
+/// The probe and what it last showed of each device, shared by the periodic check and the
+/// check a tenant's first grant asks for.
+pub(crate) struct Books {
     probe: Arc<dyn DriverProbe>,
     period: Duration,
-    mut last: Vec<Option<Reconciled>>,
+    last: Mutex<Vec<Option<Reconciled>>>,
+}
+
+impl Books {
+    pub(crate) fn new(probe: Arc<dyn DriverProbe>, devices: usize, period: Duration) -> Books {
+        Books {
+            probe,
+            period,
+            last: Mutex::new(vec![None; devices]),
+        }
+    }
+
+    pub(crate) fn period(&self) -> Duration {
+        self.period
+    }
+
+    /// One round over every device (see [`reconcile_once`]); rounds never overlap.
+    pub(crate) fn check(&self, daemon: &Daemon) {
+        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        reconcile_once(daemon, self.probe.as_ref(), &mut last);
+    }
+}
+
+/// Checks the books every `period` until the daemon shuts down.
+pub(super) fn start(
+    daemon: Arc<Daemon>,
+    period: Duration,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("vramd-books".into())
         .spawn(move || {
             while !daemon.is_shutting_down() {
                 daemon.sleep_unless_shutdown(period);
-                reconcile_once(&daemon, probe.as_ref(), &mut last);
+                if let Some(books) = &daemon.books {
+                    books.check(&daemon);
+                }
             }
         })
 }
 
 /// One round over every device: read, reconcile, apply, report what changed, ask for memory back
-/// where a promise is broken. `last` holds each device's previous result, for logging on change.
-pub(super) fn reconcile_once(
-    daemon: &Daemon,
-    probe: &dyn DriverProbe,
-    last: &mut [Option<Reconciled>],
-) {
+/// where a promise is broken or a tenant's own memory took it past its limit. `last` holds each
+/// device's previous result, for logging on change.
+fn reconcile_once(daemon: &Daemon, probe: &dyn DriverProbe, last: &mut [Option<Reconciled>]) {
     for (i, slot) in daemon.slots.iter().enumerate() {
         let uuid = slot.device().info().uuid.clone();
         let books = slot.books();

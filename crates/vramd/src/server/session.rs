@@ -7,8 +7,10 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::histogram::Histogram;
 use vram_core::broker::{TenantId, TenantRequest};
 use vram_core::Bytes;
-use vram_proto::{Conn, ErrorCode, ErrorReply, Hello, ProtoError, Reply, Request, Role, Welcome};
+use vram_proto::{ErrorCode, ErrorReply, Hello, ProtoError, Reply, Request, Role, Welcome};
 
+use super::exit::Ended;
+use super::peer::Peer;
 use super::slot::ReclaimSender;
 use super::Daemon;
 use crate::metrics::{tenant_labels, TenantLabels};
@@ -20,57 +22,67 @@ struct Registered {
     name: String,
     /// Its grant latency series, when metrics are served.
     grant_seconds: Option<(TenantLabels, Histogram)>,
+    /// Whether the driver's figures were read since it registered (see `first_driver_check`).
+    driver_checked: bool,
+    /// Its process's start time, to tell it from a later process with its pid.
+    start_time: Option<u64>,
+    /// What it held when it said `Bye`: it is finishing, not crashing.
+    bye: Option<vram_proto::Budget>,
+    /// A process that joined a tenant `vramd run` registered: when it ends, its memory goes back
+    /// and the tenant stays, registered by `vramd run`'s connection.
+    member: bool,
 }
 
 struct Session {
     daemon: Arc<Daemon>,
     conn_id: u64,
-    conn: Arc<Conn>,
+    peer: Arc<Peer>,
     pid: u32,
     uid: u32,
     tenant: Option<Registered>,
 }
 
-pub fn run(daemon: Arc<Daemon>, conn_id: u64, conn: Arc<Conn>) {
-    let creds = match rustix::net::sockopt::socket_peercred(conn.stream()) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!("cannot read peer credentials: {e}");
-            daemon.conns.lock().expect("conns").remove(&conn_id);
-            return;
-        }
-    };
+/// Serves connection `conn_id` (admitted by the accept loop) until it ends, then cleans up.
+pub fn run(daemon: Arc<Daemon>, conn_id: u64, peer: Arc<Peer>) {
     let mut session = Session {
         daemon,
         conn_id,
-        conn,
-        pid: creds.pid.as_raw_nonzero().get() as u32,
-        uid: creds.uid.as_raw(),
+        pid: peer.pid,
+        uid: peer.uid,
+        peer,
         tenant: None,
     };
-    if session.daemon.uid_allowed(session.uid) {
-        session.serve();
-    } else {
-        tracing::warn!(
-            uid = session.uid,
-            pid = session.pid,
-            "connection refused: uid not allowed"
-        );
-        let message = format!(
-            "uid {} is not allowed to use this vramd (add it to allowed_uids in the daemon's config)",
-            session.uid
-        );
-        session.send_error(0, ErrorCode::PermissionDenied, message);
-    }
+    session.serve();
     session.finish();
 }
 
 impl Session {
     fn serve(&mut self) {
+        // Until its first request a connection is on a clock: a silent peer does not keep a
+        // connection (and a thread) for ever.
+        let mut idle = Some(self.daemon.settings().connections.hello_timeout());
         loop {
-            let received = match self.conn.recv::<Request>() {
+            let received = match self.peer.conn.recv_within::<Request>(idle) {
                 Ok(r) => r,
                 Err(ProtoError::Closed) => return,
+                Err(ProtoError::Idle(waited)) => {
+                    let message = format!(
+                        "no request within {} s of connecting ([connections] hello_timeout_ms); \
+                         closing the connection",
+                        waited.as_secs_f64()
+                    );
+                    tracing::info!(pid = self.pid, uid = self.uid, "{message}");
+                    self.send_error(0, ErrorCode::Protocol, message);
+                    return;
+                }
+                Err(ProtoError::Io(e))
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+                    ) =>
+                {
+                    return
+                }
                 Err(e) => {
                     self.daemon.protocol_errors.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(pid = self.pid, "protocol error: {e}");
@@ -86,6 +98,7 @@ impl Session {
                     return;
                 }
             };
+            idle = None;
             // A client sends no descriptors; any it did are closed here.
             drop(received.fds);
             if !self.handle(received.id, received.msg) {
@@ -98,12 +111,12 @@ impl Session {
     fn handle(&mut self, id: u64, request: Request) -> bool {
         let reply = match request {
             Request::Hello(hello) => self.hello(hello),
-            Request::Status => Ok(Reply::Status(Box::new(self.daemon.status()))),
+            Request::Status => Ok(Reply::Status(Box::new(self.daemon.status_reply(id)))),
             Request::Ping => Ok(Reply::Pong),
             Request::Grant { bytes } => return self.grant(id, bytes),
             Request::GrantMany { sizes } => return self.grant_many(id, sizes, true),
             Request::Shared(r) => {
-                return super::shared::serve(&self.daemon, &self.conn, self.registered(), id, r)
+                return super::shared::serve(&self.daemon, &self.peer, self.registered(), id, r)
             }
             Request::Return { grants } => self.registered().and_then(|(slot, t)| {
                 let (bytes, held) = self.daemon.slots[slot].give_back(t, &grants)?;
@@ -146,6 +159,21 @@ impl Session {
                         message: "this tenant is no longer known".into(),
                     })
             }),
+            Request::Bye => self.registered().map(|(slot, t)| {
+                if let Some(r) = self.tenant.as_mut() {
+                    r.bye = self.daemon.slots[slot].budget(t);
+                }
+                Reply::Ack
+            }),
+            Request::Invite => self.registered().and_then(|(slot, t)| {
+                let token = self.daemon.slots[slot].invite(t, self.uid)?;
+                Ok(Reply::Invitation { token })
+            }),
+            Request::Exited(status) => self.registered().map(|(slot, _)| {
+                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                log_exit(name, slot, status);
+                Reply::Ack
+            }),
             Request::ReclaimDone { ask, returned } => self.registered().map(|_| {
                 let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
                 tracing::info!(tenant = name, ask, %returned, "reclaim answered");
@@ -156,7 +184,39 @@ impl Session {
             }),
         };
         let reply = reply.unwrap_or_else(Reply::Error);
-        self.conn.send(id, &reply, &[]).is_ok()
+        self.send(id, &reply, &[])
+    }
+
+    /// Sends a reply, waiting at most `[connections] send_timeout_ms` for the peer to take it;
+    /// `false`: the connection is over (gone, or a peer that does not read, now disconnected).
+    fn send(&self, id: u64, reply: &Reply, fds: &[std::os::fd::BorrowedFd<'_>]) -> bool {
+        match self.peer.conn.send(id, reply, fds) {
+            Ok(()) => {
+                self.peer.written();
+                true
+            }
+            Err(ProtoError::SendTimeout(limit)) => {
+                let tenant = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                tracing::warn!(
+                    tenant, pid = self.pid, limit_ms = limit.as_millis() as u64,
+                    "tenant does not read its socket: a reply was not taken in time; disconnected, \
+                     its memory is reclaimed as on a crash"
+                );
+                self.peer.disconnect();
+                false
+            }
+            Err(e @ (ProtoError::Oversized { .. } | ProtoError::Decode(_))) => {
+                // A reply this daemon cannot send is its own fault: said, and the peer told.
+                tracing::error!(pid = self.pid, "cannot send a reply: {e}");
+                let e = Reply::Error(ErrorReply {
+                    code: ErrorCode::Device,
+                    reason: None,
+                    message: format!("the daemon could not send its reply: {e}"),
+                });
+                self.peer.conn.send(id, &e, &[]).is_ok()
+            }
+            Err(_) => false,
+        }
     }
 
     fn registered(&self) -> Result<(usize, TenantId), ErrorReply> {
@@ -178,14 +238,15 @@ impl Session {
                 message: format!("this connection is already tenant `{}`", t.name),
             });
         }
-        let Role::Tenant {
-            name,
-            class,
-            guarantee,
-            limit,
-        } = hello.role
-        else {
-            return Ok(Reply::Ack);
+        let (name, class, guarantee, limit) = match hello.role {
+            Role::Tenant {
+                name,
+                class,
+                guarantee,
+                limit,
+            } => (name, class, guarantee, limit),
+            Role::Join { token } => return self.join(&token, &hello.client),
+            Role::Observer => return Ok(Reply::Ack),
         };
         let slot = hello.gpu.unwrap_or(0) as usize;
         let Some(s) = self.daemon.slots.get(slot) else {
@@ -225,6 +286,60 @@ impl Session {
             id,
             name: t.name.clone(),
             grant_seconds,
+            driver_checked: false,
+            start_time: super::state::process_start_time(self.pid),
+            bye: None,
+            member: false,
+        });
+        Ok(Reply::Welcome(Welcome {
+            tenant: id.0,
+            name: t.name,
+            class: t.class,
+            priority: t.priority,
+            guarantee: t.guarantee,
+            limit: t.limit,
+            device: s.desc(),
+        }))
+    }
+
+    /// Takes over the memory side of a tenant `vramd run` registered for this process.
+    fn join(&mut self, token: &str, client: &str) -> Result<Reply, ErrorReply> {
+        let slot = self
+            .daemon
+            .slots
+            .iter()
+            .position(|s| s.has_invitation(token))
+            .ok_or_else(|| ErrorReply {
+                code: ErrorCode::Admission,
+                reason: None,
+                message: "no such invitation (already taken by another process, or its tenant \
+                          is gone)"
+                    .into(),
+            })?;
+        let s = &self.daemon.slots[slot];
+        let (id, t) = s
+            .join(token, self.pid, self.uid, self.conn_id)
+            .inspect_err(|e| tracing::warn!(pid = self.pid, "join refused: {}", e.message))?;
+        tracing::info!(
+            tenant = t.name,
+            pid = self.pid,
+            gpu = slot,
+            client,
+            "tenant's program joined"
+        );
+        let grant_seconds = self.daemon.metrics().map(|m| {
+            let labels = tenant_labels(&t.name, &t.class, slot as u32);
+            (labels.clone(), m.grant_histogram(&labels))
+        });
+        self.tenant = Some(Registered {
+            slot,
+            id,
+            name: t.name.clone(),
+            grant_seconds,
+            driver_checked: false,
+            start_time: super::state::process_start_time(self.pid),
+            bye: None,
+            member: true,
         });
         Ok(Reply::Welcome(Welcome {
             tenant: id.0,
@@ -246,7 +361,7 @@ impl Session {
     fn grant_many(&mut self, id: u64, sizes: Vec<Bytes>, many: bool) -> bool {
         let (slot, tenant) = match self.registered() {
             Ok(r) => r,
-            Err(e) => return self.conn.send(id, &Reply::Error(e), &[]).is_ok(),
+            Err(e) => return self.send(id, &Reply::Error(e), &[]),
         };
         if sizes.is_empty() || sizes.len() > vram_proto::MAX_FDS {
             let e = ErrorReply {
@@ -258,9 +373,10 @@ impl Session {
                     sizes.len()
                 ),
             };
-            return self.conn.send(id, &Reply::Error(e), &[]).is_ok();
+            return self.send(id, &Reply::Error(e), &[]);
         }
-        let timeout = self.daemon.reclaim_timeout;
+        self.first_driver_check();
+        let timeout = self.daemon.settings().reclaim_timeout;
         let started = Instant::now();
         let asker = Asker(&self.daemon);
         let granted = match self.daemon.slots[slot].grant_many(tenant, &sizes, timeout, &asker) {
@@ -270,13 +386,16 @@ impl Session {
                 tracing::warn!(
                     tenant = name,
                     gpu = slot,
-                    asked = sizes.iter().copied().sum::<Bytes>().get(),
+                    asked = sizes
+                        .iter()
+                        .fold(Bytes::ZERO, |a, b| a.saturating_add(*b))
+                        .get(),
                     handles = sizes.len(),
                     reason = e.reason.as_deref().unwrap_or(""),
                     "refused: {}",
                     e.message
                 );
-                return self.conn.send(id, &Reply::Error(e), &[]).is_ok();
+                return self.send(id, &Reply::Error(e), &[]);
             }
         };
         if let Some((_, h)) = self.tenant.as_ref().and_then(|t| t.grant_seconds.as_ref()) {
@@ -294,14 +413,15 @@ impl Session {
             },
         };
         // If the tenant is gone by now, the grants are taken back with everything else.
-        self.conn.send(id, &reply, &fds).is_ok()
+        self.send(id, &reply, &fds)
     }
 
     /// Books memory the tenant made itself; refusals are logged as a grant's are.
-    fn charge(&self, bytes: Bytes) -> Result<Reply, ErrorReply> {
+    fn charge(&mut self, bytes: Bytes) -> Result<Reply, ErrorReply> {
         let (slot, tenant) = self.registered()?;
+        self.first_driver_check();
         let asker = Asker(&self.daemon);
-        let timeout = self.daemon.reclaim_timeout;
+        let timeout = self.daemon.settings().reclaim_timeout;
         self.daemon.slots[slot]
             .charge(tenant, bytes, timeout, &asker)
             .inspect_err(|e| {
@@ -318,16 +438,33 @@ impl Session {
         Ok(Reply::Ack)
     }
 
+    /// Before a tenant's first grant or charge, the driver's figures are read once more, so that
+    /// its CUDA context (made before its first allocation) counts before anything is booked, not
+    /// up to a reading period later.
+    fn first_driver_check(&mut self) {
+        let Some(t) = self.tenant.as_mut() else {
+            return;
+        };
+        if std::mem::replace(&mut t.driver_checked, true) {
+            return;
+        }
+        if let Some(books) = &self.daemon.books {
+            books.check(&self.daemon);
+        }
+    }
+
     fn send_error(&self, id: u64, code: ErrorCode, message: String) {
         let reply = Reply::Error(ErrorReply {
             code,
             reason: None,
             message,
         });
-        let _ = self.conn.send(id, &reply, &[]);
+        let _ = self.peer.conn.send(id, &reply, &[]);
     }
 
     fn finish(self) {
+        self.peer.mark_closed();
+        self.daemon.shared.wake_waiters();
         self.daemon
             .conns
             .lock()
@@ -338,17 +475,72 @@ impl Session {
             m.forget(labels);
         }
         let started = Instant::now();
-        if let Some((state, handles)) = self.daemon.slots[t.slot].disconnect(t.id) {
-            let micros = started.elapsed().as_micros() as u64;
-            if handles > 0 {
-                // It did not give its memory back itself: it crashed, was killed, or just closed.
-                tracing::warn!(
-                    tenant = t.name, pid = self.pid, reclaimed = %state.held, handles, micros,
-                    "crash reclaim: tenant gone holding memory; all of it is back"
-                );
-            } else {
-                tracing::info!(tenant = t.name, pid = self.pid, "tenant gone");
-            }
+        if t.member {
+            let (held, handles) = self.daemon.slots[t.slot].member_gone(t.id);
+            tracing::info!(
+                tenant = t.name, pid = self.pid, gpu = t.slot, held = %held, handles,
+                micros = started.elapsed().as_micros() as u64,
+                "tenant's program closed its connection; all it held is back (`vramd run` \
+                 reports how it ended)"
+            );
+            return;
+        }
+        let Some((state, handles)) = self.daemon.slots[t.slot].disconnect(t.id) else {
+            return;
+        };
+        let micros = started.elapsed().as_micros() as u64;
+        let (pid, gpu) = (self.pid, t.slot);
+        if let Some(bye) = t.bye {
+            tracing::info!(
+                tenant = t.name, pid, gpu, held = %bye.held, charged = %bye.charged,
+                released = %state.held, handles, micros,
+                "tenant finished: it said Bye; what it still held is released"
+            );
+            return;
+        }
+        let held = state.held.saturating_add(state.charged);
+        // Memory is back already; how the process ended is looked up for the log only.
+        let ended = super::exit::how_it_ended(pid, t.start_time);
+        let (signal, core, exit_status) = match ended {
+            Some(Ended::Signal { signal, core }) => (Some(signal), Some(core), None),
+            Some(Ended::Exited(status)) => (None, None, Some(status)),
+            None => (None, None, None),
+        };
+        if held > Bytes::ZERO || handles > 0 || signal.is_some() {
+            tracing::warn!(
+                tenant = t.name, pid, gpu, reclaimed = %state.held, charged = %state.charged,
+                handles, micros, signal, core, exit_status,
+                "crash reclaim: tenant gone without Bye; all it held is back"
+            );
+        } else {
+            tracing::info!(
+                tenant = t.name,
+                pid,
+                gpu,
+                exit_status,
+                "tenant gone holding nothing"
+            );
+        }
+    }
+}
+
+/// How a tenant's program ended, as `vramd run` saw it: a normal end is INFO, a signal or a
+/// failure exit is a WARN with the signal or code.
+fn log_exit(tenant: &str, gpu: usize, status: vram_proto::ExitStatus) {
+    match status {
+        vram_proto::ExitStatus::Code(0) => {
+            tracing::info!(tenant, gpu, exit_status = 0, "tenant's program finished")
+        }
+        vram_proto::ExitStatus::Code(code) => {
+            tracing::warn!(tenant, gpu, exit_status = code, "tenant's program failed")
+        }
+        vram_proto::ExitStatus::Signal(signal) => {
+            tracing::warn!(
+                tenant,
+                gpu,
+                signal,
+                "tenant's program was killed by a signal"
+            )
         }
     }
 }

@@ -21,10 +21,11 @@ use vram_core::shared::{
 use vram_core::Bytes;
 use vram_device::{Access, BackendKind, Device, DeviceError, Handle};
 use vram_proto::{
-    Conn, ErrorCode, ErrorReply, LeaseOp, Reply, ScrubStatus, SharedBufferStatus, SharedReply,
+    ErrorCode, ErrorReply, LeaseOp, Reply, ScrubStatus, SharedBufferStatus, SharedReply,
     SharedRequest, SharedStatus,
 };
 
+use super::peer::Peer;
 use super::Daemon;
 use crate::config::SharedConfig;
 
@@ -114,14 +115,42 @@ impl SharedServer {
         *self.published.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         self.wake.notify_all();
     }
+
+    /// Wakes every wait for a newer version without a publish, so that waits of a connection
+    /// that ended see it at once.
+    pub(super) fn wake_waiters(&self) {
+        let _guard = self.published.lock().unwrap_or_else(|p| p.into_inner());
+        self.wake.notify_all();
+    }
+
+    /// Puts the `[shared]` settings (scrub rate, longest lease) in force; what changed.
+    pub(super) fn apply(&self, cfg: &SharedConfig) -> Vec<String> {
+        let mut changes = Vec::new();
+        let rate = self
+            .scrub_rate
+            .swap(cfg.scrub_rate.get(), Ordering::Relaxed);
+        if rate != cfg.scrub_rate.get() {
+            changes.push(format!(
+                "[shared] scrub_rate {}/s → {}/s",
+                Bytes(rate),
+                cfg.scrub_rate
+            ));
+        }
+        let lease = self.max_lease_ms.swap(cfg.max_lease_ms, Ordering::Relaxed);
+        if lease != cfg.max_lease_ms {
+            changes.push(format!(
+                "[shared] max_lease_ms {lease} → {}",
+                cfg.max_lease_ms
+            ));
+        }
+        changes
+    }
 }
 
 impl super::Server {
     /// Applies the `[shared]` settings (scrub rate, longest lease).
     pub fn configure_shared(&self, cfg: &SharedConfig) {
-        let s = &self.daemon.shared;
-        s.scrub_rate.store(cfg.scrub_rate.get(), Ordering::Relaxed);
-        s.max_lease_ms.store(cfg.max_lease_ms, Ordering::Relaxed);
+        self.daemon.shared.apply(cfg);
     }
 }
 
@@ -138,6 +167,7 @@ pub fn status(daemon: &Daemon) -> SharedStatus {
                 .map(move |info| SharedBufferStatus {
                     gpu: gpu as u32,
                     info,
+                    acl_left_out: 0,
                 })
         })
         .collect();
@@ -159,23 +189,26 @@ pub fn status(daemon: &Daemon) -> SharedStatus {
             .iter()
             .map(|slot| slot.with_shared(|_, books| books.core.totals().leases_expired))
             .sum(),
+        buffers_left_out: 0,
     }
 }
 
 /// Serves one shared-buffer request; `false` if the connection is gone.
 pub fn serve(
     daemon: &Arc<Daemon>,
-    conn: &Arc<Conn>,
+    peer: &Arc<Peer>,
     who: Result<(usize, TenantId), ErrorReply>,
     id: u64,
     request: SharedRequest,
 ) -> bool {
+    let conn = &peer.conn;
     let (slot, tenant) = match who {
         Ok(w) => w,
         Err(e) => return conn.send(id, &Reply::Error(e), &[]).is_ok(),
     };
     // Waits and reads of a whole version run on their own thread, so the connection's other
-    // requests (the writer's lease renewals) go on meanwhile.
+    // requests (the writer's lease renewals) go on meanwhile; at most `[connections] max_waits`
+    // of them per connection, and waits end with their connection.
     let slow = matches!(
         request,
         SharedRequest::WaitNewer { .. }
@@ -183,25 +216,45 @@ pub fn serve(
             | SharedRequest::Verify { .. }
     );
     if !slow {
-        return answer(daemon, conn, slot, tenant, id, request);
+        return answer(daemon, peer, slot, tenant, id, request);
     }
-    let (daemon, conn) = (daemon.clone(), conn.clone());
-    std::thread::Builder::new()
+    let max = daemon.settings().connections.max_waits;
+    let Some(place) = peer.slow_slot(max) else {
+        let e = ErrorReply {
+            code: ErrorCode::BadRequest,
+            reason: Some("too_many_waits".into()),
+            message: format!(
+                "this connection already has {max} shared-buffer waits, publishes or verifies in \
+                 progress, at most {max} at a time ([connections] max_waits); wait for one to end"
+            ),
+        };
+        return conn.send(id, &Reply::Error(e), &[]).is_ok();
+    };
+    let (daemon, peer) = (daemon.clone(), peer.clone());
+    let spawned = std::thread::Builder::new()
         .name("vramd-shared".into())
         .spawn(move || {
-            answer(&daemon, &conn, slot, tenant, id, request);
-        })
-        .is_ok()
+            answer(&daemon, &peer, slot, tenant, id, request);
+            drop(place);
+        });
+    match spawned {
+        Ok(_) => true,
+        Err(e) => {
+            let e = device_error(format!("cannot start a thread for this request: {e}"));
+            conn.send(id, &Reply::Error(e), &[]).is_ok()
+        }
+    }
 }
 
 fn answer(
     daemon: &Arc<Daemon>,
-    conn: &Conn,
+    peer: &Peer,
     slot: usize,
     tenant: TenantId,
     id: u64,
     request: SharedRequest,
 ) -> bool {
+    let conn = &peer.conn;
     let answered = match request {
         SharedRequest::WaitNewer {
             buffer,
@@ -209,7 +262,7 @@ fn answer(
             timeout_ms,
         } => {
             let timeout = Duration::from_millis(u64::from(timeout_ms));
-            wait_newer(daemon, slot, tenant, buffer, than, timeout).map(|r| (r, None))
+            wait_newer(daemon, peer, slot, tenant, buffer, than, timeout).map(|r| (r, None))
         }
         request => Op {
             daemon,
@@ -476,8 +529,11 @@ impl Op<'_> {
     }
 }
 
+/// Waits until `buffer` has a version newer than `than`, `timeout` passes, the daemon shuts down
+/// or `peer`'s connection ends.
 fn wait_newer(
     daemon: &Daemon,
+    peer: &Peer,
     slot: usize,
     tenant: TenantId,
     buffer: BufferId,
@@ -498,7 +554,7 @@ fn wait_newer(
             return Ok(Reply::Shared(SharedReply::Newer(current)));
         }
         let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || daemon.shutting_down.load(Ordering::Acquire) {
+        if left.is_zero() || daemon.shutting_down.load(Ordering::Acquire) || peer.is_closed() {
             return Ok(Reply::Shared(SharedReply::Newer(None)));
         }
         // Publishes bump the counter under this lock, so none is missed between check and wait.
@@ -510,7 +566,7 @@ fn wait_newer(
                 .wait_timeout(generation, left.min(Duration::from_millis(500)))
                 .unwrap_or_else(|p| p.into_inner())
                 .0;
-            if daemon.shutting_down.load(Ordering::Acquire) {
+            if daemon.shutting_down.load(Ordering::Acquire) || peer.is_closed() {
                 break;
             }
         }

@@ -33,6 +33,11 @@ struct State {
     processes: HashMap<TenantId, Process>,
     /// The books changed since the state file was last written.
     dirty: bool,
+    /// Invitations to join a tenant not yet taken: token → (tenant, the uid that may take it).
+    invitations: HashMap<String, (TenantId, u32)>,
+    /// Tenants whose memory a joined process holds: the registering connection and process,
+    /// which the tenant falls back to when the member ends.
+    members: HashMap<TenantId, (u64, Process)>,
 }
 
 /// A tenant's process as the state file names it.
@@ -105,6 +110,8 @@ impl Slot {
                 pending: HashMap::new(),
                 processes: HashMap::new(),
                 dirty: false,
+                invitations: HashMap::new(),
+                members: HashMap::new(),
             }),
             returned: Condvar::new(),
             pool,
@@ -209,10 +216,29 @@ impl Slot {
                     uid: req.uid,
                     start_time: super::state::process_start_time(req.pid).unwrap_or(0),
                 };
-                let id = st
-                    .broker
-                    .connect(req)
-                    .map_err(|e| admission(e.to_string()))?;
+                // What the driver showed of this process before it was a tenant (its context,
+                // made before its first allocation) is its own from now on, not outside use
+                // standing in the way of its own guarantee.
+                let own = st.driver.as_ref().map_or(Bytes::ZERO, |d| {
+                    d.outside_processes
+                        .iter()
+                        .filter(|p| p.pid == req.pid)
+                        .map(|p| p.bytes)
+                        .sum()
+                });
+                let outside = st.broker.outside_use();
+                st.broker.set_outside_use(outside.saturating_sub(own));
+                let id = match st.broker.connect(req) {
+                    Ok(id) => id,
+                    Err(e) => {
+                        st.broker.set_outside_use(outside);
+                        return Err(admission(e.to_string()));
+                    }
+                };
+                st.broker.set_tenant_outside(id, own);
+                if let Some(d) = st.driver.as_mut() {
+                    d.outside_processes.retain(|p| p.pid != process.pid);
+                }
                 st.processes.insert(id, process);
                 if let Some(r) = resume {
                     settle(st, id, r);
@@ -225,6 +251,127 @@ impl Slot {
         let tenant = st.broker.tenant(id).expect("just connected").clone();
         self.pool.set_room(st.broker.free());
         Ok((id, tenant))
+    }
+
+    /// An invitation for one process of `uid` to join `tenant` (see [`Slot::join`]).
+    pub fn invite(&self, tenant: TenantId, uid: u32) -> Result<String, ErrorReply> {
+        let token = random_token().map_err(|e| ErrorReply {
+            code: ErrorCode::Device,
+            reason: None,
+            message: format!("cannot make an invitation token: {e}"),
+        })?;
+        let mut s = self.lock();
+        s.invitations.retain(|_, (t, _)| *t != tenant);
+        s.invitations.insert(token.clone(), (tenant, uid));
+        Ok(token)
+    }
+
+    /// Whether an invitation with this token waits here.
+    pub fn has_invitation(&self, token: &str) -> bool {
+        self.lock().invitations.contains_key(token)
+    }
+
+    /// The process on connection `conn` takes the memory side of the tenant it was invited to:
+    /// its grants, reclaim requests and driver figures are that process's from now on.
+    pub fn join(
+        &self,
+        token: &str,
+        pid: u32,
+        uid: u32,
+        conn: u64,
+    ) -> Result<(TenantId, Tenant), ErrorReply> {
+        let refuse = |message: String| ErrorReply {
+            code: ErrorCode::Admission,
+            reason: None,
+            message,
+        };
+        let mut s = self.lock();
+        let st = &mut *s;
+        let Some(&(id, invited_uid)) = st.invitations.get(token) else {
+            return Err(refuse(
+                "no such invitation (already taken, or its tenant is gone)".into(),
+            ));
+        };
+        if invited_uid != uid {
+            return Err(refuse(format!(
+                "the invitation is for uid {invited_uid}; this process runs as uid {uid}"
+            )));
+        }
+        st.invitations.remove(token);
+        let (Some(holder_conn), Some(holder)) =
+            (st.conn_of.get(&id).copied(), st.processes.get(&id).copied())
+        else {
+            return Err(refuse("the invited tenant is gone".into()));
+        };
+        let member = Process {
+            pid,
+            uid,
+            start_time: super::state::process_start_time(pid).unwrap_or(0),
+        };
+        // What the driver showed of the process so far (its context) is the tenant's now.
+        let own: Bytes = st.driver.as_mut().map_or(Bytes::ZERO, |d| {
+            let own = d
+                .outside_processes
+                .iter()
+                .filter(|p| p.pid == pid)
+                .map(|p| p.bytes)
+                .sum();
+            d.outside_processes.retain(|p| p.pid != pid);
+            own
+        });
+        let outside = st.broker.outside_use();
+        st.broker.set_outside_use(outside.saturating_sub(own));
+        st.broker.set_tenant_outside(id, own);
+        st.members.insert(id, (holder_conn, holder));
+        st.conn_of.insert(id, conn);
+        st.processes.insert(id, member);
+        st.broker.set_pid(id, pid);
+        st.dirty = true;
+        let tenant = st
+            .broker
+            .tenant(id)
+            .expect("invited tenant is connected")
+            .clone();
+        Ok((id, tenant))
+    }
+
+    /// The joined process of `tenant` ended: everything it held goes back, as at a crash, and the
+    /// tenant is the registering process's again. Returns what it held and the handles released.
+    pub fn member_gone(&self, tenant: TenantId) -> (Bytes, usize) {
+        let handles: Vec<Handle> = {
+            let mut s = self.lock();
+            let ids: Vec<GrantId> = s
+                .grants
+                .iter()
+                .filter(|(_, (t, _))| *t == tenant)
+                .map(|(id, _)| *id)
+                .collect();
+            ids.iter()
+                .filter_map(|id| s.grants.remove(id))
+                .map(|(_, h)| h)
+                .collect()
+        };
+        let n = handles.len();
+        // The memory first, the books after (see `give_back`).
+        drop(handles);
+        self.pool.forget(tenant.0);
+        let mut s = self.lock();
+        let st = &mut *s;
+        st.adopted.retain(|_, (t, _)| *t != tenant);
+        let held = st.broker.release_all(tenant);
+        if let Some((conn, holder)) = st.members.remove(&tenant) {
+            st.conn_of.insert(tenant, conn);
+            st.processes.insert(tenant, holder);
+            st.broker.set_pid(tenant, holder.pid);
+        }
+        st.dirty = true;
+        self.pool.set_room(st.broker.free());
+        let wake = st.waiting > 0;
+        drop(s);
+        if wake {
+            self.returned.notify_all();
+        }
+        (held, n)
     }
 
     /// Takes over a tenant of the daemon before from the state it left: its books as they were,
@@ -596,6 +743,8 @@ impl Slot {
             s.adopted.retain(|_, (t, _)| *t != tenant);
             s.pending.remove(&tenant);
             s.processes.remove(&tenant);
+            s.members.remove(&tenant);
+            s.invitations.retain(|_, (t, _)| *t != tenant);
             s.dirty = true;
             ids.iter()
                 .filter_map(|id| s.grants.remove(id))
@@ -654,11 +803,25 @@ impl Slot {
         let deficit = s.broker.deficit();
         let at_risk = s.broker.at_risk();
         let was_at_risk = s.driver.as_ref().is_some_and(|d| d.at_risk);
-        let asks = if deficit > Bytes::ZERO {
+        let mut asks = if deficit > Bytes::ZERO {
             conns_of(&s, &s.broker.deficit_plan())
         } else {
             Vec::new()
         };
+        // A tenant whose own memory (its context, seen only now) took it past its limit gives
+        // back what it has idle, up to the excess.
+        let over: Vec<ReclaimAsk> = s
+            .broker
+            .tenants()
+            .filter_map(|(id, t)| {
+                let excess = t.total().saturating_sub(t.limit).min(t.cached);
+                (excess > Bytes::ZERO).then_some(ReclaimAsk {
+                    tenant: id,
+                    bytes: excess,
+                })
+            })
+            .collect();
+        asks.extend(conns_of(&s, &over));
         s.driver = Some(DriverView {
             used,
             unattributed: r.unattributed,
@@ -794,6 +957,14 @@ fn settle(s: &mut State, id: TenantId, r: &Resume) {
             tracing::warn!("memory the tenant says it charged is not booked: {e}");
         }
     }
+}
+
+/// 128 random bits, in hex: an invitation nobody can guess.
+fn random_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut bytes)?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// What a booking is for.

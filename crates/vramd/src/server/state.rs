@@ -113,6 +113,23 @@ pub fn load(path: &Path) -> Option<Saved> {
     None
 }
 
+/// What the tenants of a daemon before, still running, hold on device `gpu`, by the state file
+/// beside `socket` (read only: adoption happens when the server starts).
+pub fn held_by_live_tenants(socket: &Path, gpu: u32) -> Bytes {
+    let Ok(bytes) = std::fs::read(path_for(socket)) else {
+        return Bytes::ZERO;
+    };
+    let Ok(saved) = serde_json::from_slice::<Saved>(&bytes) else {
+        return Bytes::ZERO;
+    };
+    saved
+        .tenants
+        .iter()
+        .filter(|t| t.gpu == gpu && still_running(t.pid, t.start_time))
+        .flat_map(|t| t.grants.iter().map(|g| g.1))
+        .fold(Bytes::ZERO, Bytes::saturating_add)
+}
+
 /// The start time of process `pid` (clock ticks since boot, field 22 of `/proc/PID/stat`), or
 /// `None` if there is no such process (or it is a zombie: it holds no memory any more).
 pub fn process_start_time(pid: u32) -> Option<u64> {

@@ -1,12 +1,20 @@
 //! The daemon's configuration file (TOML). Every key is optional; see `docs/operations.md`.
+//! `check` says whether a configuration can work, before anything is started with it; `live`
+//! what of it a running daemon can put in force.
+
+mod check;
+mod live;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::Context;
 use serde::Deserialize;
 use vram_core::broker::{Class, DeclaredTenant, Policy};
 use vram_core::Bytes;
+
+pub use check::{ConfigError, Device as CheckedDevice};
 
 /// `backend = "auto" | "host" | "cuda"`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum, Default)]
@@ -43,13 +51,15 @@ pub struct Config {
     #[serde(default)]
     pub shared: SharedConfig,
     #[serde(default)]
+    pub connections: ConnectionsConfig,
+    #[serde(default)]
     pub classes: BTreeMap<String, Class>,
     #[serde(default)]
     pub tenants: BTreeMap<String, DeclaredTenant>,
 }
 
 /// The handle pool: memory created (and exported) ahead of demand.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     /// The most memory the pool holds.
@@ -86,7 +96,7 @@ impl Default for PoolConfig {
 }
 
 /// Shared buffers: the scrub and the writer lease.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SharedConfig {
     /// Bytes per second the background scrub re-reads published versions at ("0" turns it off).
@@ -115,7 +125,92 @@ impl Default for SharedConfig {
     }
 }
 
+/// Bounds on every peer: how many connect, how long they may take, how many waits they hold.
+/// Every value must be above 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ConnectionsConfig {
+    /// Connections open at once, tenants and tools together.
+    #[serde(default = "ConnectionsConfig::default_max_total")]
+    pub max_total: usize,
+    /// Connections open at once from one uid.
+    #[serde(default = "ConnectionsConfig::default_max_per_uid")]
+    pub max_per_uid: usize,
+    /// How long a new connection may stay silent before its first request.
+    #[serde(default = "ConnectionsConfig::default_hello_timeout_ms")]
+    pub hello_timeout_ms: u64,
+    /// How long a peer may take to send one whole frame, from its first byte.
+    #[serde(default = "ConnectionsConfig::default_frame_timeout_ms")]
+    pub frame_timeout_ms: u64,
+    /// How long a peer may take to accept one frame the daemon sends it (a reply).
+    #[serde(default = "ConnectionsConfig::default_send_timeout_ms")]
+    pub send_timeout_ms: u64,
+    /// How long a tenant's socket may stay full (it does not read) before it is disconnected and
+    /// its memory reclaimed as on a crash; reclaim requests to it are skipped meanwhile.
+    #[serde(default = "ConnectionsConfig::default_unread_timeout_ms")]
+    pub unread_timeout_ms: u64,
+    /// Shared-buffer requests served on threads of their own (`WaitNewer`, `Publish`,
+    /// `Verify`) that one connection may have in progress.
+    #[serde(default = "ConnectionsConfig::default_max_waits")]
+    pub max_waits: usize,
+}
+
+impl ConnectionsConfig {
+    fn default_max_total() -> usize {
+        2048
+    }
+    fn default_max_per_uid() -> usize {
+        256
+    }
+    fn default_hello_timeout_ms() -> u64 {
+        10_000
+    }
+    fn default_frame_timeout_ms() -> u64 {
+        5_000
+    }
+    fn default_send_timeout_ms() -> u64 {
+        5_000
+    }
+    fn default_unread_timeout_ms() -> u64 {
+        10_000
+    }
+    fn default_max_waits() -> usize {
+        16
+    }
+
+    pub fn hello_timeout(&self) -> Duration {
+        Duration::from_millis(self.hello_timeout_ms)
+    }
+    pub fn frame_timeout(&self) -> Duration {
+        Duration::from_millis(self.frame_timeout_ms)
+    }
+    pub fn send_timeout(&self) -> Duration {
+        Duration::from_millis(self.send_timeout_ms)
+    }
+    pub fn unread_timeout(&self) -> Duration {
+        Duration::from_millis(self.unread_timeout_ms)
+    }
+}
+
+impl Default for ConnectionsConfig {
+    fn default() -> Self {
+        ConnectionsConfig {
+            max_total: Self::default_max_total(),
+            max_per_uid: Self::default_max_per_uid(),
+            hello_timeout_ms: Self::default_hello_timeout_ms(),
+            frame_timeout_ms: Self::default_frame_timeout_ms(),
+            send_timeout_ms: Self::default_send_timeout_ms(),
+            unread_timeout_ms: Self::default_unread_timeout_ms(),
+            max_waits: Self::default_max_waits(),
+        }
+    }
+}
+
+/// How long a grant waits for reclaim when the file says nothing.
+pub const DEFAULT_RECLAIM_TIMEOUT_MS: u64 = 250;
+
 impl Config {
+    /// Reads and parses `path`; whether the configuration can work is [`Config::check`]'s.
     pub fn load(path: &Path) -> anyhow::Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config {}", path.display()))?;
@@ -123,19 +218,29 @@ impl Config {
     }
 
     /// The socket's permission bits (default 0660).
-    pub fn socket_mode(&self) -> anyhow::Result<u32> {
+    pub fn socket_mode(&self) -> Result<u32, ConfigError> {
         match &self.socket_mode {
             None => Ok(0o660),
-            Some(s) => {
-                let m = u32::from_str_radix(s.trim_start_matches("0o"), 8).with_context(|| {
-                    format!("socket_mode `{s}` is not an octal mode like \"0660\"")
-                })?;
-                if m > 0o777 {
-                    bail!("socket_mode `{s}` is larger than 0777");
-                }
-                Ok(m)
-            }
+            Some(s) => match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
+                Ok(m) if m <= 0o777 => Ok(m),
+                Ok(_) => Err(ConfigError::SocketMode {
+                    mode: s.clone(),
+                    reason: "larger than 0777",
+                }),
+                Err(_) => Err(ConfigError::SocketMode {
+                    mode: s.clone(),
+                    reason: "not an octal mode like \"0660\"",
+                }),
+            },
         }
+    }
+
+    /// How long a grant waits for other tenants to give back idle memory.
+    pub fn reclaim_timeout(&self) -> Duration {
+        Duration::from_millis(
+            self.reclaim_timeout_ms
+                .unwrap_or(DEFAULT_RECLAIM_TIMEOUT_MS),
+        )
     }
 
     /// The broker policy for a device of `capacity`: built-in classes, overridden or extended by

@@ -1,0 +1,240 @@
+//! Whether a configuration can work, before the daemon starts with it (or reloads it): every
+//! problem named with its setting and numbers. A configuration that parses is not yet one that
+//! works: a capacity of 0, an empty `allowed_uids`, a pool that can hold no handle, a declared
+//! tenant no process can connect as, guarantees that do not fit, all start a daemon that serves
+//! nobody, so they are refused here.
+
+use vram_core::Bytes;
+
+use super::Config;
+
+/// The longest `reclaim_timeout_ms`: a grant that waits longer than this for other tenants'
+/// memory is a hung allocation to its program.
+pub const MAX_RECLAIM_TIMEOUT_MS: u64 = 60_000;
+
+/// The longest of the `[connections]` timeouts.
+pub const MAX_CONNECTION_TIMEOUT_MS: u64 = 3_600_000;
+
+/// What is known of a device the configuration would run on. `None`: not known without starting
+/// (a GPU's memory is measured at start).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Device {
+    pub capacity: Option<Bytes>,
+    pub granularity: Option<Bytes>,
+}
+
+/// Why a configuration cannot work.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("capacity is 0: there would be nothing to serve")]
+    ZeroCapacity,
+    #[error(
+        "allowed_uids is empty: no one could connect (leave it out for root and the daemon's own \
+         uid)"
+    )]
+    AllowedUidsEmpty,
+    #[error("socket_mode `{mode}` is {reason}")]
+    SocketMode { mode: String, reason: &'static str },
+    #[error(
+        "reclaim_timeout_ms = {ms} is above {max}: a grant would wait that long for other \
+         tenants' memory"
+    )]
+    ReclaimTimeoutTooLong { ms: u64, max: u64 },
+    #[error("[connections] {key} = 0: {why}")]
+    ZeroLimit {
+        key: &'static str,
+        why: &'static str,
+    },
+    #[error("[connections] {key} = {ms} is above {max} ms")]
+    TimeoutTooLong {
+        key: &'static str,
+        ms: u64,
+        max: u64,
+    },
+    #[error(
+        "[pool] max = {max} is below the device's granularity ({granularity}): the pool could hold \
+         no handle (0 turns the pool off)"
+    )]
+    PoolMaxBelowGranularity { max: Bytes, granularity: Bytes },
+    #[error("[pool] sizes: {size} is below the device's granularity ({granularity})")]
+    PoolSizeBelowGranularity { size: Bytes, granularity: Bytes },
+    #[error(
+        "[pool] sizes: {size} is not a multiple of the device's granularity ({granularity}): no \
+         grant would ever take it"
+    )]
+    PoolSizeNotMultiple { size: Bytes, granularity: Bytes },
+    /// The broker's policy (classes, declared tenants, guarantees, reserve) cannot work.
+    #[error(transparent)]
+    Policy(Box<dyn std::error::Error + Send + Sync>),
+}
+
+impl Config {
+    /// Every reason this configuration cannot work on `devices` (empty: it can). Checks that
+    /// need a device's capacity or granularity are made where it is known.
+    pub fn problems(&self, devices: &[Device]) -> Vec<ConfigError> {
+        let mut out = Vec::new();
+        if let Err(e) = self.socket_mode() {
+            out.push(e);
+        }
+        if self.allowed_uids.as_ref().is_some_and(Vec::is_empty) {
+            out.push(ConfigError::AllowedUidsEmpty);
+        }
+        if let Some(ms) = self
+            .reclaim_timeout_ms
+            .filter(|ms| *ms > MAX_RECLAIM_TIMEOUT_MS)
+        {
+            out.push(ConfigError::ReclaimTimeoutTooLong {
+                ms,
+                max: MAX_RECLAIM_TIMEOUT_MS,
+            });
+        }
+        self.connection_problems(&mut out);
+        if self.capacity == Some(Bytes::ZERO) {
+            out.push(ConfigError::ZeroCapacity);
+            return out;
+        }
+        let mut said = Vec::new();
+        for d in devices {
+            let mut found = Vec::new();
+            if let Some(g) = d.granularity {
+                self.pool_problems(g, &mut found);
+            }
+            // Without the capacity, what does not depend on it: names, classes, overflow.
+            let capacity = d.capacity.unwrap_or(Bytes(u64::MAX));
+            if let Err(e) = self.policy(capacity).check() {
+                found.push(ConfigError::Policy(Box::new(e)));
+            }
+            // Devices alike give the same problems: each is said once.
+            for p in found {
+                let text = p.to_string();
+                if !said.contains(&text) {
+                    said.push(text);
+                    out.push(p);
+                }
+            }
+        }
+        out
+    }
+
+    fn connection_problems(&self, out: &mut Vec<ConfigError>) {
+        let c = &self.connections;
+        let counts = [
+            ("max_total", c.max_total, "no connection could be accepted"),
+            ("max_per_uid", c.max_per_uid, "no uid could connect"),
+            (
+                "max_waits",
+                c.max_waits,
+                "no shared-buffer wait, publish or verify could be served",
+            ),
+        ];
+        for (key, v, why) in counts {
+            if v == 0 {
+                out.push(ConfigError::ZeroLimit { key, why });
+            }
+        }
+        let timeouts = [
+            ("hello_timeout_ms", c.hello_timeout_ms),
+            ("frame_timeout_ms", c.frame_timeout_ms),
+            ("send_timeout_ms", c.send_timeout_ms),
+            ("unread_timeout_ms", c.unread_timeout_ms),
+        ];
+        for (key, ms) in timeouts {
+            if ms == 0 {
+                out.push(ConfigError::ZeroLimit {
+                    key,
+                    why: "every peer would be cut off at once",
+                });
+            } else if ms > MAX_CONNECTION_TIMEOUT_MS {
+                out.push(ConfigError::TimeoutTooLong {
+                    key,
+                    ms,
+                    max: MAX_CONNECTION_TIMEOUT_MS,
+                });
+            }
+        }
+    }
+
+    fn pool_problems(&self, granularity: Bytes, out: &mut Vec<ConfigError>) {
+        let g = granularity.get().max(1);
+        let max = self.pool.max;
+        if max > Bytes::ZERO && max < granularity {
+            out.push(ConfigError::PoolMaxBelowGranularity { max, granularity });
+        }
+        for &size in &self.pool.sizes {
+            if size < granularity {
+                out.push(ConfigError::PoolSizeBelowGranularity { size, granularity });
+            } else if size.get() % g != 0 {
+                out.push(ConfigError::PoolSizeNotMultiple { size, granularity });
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const HOST: Device = Device {
+        capacity: Some(Bytes::gib(8)),
+        granularity: Some(Bytes::mib(2)),
+    };
+
+    fn problems(toml: &str) -> Vec<String> {
+        let c: Config = toml::from_str(toml).unwrap();
+        c.problems(&[HOST, HOST])
+            .iter()
+            .map(|p| p.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn a_sound_file_has_no_problems() {
+        assert!(problems("").is_empty());
+        assert!(problems(
+            "[tenants.a]\nclass = \"high\"\nguarantee = \"4 GiB\"\n[pool]\nsizes = [\"2 MiB\", \
+             \"64 MiB\"]\n"
+        )
+        .is_empty());
+    }
+
+    #[test]
+    fn each_problem_is_named_once_with_its_numbers() {
+        let p = problems(
+            "allowed_uids = []\nreclaim_timeout_ms = 70000\n[pool]\nmax = \"1 KiB\"\nsizes = \
+             [\"1 KiB\", \"3 MiB\"]\n[connections]\nmax_waits = 0\n[tenants.a]\nclass = \
+             \"normal\"\nguarantee = \"9 GiB\"\n",
+        );
+        let want = [
+            "allowed_uids is empty",
+            "reclaim_timeout_ms = 70000 is above 60000",
+            "[connections] max_waits = 0",
+            "[pool] max = 1 KiB is below the device's granularity (2 MiB)",
+            "[pool] sizes: 1 KiB is below the device's granularity (2 MiB)",
+            "[pool] sizes: 3 MiB is not a multiple of the device's granularity (2 MiB)",
+            "[tenants.a]: guarantee 9 GiB is above its limit 8 GiB",
+        ];
+        assert_eq!(p.len(), want.len(), "{p:#?}");
+        for (got, want) in p.iter().zip(want) {
+            assert!(got.starts_with(want), "`{got}` is not `{want}…`");
+        }
+    }
+
+    #[test]
+    fn without_a_capacity_names_classes_and_overflow_are_still_checked() {
+        let c: Config = toml::from_str("[tenants.\"no way\"]\nclass = \"normal\"\n").unwrap();
+        let unknown = Device {
+            capacity: None,
+            granularity: None,
+        };
+        let p = c.problems(&[unknown]);
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert!(p[0]
+            .to_string()
+            .contains("`no way` is not a valid tenant name"));
+        let zero: Config = toml::from_str("capacity = \"0\"\n").unwrap();
+        assert!(matches!(
+            zero.problems(&[unknown]).as_slice(),
+            [ConfigError::ZeroCapacity]
+        ));
+    }
+}

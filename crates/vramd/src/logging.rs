@@ -1,0 +1,52 @@
+//! Where the daemon and the tools log: stderr, through a writer that never fails the thread that
+//! logs. A line that cannot be written (stderr a closed pipe, as under `vramd serve | head -1`, or
+//! a full disk) is dropped and counted ([`dropped`]: `log_lines_dropped` in the status report and
+//! `vramd_log_lines_dropped_total`), and the daemon serves on.
+//!
+//! A stderr that blocks (a pipe nobody reads) still blocks the logging thread; systemd's journal
+//! and files do not.
+
+use std::io::{self, Write};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+static DROPPED: AtomicU64 = AtomicU64::new(0);
+
+/// Lines dropped since the process started because stderr refused them.
+pub fn dropped() -> u64 {
+    DROPPED.load(Ordering::Relaxed)
+}
+
+/// A `tracing_subscriber` writer over stderr that drops what it cannot write.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Stderr;
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Stderr {
+    type Writer = Line;
+
+    fn make_writer(&'a self) -> Line {
+        Line
+    }
+}
+
+/// One event's line: written whole in one call, or dropped and counted.
+#[derive(Debug)]
+pub struct Line;
+
+impl Write for Line {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        if io::stderr().lock().write_all(buf).is_err() {
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        let _ = io::stderr().flush();
+        Ok(())
+    }
+}
+
+/// Writes a message to stderr as `eprintln!` would, without panicking when stderr is gone.
+pub fn eprint_line(message: &str) {
+    let _ = Line.write(format!("{message}\n").as_bytes());
+}

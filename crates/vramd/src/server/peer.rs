@@ -1,0 +1,165 @@
+//! One connected peer as the rest of the daemon sees it: its connection, who it is, and what
+//! bounds it. Other threads reach a tenant only through here (reclaim requests), and never wait
+//! on it: a request to a peer whose socket is full is skipped, and a peer whose socket has stayed
+//! full too long is disconnected.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use vram_proto::{Conn, ProtoError};
+
+pub struct Peer {
+    pub conn: Arc<Conn>,
+    pub uid: u32,
+    pub pid: u32,
+    /// Since when frames to this peer could not be written without waiting (its socket full, or
+    /// its connection busy sending); `None` while they can.
+    unwritable_since: Mutex<Option<Instant>>,
+    /// Set when the connection ends; waits on its behalf stop.
+    closed: AtomicBool,
+    /// Requests of this peer served on threads of their own, in progress.
+    slow: AtomicUsize,
+}
+
+/// What became of a frame offered to a peer without waiting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Offer {
+    Sent,
+    /// Not sent: the peer's socket had no room (or its connection was busy) for `for_`.
+    Skipped {
+        for_: Duration,
+        first: bool,
+    },
+    /// Not sent: the connection is gone.
+    Gone,
+}
+
+impl Peer {
+    pub fn new(conn: Arc<Conn>, uid: u32, pid: u32) -> Peer {
+        Peer {
+            conn,
+            uid,
+            pid,
+            unwritable_since: Mutex::new(None),
+            closed: AtomicBool::new(false),
+            slow: AtomicUsize::new(0),
+        }
+    }
+
+    /// Sends without waiting for the peer ([`Conn::try_send`]), and keeps track of how long it
+    /// has not been possible.
+    pub fn offer<T: serde::Serialize>(&self, msg: &T) -> Offer {
+        match self.conn.try_send(0, msg, &[]) {
+            Ok(()) => {
+                self.written();
+                Offer::Sent
+            }
+            Err(ProtoError::WouldBlock) => {
+                let mut since = self
+                    .unwritable_since
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                let first = since.is_none();
+                let at = *since.get_or_insert_with(Instant::now);
+                Offer::Skipped {
+                    for_: at.elapsed(),
+                    first,
+                }
+            }
+            Err(_) => Offer::Gone,
+        }
+    }
+
+    /// A frame reached the peer: it reads.
+    pub fn written(&self) {
+        let mut since = self
+            .unwritable_since
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        *since = None;
+    }
+
+    /// Ends the connection from this side: the session sees it closed and cleans up.
+    pub fn disconnect(&self) {
+        let _ = self.conn.stream().shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Marks the connection ended; waits on its behalf stop at their next look.
+    pub fn mark_closed(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// A place for one more request on a thread of its own, if fewer than `max` are in progress.
+    pub fn slow_slot(self: &Arc<Self>, max: usize) -> Option<SlowSlot> {
+        self.slow
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| SlowSlot(self.clone()))
+    }
+}
+
+/// One request in progress on a thread of its own; gives its place back when dropped.
+pub struct SlowSlot(Arc<Peer>);
+
+impl Drop for SlowSlot {
+    fn drop(&mut self) {
+        self.0.slow.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+
+    #[test]
+    fn a_peer_that_does_not_read_is_skipped_and_timed() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let peer = Peer::new(Arc::new(Conn::new(a)), 0, 0);
+        let msg = vram_proto::Reply::Pong;
+        let mut first_skip = None;
+        for i in 0..100_000 {
+            match peer.offer(&msg) {
+                Offer::Sent => {}
+                Offer::Skipped { first, .. } => {
+                    assert!(first, "the first skip says so");
+                    first_skip = Some(i);
+                    break;
+                }
+                Offer::Gone => panic!("gone"),
+            }
+        }
+        let sent = first_skip.expect("the socket filled");
+        assert!(sent > 0);
+        std::thread::sleep(Duration::from_millis(20));
+        let Offer::Skipped { for_, first } = peer.offer(&msg) else {
+            panic!("still full")
+        };
+        assert!(!first && for_ >= Duration::from_millis(20), "{for_:?}");
+        // The peer reads everything: frames go through again, and the clock stops.
+        b.set_nonblocking(true).unwrap();
+        let mut buf = vec![0u8; 1 << 20];
+        while rustix::io::read(&b, &mut buf).is_ok() {}
+        assert_eq!(peer.offer(&msg), Offer::Sent);
+        drop(b);
+        assert_eq!(peer.offer(&msg), Offer::Gone);
+    }
+
+    #[test]
+    fn slow_slots_are_bounded_and_given_back() {
+        let (a, _b) = UnixStream::pair().unwrap();
+        let peer = Arc::new(Peer::new(Arc::new(Conn::new(a)), 0, 0));
+        let held: Vec<_> = (0..3).map(|_| peer.slow_slot(3).unwrap()).collect();
+        assert!(peer.slow_slot(3).is_none());
+        drop(held);
+        assert!(peer.slow_slot(3).is_some());
+    }
+}

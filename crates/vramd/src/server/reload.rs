@@ -1,0 +1,111 @@
+//! A new configuration put in force while serving (SIGHUP): the settings every request reads
+//! (allowed uids, the reclaim wait, connection bounds, shared-buffer settings) and each device's
+//! policy (classes, the priority reserve, declared tenants). All devices' policies are checked
+//! with every device's lock held, then put in force together: a reload is whole or nothing.
+
+use std::time::Duration;
+
+use vram_core::broker::Policy;
+use vram_core::Bytes;
+
+use super::{Daemon, Settings, Slot};
+use crate::config::{ConnectionsConfig, SharedConfig};
+
+/// What a reload may change.
+pub struct Reload {
+    /// `None`: root and the daemon's own uid.
+    pub allowed_uids: Option<Vec<u32>>,
+    pub reclaim_timeout: Duration,
+    pub connections: ConnectionsConfig,
+    pub shared: SharedConfig,
+}
+
+/// Why a reload was refused; nothing of it was put in force.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("gpu {gpu}: {source}")]
+    Policy {
+        gpu: usize,
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+impl Daemon {
+    /// Puts `r` and each device's `policy(capacity)` in force, or refuses the whole of it.
+    /// Returns what changed, one line each, for the log.
+    pub fn reload(
+        &self,
+        r: Reload,
+        policy: impl Fn(Bytes) -> Policy,
+    ) -> Result<Vec<String>, ReloadError> {
+        let policies: Vec<Policy> = self
+            .slots
+            .iter()
+            .map(|s| policy(s.desc().capacity))
+            .collect();
+        let per_gpu = replace_all(&self.slots, &policies, 0)?;
+        let mut changes: Vec<String> = per_gpu
+            .into_iter()
+            .enumerate()
+            .flat_map(|(gpu, c)| c.into_iter().map(move |line| format!("gpu {gpu}: {line}")))
+            .collect();
+        let old = self.settings();
+        let new = Settings {
+            allowed_uids: r
+                .allowed_uids
+                .unwrap_or_else(|| vec![0, rustix::process::getuid().as_raw()]),
+            reclaim_timeout: r.reclaim_timeout,
+            connections: r.connections,
+        };
+        if old.allowed_uids != new.allowed_uids {
+            changes.push(format!(
+                "allowed_uids {:?} → {:?} (connections open stay)",
+                old.allowed_uids, new.allowed_uids
+            ));
+        }
+        if old.reclaim_timeout != new.reclaim_timeout {
+            changes.push(format!(
+                "reclaim_timeout_ms {} → {}",
+                old.reclaim_timeout.as_millis(),
+                new.reclaim_timeout.as_millis()
+            ));
+        }
+        if old.connections != new.connections {
+            changes.push(format!(
+                "[connections] {:?} → {:?} (timeouts of connections already open stay)",
+                old.connections, new.connections
+            ));
+        }
+        self.set_settings(new);
+        changes.extend(self.shared.apply(&r.shared));
+        Ok(changes)
+    }
+}
+
+/// Checks `policies[i]` against slot `i` for every slot, holding each slot's lock from its
+/// check until every later one is checked and put in force; then puts its own in force. So
+/// either every slot takes its policy or none does.
+fn replace_all(
+    slots: &[Slot],
+    policies: &[Policy],
+    first_gpu: usize,
+) -> Result<Vec<Vec<String>>, ReloadError> {
+    let (Some((slot, rest)), Some((policy, later))) = (slots.split_first(), policies.split_first())
+    else {
+        return Ok(Vec::new());
+    };
+    slot.with_shared(|broker, _| {
+        broker
+            .check_policy(policy)
+            .map_err(|e| ReloadError::Policy {
+                gpu: first_gpu,
+                source: Box::new(e),
+            })?;
+        let mut after = replace_all(rest, later, first_gpu + 1)?;
+        let changes = broker
+            .replace_policy(policy.clone())
+            .expect("checked under this lock");
+        after.insert(0, changes);
+        Ok(after)
+    })
+}
