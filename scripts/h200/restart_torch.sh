@@ -35,9 +35,13 @@ print(json.dumps({"allocations": n, "bad_patterns": bad, "errors": len(errors),
 PY
 "$V" run --socket "$S" --tenant rt --limit 8GiB -- python3 "$W/tenant.py" > "$R/restart_torch.json" 2> "$R/restart_torch.log" &
 T=$!
-# The tenant connects at its first allocation, after torch's import: restart only once it has.
+# `vramd run` registers the tenant at once; the program joins it at its first allocation, after
+# torch's import: restart only once it holds memory.
 for _ in $(seq 300); do
-  "$V" status --socket "$S" --json 2>/dev/null | grep -q '"name": "rt"' && break; sleep 0.1
+  "$V" status --socket "$S" --json 2>/dev/null | python3 -c 'import json, sys
+s = json.load(sys.stdin)
+sys.exit(0 if any(t["name"] == "rt" and t["held"] > 0 for t in s["tenants"]) else 1)' && break
+  sleep 0.1
 done
 sleep 2; kill -9 "$D"; wait "$D" 2>/dev/null; echo "SIGKILL at $(date +%T.%N)" >> "$R/restart_torch.log"; up
 sleep 2; timeout 5 "$V" status --socket "$S" --json > "$R/restart_torch_status_after_kill.json" 2>&1

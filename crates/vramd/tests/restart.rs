@@ -258,3 +258,51 @@ fn restarts_under_sixteen_busy_tenants_lose_nothing() {
         d.status()
     );
 }
+
+/// `vramd run` registered the tenant and the daemon restarted before the program first asked for
+/// memory: the invitation survives in the state file, and the program joins the new daemon.
+#[test]
+fn a_program_joins_its_registration_after_a_restart() {
+    use std::io::{BufRead, Write};
+    let mut d = Restartable::new(CONFIG);
+    let mut run = Command::new(VRAMD)
+        .args(["run", "--socket"])
+        .arg(d.socket())
+        .args(["--tenant", "late", "--limit", "1GiB", "--", "sh", "-c"])
+        .arg("read go; exec \"$0\" tenant --socket \"$1\" --name late")
+        .arg(VRAMD)
+        .arg(d.socket())
+        .env("VRAMD_LIB", VRAMD)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    assert!(wait_until(Duration::from_secs(5), || held_by(
+        &d.status(),
+        "late"
+    )
+    .is_some()));
+    // The state file is rewritten within 100 ms of a change.
+    std::thread::sleep(Duration::from_millis(300));
+    d.stop(rustix::process::Signal::KILL);
+    d.start();
+    let mut stdin = run.stdin.take().unwrap();
+    let mut lines = std::io::BufReader::new(run.stdout.take().unwrap()).lines();
+    writeln!(stdin, "go").unwrap();
+    let welcome = lines.next().unwrap().unwrap();
+    assert!(welcome.contains("\"welcome\""), "{welcome}\n{}", d.log());
+    writeln!(stdin, "take 128MiB").unwrap();
+    let took = lines.next().unwrap().unwrap();
+    assert!(
+        took.contains(&format!("\"taken\":{}", Bytes::mib(128).get())),
+        "{took}"
+    );
+    assert_eq!(held_by(&d.status(), "late"), Some(Bytes::mib(128)));
+    drop(stdin);
+    assert!(run.wait().unwrap().success());
+    // The program is gone and so is `vramd run`, which registered it: nothing is left.
+    assert!(wait_until(Duration::from_secs(5), || d
+        .status()
+        .tenants
+        .is_empty()));
+}

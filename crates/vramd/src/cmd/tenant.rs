@@ -63,7 +63,10 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         guarantee: args.guarantee,
         limit: args.limit,
         gpu: args.gpu,
-        join: None,
+        // Under `vramd run`, join the tenant it registered, as libvram.so does.
+        join: std::env::var(vram_proto::JOIN_ENV)
+            .ok()
+            .filter(|t| !t.is_empty()),
     };
     let client = match Client::connect(Some(&args.socket.path()), &opts) {
         Ok(c) => c,

@@ -35,9 +35,10 @@ struct State {
     dirty: bool,
     /// Invitations to join a tenant not yet taken: token → (tenant, the uid that may take it).
     invitations: HashMap<String, (TenantId, u32)>,
-    /// Tenants whose memory a joined process holds: the registering connection and process,
-    /// which the tenant falls back to when the member ends.
-    members: HashMap<TenantId, (u64, Process)>,
+    /// Tenants whose memory a joined process holds: the registering connection (none for a
+    /// tenant adopted after a restart) and process, which the tenant falls back to when the
+    /// member ends.
+    members: HashMap<TenantId, (Option<u64>, Process)>,
 }
 
 /// A tenant's process as the state file names it.
@@ -298,11 +299,13 @@ impl Slot {
             )));
         }
         st.invitations.remove(token);
-        let (Some(holder_conn), Some(holder)) =
-            (st.conn_of.get(&id).copied(), st.processes.get(&id).copied())
-        else {
+        let Some(holder) = st.processes.get(&id).copied() else {
             return Err(refuse("the invited tenant is gone".into()));
         };
+        // A tenant adopted after a restart has no registering connection any more; its process
+        // (`vramd run`) is still what the tenant falls back to.
+        let holder_conn = st.conn_of.get(&id).copied();
+        st.pending.remove(&id);
         let member = Process {
             pid,
             uid,
@@ -360,7 +363,16 @@ impl Slot {
         st.adopted.retain(|_, (t, _)| *t != tenant);
         let held = st.broker.release_all(tenant);
         if let Some((conn, holder)) = st.members.remove(&tenant) {
-            st.conn_of.insert(tenant, conn);
+            match conn {
+                Some(conn) => {
+                    st.conn_of.insert(tenant, conn);
+                }
+                // Nobody speaks for the tenant now: it waits, adopted, for its process to end.
+                None => {
+                    st.conn_of.remove(&tenant);
+                    st.pending.insert(tenant, holder);
+                }
+            }
             st.processes.insert(tenant, holder);
             st.broker.set_pid(tenant, holder.pid);
         }
@@ -405,6 +417,9 @@ impl Slot {
         st.broker.adopt(id, held, t.charged);
         for &(grant, size) in &t.grants {
             st.adopted.insert(grant, (id, size));
+        }
+        if let Some(token) = &t.invitation {
+            st.invitations.insert(token.clone(), (id, t.uid));
         }
         let p = Process {
             pid: t.pid,
@@ -467,6 +482,11 @@ impl Slot {
                     start_time: p.start_time,
                     grants: g,
                     charged: t.charged,
+                    invitation: s
+                        .invitations
+                        .iter()
+                        .find(|(_, (tenant, _))| *tenant == id)
+                        .map(|(token, _)| token.clone()),
                 })
             })
             .collect();

@@ -50,6 +50,11 @@ pub struct SavedTenant {
     pub start_time: u64,
     pub grants: Vec<(GrantId, Bytes)>,
     pub charged: Bytes,
+    /// An invitation to join the tenant not yet taken (`vramd run` registered it and started the
+    /// program), so that the program can still join after a restart. The file is the daemon's
+    /// alone (mode 0600), as the token is a secret.
+    #[serde(default)]
+    pub invitation: Option<String>,
 }
 
 impl Saved {
@@ -172,6 +177,7 @@ mod tests {
                 start_time: 99,
                 grants: vec![(GrantId(3), Bytes::mib(2))],
                 charged: Bytes::mib(64),
+                invitation: Some("00ff".into()),
             }],
         );
         save(&path, &saved).unwrap();
