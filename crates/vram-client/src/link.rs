@@ -189,8 +189,15 @@ impl Link {
         self.reconnects.load(Ordering::Relaxed)
     }
 
+    /// Tells the daemon this tenant is finishing on purpose (what it still holds is released
+    /// as at any close, but the end is logged as a finish, not a crash). Sent without waiting.
+    pub(crate) fn bye(&self) {
+        let _ = self.transport().send_only(&Request::Bye);
+    }
+
     /// The owner is done: no more reconnects; the reclaim worker ends with the connection.
     pub(crate) fn close(&self) {
+        self.bye();
         self.closed.store(true, Ordering::Release);
         lock(&self.reclaim_tx).take();
         self.transport().close();

@@ -188,6 +188,11 @@ pub fn tenant() -> Result<&'static Tenant, String> {
             let t = TENANT.get_or_init(|| t);
             *last = None;
             start_housekeeping();
+            // SAFETY: `say_bye` is an `extern "C" fn()` that catches panics and only sends a
+            // message; registering it has no other precondition.
+            if unsafe { libc::atexit(say_bye) } != 0 {
+                tracing::debug!("cannot register the exit handler: the end will read as a crash");
+            }
             Ok(t)
         }
         Err(e) => {
@@ -195,6 +200,17 @@ pub fn tenant() -> Result<&'static Tenant, String> {
             Err(e)
         }
     }
+}
+
+/// At a normal exit (`exit`, returning from `main`): the daemon hears that the process is
+/// finishing, so that its end is logged as a finish, not as a crash. A process killed by a
+/// signal never gets here, and its end is a crash as it should be.
+extern "C" fn say_bye() {
+    let _ = catch_unwind(|| {
+        if let Some(t) = TENANT.get() {
+            t.client.bye();
+        }
+    });
 }
 
 fn guarded<R>(fallback: R, f: impl FnOnce() -> Result<R, String>) -> R {
