@@ -168,7 +168,7 @@ fn start_housekeeping() {
 }
 
 /// The process's tenant, connecting on first use; a failed connect is tried again on a later
-/// call (see [`LAST_FAILURE`]).
+/// call, at most every 100 ms (so a program allocating in a loop does not hammer the socket).
 pub fn tenant() -> Result<&'static Tenant, String> {
     if let Some(t) = TENANT.get() {
         return Ok(t);

@@ -1,5 +1,7 @@
 //! The `vramd` command line.
 
+#![forbid(unsafe_code)]
+
 use clap::{Parser, Subcommand};
 use vramd::cmd;
 

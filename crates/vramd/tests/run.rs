@@ -112,7 +112,9 @@ fn what_cannot_work_stops_before_the_program_starts() {
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("ran");
     let program = ["touch", marker.to_str().unwrap()];
-    let cases: Vec<(Vec<&str>, Vec<(&str, &str)>, &str)> = vec![
+    // (flags, environment, what the error must say)
+    type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
+    let cases: Vec<Case> = vec![
         (
             vec!["--priority", "nonsense"],
             vec![],

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 pub use error::{AdmissionError, GrantError};
-pub use policy::{Class, DeclaredTenant, Policy};
+pub use policy::{Class, DeclaredTenant, Policy, PolicyError};
 
 use crate::Bytes;
 

@@ -1,4 +1,5 @@
 //! An in-process daemon on the host backend, for tests and benches of the C ABI.
+#![allow(dead_code)] // each test binary uses part of it
 
 use std::path::PathBuf;
 use std::sync::Arc;

@@ -47,13 +47,17 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     if let Some(path) = &args.check_config {
         return Ok(check_config(&args, path));
     }
+    let signals = signals::install()?;
     let config_path = args.config.as_deref().unwrap_or(Path::new(""));
     let config = match &args.config {
         Some(p) => Config::load(p).inspect_err(|e| config_error(p, e))?,
         None => Config::default(),
     };
-    // What can be checked before any device is opened (a capacity of 0 among it).
-    refuse_problems(config_path, config.problems(&[]))?;
+    // A capacity of 0 would fail the device's opening with a less clear message; every other
+    // problem is said at once below, with the devices known.
+    if config.capacity == Some(Bytes::ZERO) {
+        refuse_problems(config_path, config.problems(&[]))?;
+    }
     let socket = args
         .socket
         .clone()
@@ -125,7 +129,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         devices: facts,
         daemon: server.daemon().clone(),
     };
-    signals::start(server.shutdown_handle(), reloader)?;
+    signals::start(signals, server.shutdown_handle(), reloader)?;
     for (d, cap) in devices.iter().zip(&caps) {
         let info = d.info();
         tracing::info!(
@@ -281,13 +285,23 @@ mod signals {
     //! closed, the socket removed); SIGHUP reloads the configuration.
 
     use signal_hook::consts::{SIGHUP, SIGINT, SIGQUIT, SIGTERM};
+    use signal_hook::iterator::Signals;
 
     use super::Reloader;
     use crate::server::Shutdown;
 
-    pub(super) fn start(shutdown: Shutdown, reloader: Reloader) -> anyhow::Result<()> {
-        let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT, SIGQUIT, SIGHUP])
-            .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))?;
+    /// Catches the signals from now on (so that none kills the daemon while it starts); they are
+    /// acted on once [`start`] runs.
+    pub(super) fn install() -> anyhow::Result<Signals> {
+        Signals::new([SIGTERM, SIGINT, SIGQUIT, SIGHUP])
+            .map_err(|e| anyhow::anyhow!("cannot install signal handlers: {e}"))
+    }
+
+    pub(super) fn start(
+        mut signals: Signals,
+        shutdown: Shutdown,
+        reloader: Reloader,
+    ) -> anyhow::Result<()> {
         std::thread::Builder::new()
             .name("vramd-signals".into())
             .spawn(move || {

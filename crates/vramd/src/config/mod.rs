@@ -210,7 +210,7 @@ impl Default for ConnectionsConfig {
 pub const DEFAULT_RECLAIM_TIMEOUT_MS: u64 = 250;
 
 impl Config {
-    /// Reads and parses `path`; whether the configuration can work is [`Config::check`]'s.
+    /// Reads and parses `path`; whether the configuration can work is [`Config::problems`]'s.
     pub fn load(path: &Path) -> anyhow::Result<Config> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read config {}", path.display()))?;

@@ -328,6 +328,23 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
         Counter,
         none(r.daemon.protocol_errors),
     )?;
+    family(
+        e,
+        "connections_refused",
+        "Connections refused at accept (uid not allowed, [connections] caps, out of file \
+         descriptors)",
+        None,
+        Counter,
+        none(r.daemon.connections_refused),
+    )?;
+    family(
+        e,
+        "log_lines_dropped",
+        "Log lines dropped because the daemon's stderr refused them",
+        None,
+        Counter,
+        none(r.daemon.log_lines_dropped),
+    )?;
     encode_shared(r, e)?;
     let mut info = e.encode_descriptor("build", "The daemon's version", None, MetricType::Info)?;
     info.encode_info(&[("version", r.daemon.version.as_str())])?;

@@ -63,7 +63,7 @@ pub fn fit(id: u64, report: StatusReport) -> (StatusReport, Option<Cut>) {
         }
     }
     // Largest holders first, so that those left out matter least.
-    report.tenants.sort_by(|a, b| b.held.cmp(&a.held));
+    report.tenants.sort_by_key(|t| std::cmp::Reverse(t.held));
     while !report.tenants.is_empty() {
         let n = report.tenants.len();
         let drop_n = n.div_ceil(4);

@@ -147,7 +147,8 @@ impl Daemon {
             bytes,
             deadline_ms,
         };
-        match peer.offer(&request) {
+        let unread = settings.connections.unread_timeout();
+        match peer.offer(&request, unread) {
             Offer::Sent => {
                 tracing::info!(ask, conn, %bytes, deadline_ms, "asking a tenant to give back idle memory");
                 if let Some(m) = self.metrics() {
@@ -155,7 +156,6 @@ impl Daemon {
                 }
             }
             Offer::Skipped { for_, first } => {
-                let unread = settings.connections.unread_timeout();
                 let unread_ms = for_.as_millis() as u64;
                 if for_ >= unread {
                     tracing::warn!(

@@ -13,13 +13,20 @@ pub struct Peer {
     pub conn: Arc<Conn>,
     pub uid: u32,
     pub pid: u32,
-    /// Since when frames to this peer could not be written without waiting (its socket full, or
-    /// its connection busy sending); `None` while they can.
-    unwritable_since: Mutex<Option<Instant>>,
+    /// While frames offered to this peer could not be written without waiting (its socket full,
+    /// or its connection busy sending): since when, and the latest such offer. `None` once one
+    /// went through.
+    unwritable: Mutex<Option<Unwritable>>,
     /// Set when the connection ends; waits on its behalf stop.
     closed: AtomicBool,
     /// Requests of this peer served on threads of their own, in progress.
     slow: AtomicUsize,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Unwritable {
+    since: Instant,
+    last: Instant,
 }
 
 /// What became of a frame offered to a peer without waiting.
@@ -41,30 +48,36 @@ impl Peer {
             conn,
             uid,
             pid,
-            unwritable_since: Mutex::new(None),
+            unwritable: Mutex::new(None),
             closed: AtomicBool::new(false),
             slow: AtomicUsize::new(0),
         }
     }
 
     /// Sends without waiting for the peer ([`Conn::try_send`]), and keeps track of how long it
-    /// has not been possible.
-    pub fn offer<T: serde::Serialize>(&self, msg: &T) -> Offer {
+    /// has not been possible. Offers that failed more than `stale` apart are not taken for one
+    /// stretch of not reading: the peer may have read in between, unseen.
+    pub fn offer<T: serde::Serialize>(&self, msg: &T, stale: Duration) -> Offer {
         match self.conn.try_send(0, msg, &[]) {
             Ok(()) => {
                 self.written();
                 Offer::Sent
             }
             Err(ProtoError::WouldBlock) => {
-                let mut since = self
-                    .unwritable_since
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner());
-                let first = since.is_none();
-                let at = *since.get_or_insert_with(Instant::now);
+                let now = Instant::now();
+                let mut u = self.unwritable.lock().unwrap_or_else(|p| p.into_inner());
+                let fresh = u.is_none_or(|u| now.duration_since(u.last) > stale);
+                if fresh {
+                    *u = Some(Unwritable {
+                        since: now,
+                        last: now,
+                    });
+                }
+                let u = u.as_mut().expect("set above");
+                u.last = now;
                 Offer::Skipped {
-                    for_: at.elapsed(),
-                    first,
+                    for_: now.duration_since(u.since),
+                    first: fresh,
                 }
             }
             Err(_) => Offer::Gone,
@@ -73,11 +86,7 @@ impl Peer {
 
     /// A frame reached the peer: it reads.
     pub fn written(&self) {
-        let mut since = self
-            .unwritable_since
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        *since = None;
+        *self.unwritable.lock().unwrap_or_else(|p| p.into_inner()) = None;
     }
 
     /// Ends the connection from this side: the session sees it closed and cleans up.
@@ -120,6 +129,8 @@ mod tests {
 
     use super::*;
 
+    const STALE: Duration = Duration::from_secs(60);
+
     #[test]
     fn a_peer_that_does_not_read_is_skipped_and_timed() {
         let (a, b) = UnixStream::pair().unwrap();
@@ -127,7 +138,7 @@ mod tests {
         let msg = vram_proto::Reply::Pong;
         let mut first_skip = None;
         for i in 0..100_000 {
-            match peer.offer(&msg) {
+            match peer.offer(&msg, STALE) {
                 Offer::Sent => {}
                 Offer::Skipped { first, .. } => {
                     assert!(first, "the first skip says so");
@@ -140,17 +151,23 @@ mod tests {
         let sent = first_skip.expect("the socket filled");
         assert!(sent > 0);
         std::thread::sleep(Duration::from_millis(20));
-        let Offer::Skipped { for_, first } = peer.offer(&msg) else {
+        let Offer::Skipped { for_, first } = peer.offer(&msg, STALE) else {
             panic!("still full")
         };
         assert!(!first && for_ >= Duration::from_millis(20), "{for_:?}");
+        // Offers too far apart start a new stretch: the peer may have read in between.
+        std::thread::sleep(Duration::from_millis(20));
+        let Offer::Skipped { for_, first } = peer.offer(&msg, Duration::from_millis(10)) else {
+            panic!("still full")
+        };
+        assert!(first && for_ < Duration::from_millis(10), "{for_:?}");
         // The peer reads everything: frames go through again, and the clock stops.
         b.set_nonblocking(true).unwrap();
         let mut buf = vec![0u8; 1 << 20];
         while rustix::io::read(&b, &mut buf).is_ok() {}
-        assert_eq!(peer.offer(&msg), Offer::Sent);
+        assert_eq!(peer.offer(&msg, STALE), Offer::Sent);
         drop(b);
-        assert_eq!(peer.offer(&msg), Offer::Gone);
+        assert_eq!(peer.offer(&msg, STALE), Offer::Gone);
     }
 
     #[test]

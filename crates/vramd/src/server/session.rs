@@ -475,6 +475,18 @@ impl Session {
             m.forget(labels);
         }
         let started = Instant::now();
+        if self.daemon.is_shutting_down() {
+            // The daemon is stopping: the state file keeps this tenant and what it holds for the
+            // next daemon, to which it reconnects; its memory stays with it meanwhile.
+            let _ = self.daemon.slots[t.slot].disconnect(t.id);
+            tracing::info!(
+                tenant = t.name,
+                pid = self.pid,
+                gpu = t.slot,
+                "daemon stopping: the tenant keeps its memory and reconnects to the next daemon"
+            );
+            return;
+        }
         if t.member {
             let (held, handles) = self.daemon.slots[t.slot].member_gone(t.id);
             tracing::info!(

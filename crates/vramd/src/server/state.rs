@@ -155,49 +155,6 @@ pub fn still_running(pid: u32, start_time: u64) -> bool {
     process_start_time(pid) == Some(start_time)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_saved_state_reads_back_and_a_bad_file_is_set_aside() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("vramd.sock.state");
-        assert_eq!(load(&path), None);
-        let saved = Saved::new(
-            vec![7],
-            vec![SavedTenant {
-                gpu: 0,
-                name: "trainer".into(),
-                class: "high".into(),
-                guarantee: Bytes::gib(4),
-                limit: Bytes::gib(8),
-                pid: 1234,
-                uid: 0,
-                start_time: 99,
-                grants: vec![(GrantId(3), Bytes::mib(2))],
-                charged: Bytes::mib(64),
-                invitation: Some("00ff".into()),
-            }],
-        );
-        save(&path, &saved).unwrap();
-        assert_eq!(load(&path), Some(saved));
-        std::fs::write(&path, b"{ not json").unwrap();
-        assert_eq!(load(&path), None);
-        assert!(!path.exists());
-        assert!(dir.path().join("vramd.sock.state.unreadable").exists());
-    }
-
-    #[test]
-    fn this_process_is_running_and_a_made_up_start_time_is_not_it() {
-        let me = std::process::id();
-        let start = process_start_time(me).expect("our own stat");
-        assert!(still_running(me, start));
-        assert!(!still_running(me, start + 1));
-        assert_eq!(process_start_time(u32::MAX), None);
-    }
-}
-
 /// Keeps the state file current: rewrites it when the books changed (at most every
 /// [`SAVE_EVERY`]), and drops adopted tenants whose process went without reconnecting.
 pub(super) struct Keeper {
@@ -297,5 +254,48 @@ impl Keeper {
     pub(super) fn final_save(&self, daemon: &super::Daemon) {
         self.write(daemon, true);
         self.done.store(true, std::sync::atomic::Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_saved_state_reads_back_and_a_bad_file_is_set_aside() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vramd.sock.state");
+        assert_eq!(load(&path), None);
+        let saved = Saved::new(
+            vec![7],
+            vec![SavedTenant {
+                gpu: 0,
+                name: "trainer".into(),
+                class: "high".into(),
+                guarantee: Bytes::gib(4),
+                limit: Bytes::gib(8),
+                pid: 1234,
+                uid: 0,
+                start_time: 99,
+                grants: vec![(GrantId(3), Bytes::mib(2))],
+                charged: Bytes::mib(64),
+                invitation: Some("00ff".into()),
+            }],
+        );
+        save(&path, &saved).unwrap();
+        assert_eq!(load(&path), Some(saved));
+        std::fs::write(&path, b"{ not json").unwrap();
+        assert_eq!(load(&path), None);
+        assert!(!path.exists());
+        assert!(dir.path().join("vramd.sock.state.unreadable").exists());
+    }
+
+    #[test]
+    fn this_process_is_running_and_a_made_up_start_time_is_not_it() {
+        let me = std::process::id();
+        let start = process_start_time(me).expect("our own stat");
+        assert!(still_running(me, start));
+        assert!(!still_running(me, start + 1));
+        assert_eq!(process_start_time(u32::MAX), None);
     }
 }
