@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use prometheus_client::metrics::histogram::Histogram;
-use vram_core::broker::{TenantId, TenantRequest};
+use vram_core::broker::{Tenant, TenantId, TenantRequest};
 use vram_core::Bytes;
 use vram_proto::{ErrorCode, ErrorReply, Hello, ProtoError, Reply, Request, Role, Welcome};
 
@@ -277,29 +277,7 @@ impl Session {
             tenant = t.name, class = t.class, guarantee = %t.guarantee, limit = %t.limit,
             pid = self.pid, gpu = slot, client = hello.client, "tenant connected"
         );
-        let grant_seconds = self.daemon.metrics().map(|m| {
-            let labels = tenant_labels(&t.name, &t.class, slot as u32);
-            (labels.clone(), m.grant_histogram(&labels))
-        });
-        self.tenant = Some(Registered {
-            slot,
-            id,
-            name: t.name.clone(),
-            grant_seconds,
-            driver_checked: false,
-            start_time: super::state::process_start_time(self.pid),
-            bye: None,
-            member: false,
-        });
-        Ok(Reply::Welcome(Welcome {
-            tenant: id.0,
-            name: t.name,
-            class: t.class,
-            priority: t.priority,
-            guarantee: t.guarantee,
-            limit: t.limit,
-            device: s.desc(),
-        }))
+        Ok(self.registered_as(slot, id, t, false))
     }
 
     /// Takes over the memory side of a tenant `vramd run` registered for this process.
@@ -327,6 +305,12 @@ impl Session {
             client,
             "tenant's program joined"
         );
+        Ok(self.registered_as(slot, id, t, true))
+    }
+
+    /// This connection is tenant `id` from now on (`member`: a process that joined it); the
+    /// tenant's welcome.
+    fn registered_as(&mut self, slot: usize, id: TenantId, t: Tenant, member: bool) -> Reply {
         let grant_seconds = self.daemon.metrics().map(|m| {
             let labels = tenant_labels(&t.name, &t.class, slot as u32);
             (labels.clone(), m.grant_histogram(&labels))
@@ -339,17 +323,17 @@ impl Session {
             driver_checked: false,
             start_time: super::state::process_start_time(self.pid),
             bye: None,
-            member: true,
+            member,
         });
-        Ok(Reply::Welcome(Welcome {
+        Reply::Welcome(Welcome {
             tenant: id.0,
             name: t.name,
             class: t.class,
             priority: t.priority,
             guarantee: t.guarantee,
             limit: t.limit,
-            device: s.desc(),
-        }))
+            device: self.daemon.slots[slot].desc(),
+        })
     }
 
     fn grant(&mut self, id: u64, bytes: Bytes) -> bool {

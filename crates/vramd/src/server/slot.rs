@@ -341,26 +341,13 @@ impl Slot {
     /// The joined process of `tenant` ended: everything it held goes back, as at a crash, and the
     /// tenant is the registering process's again. Returns what it held and the handles released.
     pub fn member_gone(&self, tenant: TenantId) -> (Bytes, usize) {
-        let handles: Vec<Handle> = {
-            let mut s = self.lock();
-            let ids: Vec<GrantId> = s
-                .grants
-                .iter()
-                .filter(|(_, (t, _))| *t == tenant)
-                .map(|(id, _)| *id)
-                .collect();
-            ids.iter()
-                .filter_map(|id| s.grants.remove(id))
-                .map(|(_, h)| h)
-                .collect()
-        };
+        let handles = take_grants(&mut self.lock(), tenant);
         let n = handles.len();
         // The memory first, the books after (see `give_back`).
         drop(handles);
         self.pool.forget(tenant.0);
         let mut s = self.lock();
         let st = &mut *s;
-        st.adopted.retain(|_, (t, _)| *t != tenant);
         let held = st.broker.release_all(tenant);
         if let Some((conn, holder)) = st.members.remove(&tenant) {
             match conn {
@@ -751,25 +738,14 @@ impl Slot {
     /// The tenant is gone: everything it held goes back at once. Returns its final state and the
     /// number of handles released.
     pub fn disconnect(&self, tenant: TenantId) -> Option<(Tenant, usize)> {
-        let handles: Vec<Handle> = {
+        let handles = {
             let mut s = self.lock();
-            let ids: Vec<GrantId> = s
-                .grants
-                .iter()
-                .filter(|(_, (t, _))| *t == tenant)
-                .map(|(id, _)| *id)
-                .collect();
             s.conn_of.remove(&tenant);
-            s.adopted.retain(|_, (t, _)| *t != tenant);
             s.pending.remove(&tenant);
             s.processes.remove(&tenant);
             s.members.remove(&tenant);
             s.invitations.retain(|_, (t, _)| *t != tenant);
-            s.dirty = true;
-            ids.iter()
-                .filter_map(|id| s.grants.remove(id))
-                .map(|(_, h)| h)
-                .collect()
+            take_grants(&mut s, tenant)
         };
         // The memory first, the books after (see `give_back`).
         let n = handles.len();
@@ -977,6 +953,23 @@ fn settle(s: &mut State, id: TenantId, r: &Resume) {
             tracing::warn!("memory the tenant says it charged is not booked: {e}");
         }
     }
+}
+
+/// Takes every grant of `tenant` out of the tables (its adopted ones too): the handles, for the
+/// caller to drop outside the lock.
+fn take_grants(s: &mut State, tenant: TenantId) -> Vec<Handle> {
+    let ids: Vec<GrantId> = s
+        .grants
+        .iter()
+        .filter(|(_, (t, _))| *t == tenant)
+        .map(|(id, _)| *id)
+        .collect();
+    s.adopted.retain(|_, (t, _)| *t != tenant);
+    s.dirty = true;
+    ids.iter()
+        .filter_map(|id| s.grants.remove(id))
+        .map(|(_, h)| h)
+        .collect()
 }
 
 /// 128 random bits, in hex: an invitation nobody can guess.
