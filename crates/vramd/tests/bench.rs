@@ -27,9 +27,10 @@ fn round_trips_give_back_inside_the_trip_unless_fresh_handles_are_kept() {
         );
         assert!(us(r, "map", "p50_us") > 0.0, "{r}");
     }
-    // Kept grants are given back after the measurement: no socket round trip inside it.
+    // Kept grants are given back after the measurement: no socket round trip inside it (the 90th
+    // percentile, so that one descheduling on a loaded machine does not decide).
     assert!(
-        us(&fresh, "give_back", "max_us") < us(&plain, "give_back", "p50_us"),
+        us(&fresh, "give_back", "p90_us") < us(&plain, "give_back", "p50_us"),
         "fresh {fresh} plain {plain}"
     );
 }
