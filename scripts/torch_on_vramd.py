@@ -448,8 +448,10 @@ class Run:
     def start_daemon(self):
         cfg = os.path.join(self.o.out, "vramd.toml")
         with open(cfg, "w") as f:
+            # `train` ranks above the default class: this user may ask for it.
             f.write(f'capacity = "{self.o.capacity}"\nreclaim_timeout_ms = 250\n'
-                    '[classes.train]\npriority = 100\n[classes.borrow]\npriority = 1\n')
+                    f'[classes.train]\npriority = 100\nusers = [{os.getuid()}]\n'
+                    '[classes.borrow]\npriority = 1\n')
         log = open(os.path.join(self.o.out, "vramd.log"), "w")
         self.daemon = subprocess.Popen(
             [self.vramd, "serve", "--backend", "cuda", "--socket", self.socket, "--config", cfg],

@@ -145,13 +145,22 @@ fn outside_use_is_lent_to_no_one_and_at_risk_guarantees_are_named() {
     assert_eq!(dev.outside_processes.len(), 1, "{dev:?}");
     assert_eq!(dev.outside_processes[0].name, "hog");
     assert_eq!(dev.free, Bytes::ZERO);
-    // The borrower was asked for its idle memory and gave it back, which closes the deficit.
+    // The borrower was asked for its idle memory and gave it back...
     assert!(wait_until(Duration::from_secs(5), || {
         let s = d.status();
-        s.devices[0].deficit == Bytes::ZERO
-            && s.tenants
-                .iter()
-                .any(|t| t.name == "borrower" && t.held == Bytes::gib(1))
+        s.tenants
+            .iter()
+            .any(|t| t.name == "borrower" && t.held == Bytes::gib(1))
+    }));
+    // ... which the driver shows, and which closes the deficit.
+    let created = d.status().devices[0].device_used;
+    probe.set(
+        "host-0",
+        reading(created, &[(4_000_000, "hog", Bytes::gib(5))]),
+    );
+    assert!(wait_until(Duration::from_secs(5), || {
+        let dev = &d.status().devices[0];
+        dev.deficit == Bytes::ZERO && dev.outside_use == Bytes::gib(5)
     }));
     // While the hog holds memory, nobody borrows, and the status names what is at risk when
     // it grows again.
@@ -163,7 +172,9 @@ fn outside_use_is_lent_to_no_one_and_at_risk_guarantees_are_named() {
         reading(created, &[(4_000_000, "hog", Bytes::gib(8))]),
     );
     assert!(wait_until(Duration::from_secs(5), || {
-        d.status().devices[0].deficit == Bytes::gib(3)
+        let dev = &d.status().devices[0];
+        dev.deficit == Bytes::gib(3)
+            && dev.outside_processes.first().map(|p| p.bytes) == Some(Bytes::gib(8))
     }));
     let dev = &d.status().devices[0];
     assert_eq!(dev.at_risk.len(), 1, "{dev:?}");

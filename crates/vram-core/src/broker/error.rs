@@ -33,6 +33,39 @@ pub enum AdmissionError {
     },
     #[error("invalid tenant name `{name}`: {reason}")]
     BadName { name: String, reason: &'static str },
+    #[error(
+        "uid {uid} may not connect as tenant `{name}`: its declaration names owners {owners:?} \
+         (tenants.{name}.owners)"
+    )]
+    NotOwner {
+        name: String,
+        uid: u32,
+        owners: Vec<u32>,
+    },
+    #[error(
+        "tenant `{name}` (uid {uid}) asks for class `{class}` (priority {priority}), above the \
+         default class (priority {default_priority}); only the uids in classes.{class}.users may"
+    )]
+    ClassNotAllowed {
+        name: String,
+        class: String,
+        priority: u32,
+        uid: u32,
+        default_priority: u32,
+    },
+    #[error("uid {uid} has {max} tenants connected, its most (users.{uid}.max_tenants); `{name}` is refused")]
+    UserTenants { name: String, uid: u32, max: usize },
+    #[error(
+        "tenant `{name}` asks for a guarantee of {guarantee}; uid {uid}'s tenants already hold or \
+         are promised {held} of its {max} (users.{uid}.max_memory)"
+    )]
+    UserMemory {
+        name: String,
+        uid: u32,
+        guarantee: Bytes,
+        max: Bytes,
+        held: Bytes,
+    },
 }
 
 /// Why a request for memory was refused.
@@ -74,6 +107,17 @@ pub enum GrantError {
         reserve: Bytes,
         free: Bytes,
     },
+    #[error(
+        "tenant `{tenant}` asked for {asked}; uid {uid}'s tenants hold {held} of its {max} \
+         (users.{uid}.max_memory)"
+    )]
+    UserLimit {
+        tenant: String,
+        asked: Bytes,
+        uid: u32,
+        max: Bytes,
+        held: Bytes,
+    },
     #[error("tenant `{tenant}` asked for {asked}, which is not a valid size: {reason}")]
     BadSize {
         tenant: String,
@@ -90,6 +134,7 @@ impl GrantError {
             GrantError::OverLimit { .. } => "over_limit",
             GrantError::DeviceFull { .. } => "device_full",
             GrantError::PriorityReserve { .. } => "priority_reserve",
+            GrantError::UserLimit { .. } => "user_limit",
             GrantError::BadSize { .. } => "bad_size",
         }
     }

@@ -25,7 +25,7 @@ use std::collections::{BTreeMap, HashMap};
 use serde::{Deserialize, Serialize};
 
 pub use error::{AdmissionError, GrantError};
-pub use policy::{Class, DeclaredTenant, Policy, PolicyError};
+pub use policy::{Class, DeclaredTenant, Policy, PolicyError, UserLimits};
 
 use crate::Bytes;
 
@@ -325,6 +325,7 @@ impl Broker {
                 known: known_classes(&self.policy),
             });
         };
+        self.check_identity(&req, declared, &class_name, class)?;
         let capacity = self.policy.capacity;
         let (guarantee, limit) = match declared {
             // The operator's declaration wins; a process may only ask for a lower limit.
@@ -347,6 +348,23 @@ impl Broker {
                 guarantee,
                 limit,
             });
+        }
+        if let Some(max) = self.policy.user(req.uid).max_memory {
+            let promised = self
+                .tenants
+                .values()
+                .filter(|t| t.uid == req.uid)
+                .map(Tenant::footprint)
+                .fold(guarantee, Bytes::saturating_add);
+            if promised > max {
+                return Err(AdmissionError::UserMemory {
+                    name: req.name,
+                    uid: req.uid,
+                    guarantee,
+                    max,
+                    held: promised - guarantee,
+                });
+            }
         }
         // A declared tenant's guarantee is already counted in `committed`.
         if declared.is_none() && guarantee > self.free() {
@@ -392,6 +410,54 @@ impl Broker {
         self.tenants.insert(id, tenant);
         self.by_name.insert(req.name, id);
         Ok(id)
+    }
+
+    /// Who may be this tenant, in this class: a declared tenant's owners, a class above the
+    /// default one only for the uids it lists, and the uid's own count of tenants.
+    fn check_identity(
+        &self,
+        req: &TenantRequest,
+        declared: Option<&DeclaredTenant>,
+        class_name: &str,
+        class: &Class,
+    ) -> Result<(), AdmissionError> {
+        if let Some(d) = declared.filter(|d| !d.owners.is_empty()) {
+            if !d.owners.contains(&req.uid) {
+                return Err(AdmissionError::NotOwner {
+                    name: req.name.clone(),
+                    uid: req.uid,
+                    owners: d.owners.clone(),
+                });
+            }
+        }
+        let default_priority = self
+            .policy
+            .classes
+            .get(Policy::DEFAULT_CLASS)
+            .map_or(0, |c| c.priority);
+        if declared.is_none()
+            && class.priority > default_priority
+            && !class.users.contains(&req.uid)
+        {
+            return Err(AdmissionError::ClassNotAllowed {
+                name: req.name.clone(),
+                class: class_name.to_string(),
+                priority: class.priority,
+                uid: req.uid,
+                default_priority,
+            });
+        }
+        if let Some(max) = self.policy.user(req.uid).max_tenants {
+            let n = self.tenants.values().filter(|t| t.uid == req.uid).count();
+            if n >= max {
+                return Err(AdmissionError::UserTenants {
+                    name: req.name.clone(),
+                    uid: req.uid,
+                    max,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Accounts `bytes` more to `id`, or says why not (and counts the refusal).
@@ -502,6 +568,23 @@ impl Broker {
                 held: t.total(),
             });
         };
+        if let Some(max) = self.policy.user(t.uid).max_memory {
+            let uid_total = self
+                .tenants
+                .values()
+                .filter(|u| u.uid == t.uid)
+                .map(Tenant::total)
+                .fold(Bytes::ZERO, Bytes::saturating_add);
+            if uid_total.saturating_add(bytes) > max {
+                return Err(GrantError::UserLimit {
+                    tenant: t.name.clone(),
+                    asked: bytes,
+                    uid: t.uid,
+                    max,
+                    held: uid_total,
+                });
+            }
+        }
         let extra = t.guarantee.max(new_total) - t.footprint();
         if extra == Bytes::ZERO {
             return Ok(());
@@ -570,7 +653,10 @@ impl Broker {
         };
         if matches!(
             self.check_grant(id, bytes),
-            Ok(()) | Err(GrantError::OverLimit { .. } | GrantError::BadSize { .. })
+            Ok(())
+                | Err(GrantError::OverLimit { .. }
+                    | GrantError::UserLimit { .. }
+                    | GrantError::BadSize { .. })
         ) {
             return Vec::new();
         }

@@ -17,6 +17,10 @@ pub struct Class {
     /// Limit given to a tenant of this class that does not ask for one (`None`: the whole device).
     #[serde(default)]
     pub default_limit: Option<Bytes>,
+    /// The uids that may ask for this class when it ranks above the default class (any uid may
+    /// take the default class or one below it). Declared tenants get their declared class.
+    #[serde(default)]
+    pub users: Vec<u32>,
 }
 
 /// A tenant the operator declared ahead: its guarantee is reserved from start-up, whether or not it
@@ -28,6 +32,22 @@ pub struct DeclaredTenant {
     #[serde(default)]
     pub guarantee: Bytes,
     pub limit: Option<Bytes>,
+    /// The uids that may connect as this tenant (empty: any uid the daemon allows, which the
+    /// daemon warns about at start).
+    #[serde(default)]
+    pub owners: Vec<u32>,
+}
+
+/// What the processes of one uid may hold together, over all their tenants on a device.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserLimits {
+    /// The most memory the uid's tenants may hold together (grants, charges, their contexts).
+    #[serde(default)]
+    pub max_memory: Option<Bytes>,
+    /// The most tenants the uid may have connected at once.
+    #[serde(default)]
+    pub max_tenants: Option<usize>,
 }
 
 /// Everything the broker needs to decide.
@@ -38,6 +58,9 @@ pub struct Policy {
     pub tenants: BTreeMap<String, DeclaredTenant>,
     /// Free memory that only the highest-priority class present may borrow into.
     pub priority_reserve: Bytes,
+    /// Per-uid limits; `default_user` applies to every uid not listed.
+    pub users: BTreeMap<u32, UserLimits>,
+    pub default_user: UserLimits,
 }
 
 impl Policy {
@@ -50,6 +73,7 @@ impl Policy {
                     priority: p,
                     default_guarantee: Bytes::ZERO,
                     default_limit: None,
+                    users: Vec::new(),
                 };
                 (n.to_string(), class)
             })
@@ -63,7 +87,14 @@ impl Policy {
             classes: Self::default_classes(),
             tenants: BTreeMap::new(),
             priority_reserve: Bytes(capacity.get() / 32),
+            users: BTreeMap::new(),
+            default_user: UserLimits::default(),
         }
+    }
+
+    /// The limits of `uid`'s tenants together.
+    pub fn user(&self, uid: u32) -> UserLimits {
+        self.users.get(&uid).copied().unwrap_or(self.default_user)
     }
 
     /// The class a tenant gets when it names none.
@@ -390,6 +421,7 @@ mod tests {
             class: class.into(),
             guarantee,
             limit,
+            owners: Vec::new(),
         }
     }
 

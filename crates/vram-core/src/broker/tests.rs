@@ -13,8 +13,15 @@ fn req(name: &str, class: &str, guarantee: u64, limit: u64) -> TenantRequest {
     }
 }
 
+/// The default classes; uid 0, which the tests connect as, may ask for `high`.
+fn policy(capacity: Bytes) -> Policy {
+    let mut p = Policy::with_capacity(capacity);
+    p.classes.get_mut("high").unwrap().users = vec![0];
+    p
+}
+
 fn broker(capacity_gib: u64) -> Broker {
-    let mut p = Policy::with_capacity(Bytes::gib(capacity_gib));
+    let mut p = policy(Bytes::gib(capacity_gib));
     p.priority_reserve = Bytes::ZERO;
     Broker::new(p).unwrap()
 }
@@ -81,7 +88,7 @@ fn name_in_use_and_unknown_class_are_refused() {
 
 #[test]
 fn priority_reserve_refuses_low_priority_borrowers_first() {
-    let mut p = Policy::with_capacity(Bytes::gib(16));
+    let mut p = policy(Bytes::gib(16));
     p.priority_reserve = Bytes::gib(2);
     let mut b = Broker::new(p).unwrap();
     let hi = b.connect(req("hi", "high", 0, 16)).unwrap();
@@ -96,13 +103,14 @@ fn priority_reserve_refuses_low_priority_borrowers_first() {
 
 #[test]
 fn declared_tenants_reserve_their_guarantee_while_offline() {
-    let mut p = Policy::with_capacity(Bytes::gib(16));
+    let mut p = policy(Bytes::gib(16));
     p.tenants.insert(
         "trainer".into(),
         DeclaredTenant {
             class: "high".into(),
             guarantee: Bytes::gib(10),
             limit: None,
+            owners: Vec::new(),
         },
     );
     let mut b = Broker::new(p).unwrap();
@@ -260,6 +268,84 @@ fn outside_use_is_not_lent_and_a_broken_promise_is_named() {
     assert!(b.at_risk().is_empty());
 }
 
+fn as_uid(name: &str, class: &str, uid: u32) -> TenantRequest {
+    TenantRequest {
+        uid,
+        guarantee: None,
+        limit: None,
+        ..req(name, class, 0, 0)
+    }
+}
+
+#[test]
+fn a_declared_tenant_is_its_owners_alone() {
+    let mut p = policy(Bytes::gib(16));
+    p.tenants.insert(
+        "prod".into(),
+        DeclaredTenant {
+            class: "high".into(),
+            guarantee: Bytes::gib(4),
+            limit: None,
+            owners: vec![1001],
+        },
+    );
+    let mut b = Broker::new(p).unwrap();
+    let err = b.connect(as_uid("prod", "low", 1002)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "uid 1002 may not connect as tenant `prod`: its declaration names owners [1001] \
+         (tenants.prod.owners)"
+    );
+    let id = b.connect(as_uid("prod", "low", 1001)).unwrap();
+    // Its owner gets the declared class, whatever it asked for.
+    assert_eq!(b.tenant(id).unwrap().class, "high");
+}
+
+#[test]
+fn only_the_listed_uids_may_rank_above_the_default_class() {
+    let mut b = broker(16);
+    let err = b.connect(as_uid("x", "high", 1002)).unwrap_err();
+    assert!(
+        matches!(err, AdmissionError::ClassNotAllowed { .. }),
+        "{err}"
+    );
+    assert!(err.to_string().contains("classes.high.users"), "{err}");
+    // The default class and those below it are anyone's.
+    b.connect(as_uid("y", "normal", 1002)).unwrap();
+    b.connect(as_uid("z", "low", 1002)).unwrap();
+    b.connect(as_uid("w", "high", 0)).unwrap();
+}
+
+#[test]
+fn a_uids_tenants_share_its_limits() {
+    let mut p = policy(Bytes::gib(64));
+    p.priority_reserve = Bytes::ZERO;
+    p.users.insert(
+        1001,
+        UserLimits {
+            max_memory: Some(Bytes::gib(2)),
+            max_tenants: Some(2),
+        },
+    );
+    let mut b = Broker::new(p).unwrap();
+    let a = b.connect(as_uid("a", "normal", 1001)).unwrap();
+    let c = b.connect(as_uid("c", "normal", 1001)).unwrap();
+    let err = b.connect(as_uid("d", "normal", 1001)).unwrap_err();
+    assert!(err.to_string().contains("users.1001.max_tenants"), "{err}");
+    b.grant(a, Bytes::gib(1)).unwrap();
+    b.grant(c, Bytes::mib(768)).unwrap();
+    let err = b.grant(c, Bytes::mib(512)).unwrap_err();
+    assert_eq!(err.reason(), "user_limit");
+    assert_eq!(
+        err.to_string(),
+        "tenant `c` asked for 512 MiB; uid 1001's tenants hold 1.8 GiB of its 2 GiB \
+         (users.1001.max_memory)"
+    );
+    // Other uids are not limited by it.
+    let o = b.connect(as_uid("o", "normal", 1002)).unwrap();
+    b.grant(o, Bytes::gib(8)).unwrap();
+}
+
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         (0u8..3, 0u64..6, 0u64..20).prop_map(|(class, guarantee, limit)| Op::Connect {
@@ -281,7 +367,7 @@ fn op() -> impl Strategy<Value = Op> {
 proptest! {
     #[test]
     fn invariants_hold_for_any_sequence(ops in prop::collection::vec(op(), 1..200)) {
-        let mut p = Policy::with_capacity(Bytes::gib(16));
+        let mut p = policy(Bytes::gib(16));
         p.priority_reserve = Bytes::mib(512);
         let mut b = Broker::new(p).unwrap();
         let mut live: Vec<TenantId> = Vec::new();

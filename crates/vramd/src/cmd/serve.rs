@@ -90,6 +90,14 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         })
         .collect();
     refuse_problems(config_path, config.problems(&facts))?;
+    for (name, t) in config.tenants.iter().filter(|(_, t)| t.owners.is_empty()) {
+        tracing::warn!(
+            tenant = name,
+            class = t.class,
+            "declared tenant has no owners: any allowed uid may connect as it and take its \
+             guarantee (set tenants.{name}.owners)"
+        );
+    }
     let policy_config = config.clone();
     let by_uuid: Vec<(String, Bytes)> = devices
         .iter()

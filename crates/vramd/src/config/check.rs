@@ -28,6 +28,8 @@ pub struct Device {
 pub enum ConfigError {
     #[error("capacity is 0: there would be nothing to serve")]
     ZeroCapacity,
+    #[error("[users.{key}]: a user is a uid (a number) or `default`")]
+    UserKey { key: String },
     #[error(
         "allowed_uids is empty: no one could connect (leave it out for root and the daemon's own \
          uid)"
@@ -89,6 +91,11 @@ impl Config {
             });
         }
         self.connection_problems(&mut out);
+        for key in self.users.keys() {
+            if key != "default" && key.parse::<u32>().is_err() {
+                out.push(ConfigError::UserKey { key: key.clone() });
+            }
+        }
         if self.capacity == Some(Bytes::ZERO) {
             out.push(ConfigError::ZeroCapacity);
             return out;

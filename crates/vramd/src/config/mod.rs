@@ -56,6 +56,10 @@ pub struct Config {
     pub classes: BTreeMap<String, Class>,
     #[serde(default)]
     pub tenants: BTreeMap<String, DeclaredTenant>,
+    /// Per-uid limits over all of a uid's tenants: `[users.1001]`, and `[users.default]` for
+    /// every uid not listed.
+    #[serde(default)]
+    pub users: BTreeMap<String, vram_core::broker::UserLimits>,
 }
 
 /// The handle pool: memory created (and exported) ahead of demand.
@@ -251,6 +255,15 @@ impl Config {
         policy.tenants = self.tenants.clone();
         if let Some(r) = self.priority_reserve {
             policy.priority_reserve = r;
+        }
+        for (key, limits) in &self.users {
+            match key.parse::<u32>() {
+                Ok(uid) => {
+                    policy.users.insert(uid, *limits);
+                }
+                // Any other key is refused by `Config::problems`.
+                Err(_) => policy.default_user = *limits,
+            }
         }
         policy
     }

@@ -544,8 +544,9 @@ fn log_exit(tenant: &str, gpu: usize, status: vram_proto::ExitStatus) {
 /// The broker's rule a tenant names for its own refusal, from the known set; anything else is
 /// counted as `other`, so a tenant cannot grow the metrics' label set.
 fn refusal_reason(reason: &str) -> &'static str {
-    const KNOWN: [&str; 5] = [
+    const KNOWN: [&str; 6] = [
         "over_limit",
+        "user_limit",
         "device_full",
         "priority_reserve",
         "bad_size",
