@@ -108,9 +108,29 @@ async fn metrics(State(s): State<Arc<Scrape>>) -> Response {
     }
 }
 
+/// `vramd status`'s document, less what identifies processes: anyone who can reach the port
+/// reads it, and TCP says nothing of who they are (the socket's `vramd status` checks
+/// `allowed_uids` and gives the whole report).
 async fn status(State(s): State<Arc<Scrape>>) -> Response {
-    match serde_json::to_string_pretty(&s.daemon.status()) {
+    match serde_json::to_string_pretty(&without_processes(s.daemon.status())) {
         Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     }
+}
+
+/// The report with every pid, uid and process name blanked (tenants' names stay: they label the
+/// metrics too).
+pub fn without_processes(mut r: vram_proto::StatusReport) -> vram_proto::StatusReport {
+    r.daemon.pid = 0;
+    for t in &mut r.tenants {
+        t.pid = 0;
+        t.uid = 0;
+    }
+    for d in &mut r.devices {
+        for p in &mut d.outside_processes {
+            p.pid = 0;
+            p.name.clear();
+        }
+    }
+    r
 }

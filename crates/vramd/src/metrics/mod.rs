@@ -21,7 +21,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-pub use http::Exporter;
+pub use http::{without_processes, Exporter};
 
 /// Where `serve` exposes metrics: `--metrics ADDR`, or `off`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize)]
