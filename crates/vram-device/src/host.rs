@@ -5,8 +5,10 @@
 //! growing at creation, and an import checks both the seal and the size, so a process that maps an
 //! imported handle cannot be made to fault (SIGBUS) by a file shorter than it was told.
 //!
-//! Read-only here is `PROT_READ`: it protects against mistakes, not against a process that calls
-//! `mprotect` on its own mapping (on a GPU, a process may likewise change its own access).
+//! Read-only here is `PROT_READ` on a memfd opened read-only; a published shared-buffer version
+//! is also sealed against writes (`F_SEAL_FUTURE_WRITE`), so that a reader that reopens its
+//! descriptor through `/proc` with write access still cannot write it (on a GPU, a process that
+//! imports a handle chooses its own mapping's access).
 
 use std::ffi::c_void;
 use std::os::fd::{AsFd, OwnedFd};
@@ -24,10 +26,10 @@ use crate::{
 /// Handle size and mapping unit when none is configured: the same as a GPU's.
 pub const DEFAULT_GRANULARITY: Bytes = Bytes::mib(2);
 
-/// Seals every handle's memfd carries: its size is fixed for good.
-const SEALS: SealFlags = SealFlags::SHRINK
-    .union(SealFlags::GROW)
-    .union(SealFlags::SEAL);
+/// Seals every handle's memfd carries: its size is fixed for good. `F_SEAL_SEAL` is left off so
+/// that a published shared-buffer version can be sealed against writes later
+/// ([`Device::seal_writes`]); a process that seals its own memfd further hurts only itself.
+const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
 
 /// A device whose memory is memfds. See the module documentation.
 #[derive(Debug)]
@@ -116,6 +118,11 @@ impl Device for HostDevice {
                 .map_err(|e| DeviceError::os("fcntl(F_ADD_SEALS)", e))?;
             Ok(RawHandle::Memfd(fd))
         })
+    }
+
+    fn seal_writes(&self, handle: &Handle) -> Result<()> {
+        rustix::fs::fcntl_add_seals(self.memfd(handle)?, SealFlags::FUTURE_WRITE)
+            .map_err(|e| DeviceError::os("fcntl(F_ADD_SEALS, F_SEAL_FUTURE_WRITE)", e))
     }
 
     fn export(&self, handle: &Handle) -> Result<OwnedFd> {
@@ -308,6 +315,43 @@ mod tests {
         let mut out = [0; 5];
         dev.read(&r, Bytes(9), &mut out).unwrap();
         assert_eq!(out, [0, 0xAB, 0xAB, 0xAB, 0]);
+    }
+
+    #[test]
+    fn memory_sealed_against_writes_refuses_every_new_writer() {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        let dev = device(Bytes::gib(1));
+        let (h, before) = mapped(&dev, G, Access::ReadWrite);
+        dev.write(&before, Bytes::ZERO, b"published").unwrap();
+        dev.seal_writes(&h).unwrap();
+        // A descriptor reopened for writing through /proc, as a reader holding a read-only one
+        // could: neither a write nor a writable mapping gets through.
+        let fd = dev.export(&h).unwrap();
+        let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        let e = f.write_all(b"rewritten").unwrap_err();
+        assert_eq!(
+            e.raw_os_error(),
+            Some(rustix::io::Errno::PERM.raw_os_error()),
+            "{e}"
+        );
+        let reopened = dev.import(OwnedFd::from(f), G).unwrap();
+        let r = dev.reserve(G).unwrap();
+        assert!(dev
+            .map(&r, Bytes::ZERO, &reopened, Access::ReadWrite)
+            .is_err());
+        dev.map(&r, Bytes::ZERO, &reopened, Access::ReadOnly)
+            .unwrap();
+        let mut out = [0; 9];
+        dev.read(&r, Bytes::ZERO, &mut out).unwrap();
+        assert_eq!(&out, b"published");
+        // A mapping made before the seal is the writer's own and stays as it was.
+        dev.write(&before, Bytes::ZERO, b"P").unwrap();
     }
 
     #[test]

@@ -157,6 +157,15 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// Creates physical memory of `size` (a multiple of the granularity), exportable to other processes.
     fn create(&self, size: Bytes) -> Result<Handle>;
 
+    /// Refuses every later write access to `handle`'s memory by anyone (new writable mappings,
+    /// writes through a descriptor); mappings made before stay as they are. For shared-buffer
+    /// versions at publish. The host backend seals the memfd; the cuda backend has no such seal
+    /// (an importer chooses its own mapping's access), so there it does nothing.
+    fn seal_writes(&self, handle: &Handle) -> Result<()> {
+        let _ = handle;
+        Ok(())
+    }
+
     /// A file descriptor that another process passes to [`Device::import`] to reach the same memory.
     fn export(&self, handle: &Handle) -> Result<OwnedFd>;
 

@@ -466,6 +466,13 @@ impl Op<'_> {
         let size =
             self.books(|b, c, now| Ok((c.check_draft(b, t, buffer, version, now)?, Vec::new())))?;
         let memory = self.memory(buffer, version)?;
+        // From here on nobody gains write access to the version, whatever descriptor it holds.
+        self.daemon.slots[self.slot]
+            .device()
+            .seal_writes(&memory.handle)
+            .map_err(|e| {
+                device_error(format!("cannot seal version {version} against writes: {e}"))
+            })?;
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
