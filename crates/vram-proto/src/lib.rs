@@ -21,9 +21,7 @@ pub use message::{
 pub use shared::{
     LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,
 };
-pub use status::{
-    AtRisk, DaemonInfo, DeviceStatus, OutsideProcess, PoolTakes, StatusReport, TenantStatus,
-};
+pub use status::{DaemonInfo, DeviceStatus, OutsideProcess, PoolTakes, StatusReport, TenantStatus};
 
 /// The protocol version this build speaks. A peer speaking another gets an error and is closed.
 pub const PROTOCOL_VERSION: u16 = 4;

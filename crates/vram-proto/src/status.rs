@@ -74,7 +74,7 @@ pub struct DeviceStatus {
     pub deficit: Bytes,
     /// Guarantees the device cannot meet in full while the deficit lasts.
     #[serde(default)]
-    pub at_risk: Vec<AtRisk>,
+    pub at_risk: Vec<vram_core::broker::AtRisk>,
 }
 
 /// A process on the device that is not a tenant.
@@ -84,15 +84,6 @@ pub struct OutsideProcess {
     /// Its command name (`/proc/PID/comm`), empty if unreadable.
     pub name: String,
     pub bytes: Bytes,
-}
-
-/// A guarantee put at risk by outside use.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AtRisk {
-    pub tenant: String,
-    pub guarantee: Bytes,
-    /// The part of the guarantee not taken up yet.
-    pub unfilled: Bytes,
 }
 
 /// Handles taken for grants since the daemon started, by where they came from. A miss costs the

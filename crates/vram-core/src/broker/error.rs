@@ -130,12 +130,22 @@ impl GrantError {
     /// A short, stable name for metrics and reports (`over_limit`, `device_full`, ...).
     pub fn reason(&self) -> &'static str {
         match self {
-            GrantError::UnknownTenant(_) => "unknown_tenant",
-            GrantError::OverLimit { .. } => "over_limit",
-            GrantError::DeviceFull { .. } => "device_full",
-            GrantError::PriorityReserve { .. } => "priority_reserve",
-            GrantError::UserLimit { .. } => "user_limit",
-            GrantError::BadSize { .. } => "bad_size",
+            GrantError::UnknownTenant(_) => Self::REASONS[0],
+            GrantError::OverLimit { .. } => Self::REASONS[1],
+            GrantError::DeviceFull { .. } => Self::REASONS[2],
+            GrantError::PriorityReserve { .. } => Self::REASONS[3],
+            GrantError::UserLimit { .. } => Self::REASONS[4],
+            GrantError::BadSize { .. } => Self::REASONS[5],
         }
     }
+
+    /// Every name [`GrantError::reason`] gives.
+    pub const REASONS: [&'static str; 6] = [
+        "unknown_tenant",
+        "over_limit",
+        "device_full",
+        "priority_reserve",
+        "user_limit",
+        "bad_size",
+    ];
 }

@@ -96,6 +96,16 @@ pub struct AtRisk {
     pub unfilled: Bytes,
 }
 
+impl std::fmt::Display for AtRisk {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({} of {} not taken up)",
+            self.tenant, self.unfilled, self.guarantee
+        )
+    }
+}
+
 /// A request to give back idle memory, chosen by [`Broker::reclaim_plan`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReclaimAsk {

@@ -94,8 +94,8 @@ fn describe(dev: sys::CUdevice) -> Result<DeviceInfo> {
     })
 }
 
-/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` prints it.
-fn format_uuid(b: &[u8; 16]) -> String {
+/// `GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx`, as `nvidia-smi -L` and NVML print it.
+pub fn format_uuid(b: &[u8; 16]) -> String {
     let hex =
         |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
     format!(

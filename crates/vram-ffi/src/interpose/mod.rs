@@ -128,7 +128,7 @@ pub(crate) fn is_tenant_device(t: &Tenant, ordinal: c_int) -> bool {
     if !known {
         return false;
     }
-    let ours = same_uuid(&format_uuid(&uuid), &w.device.uuid);
+    let ours = same_uuid(&vram_device::cuda::format_uuid(&uuid), &w.device.uuid);
     if let Some(s) = slot {
         s.store(if ours { OURS } else { OTHER }, Ordering::Relaxed);
     }
@@ -143,20 +143,6 @@ pub(crate) fn is_tenant_device(t: &Tenant, ordinal: c_int) -> bool {
         );
     }
     ours
-}
-
-/// A device UUID as nvidia-smi and NVML print it (`GPU-5f0c1a2b-3c4d-5e6f-7081-92a3b4c5d6e7`).
-pub(crate) fn format_uuid(b: &[u8; 16]) -> String {
-    let hex =
-        |r: std::ops::Range<usize>| b[r].iter().map(|x| format!("{x:02x}")).collect::<String>();
-    format!(
-        "GPU-{}-{}-{}-{}-{}",
-        hex(0..4),
-        hex(4..6),
-        hex(6..8),
-        hex(8..10),
-        hex(10..16)
-    )
 }
 
 pub(crate) fn same_uuid(a: &str, b: &str) -> bool {

@@ -132,16 +132,7 @@ pub fn render(r: &StatusReport) -> String {
             );
         }
         if d.deficit > vram_core::Bytes::ZERO {
-            let names: Vec<String> = d
-                .at_risk
-                .iter()
-                .map(|a| {
-                    format!(
-                        "{} ({} of {} not taken up)",
-                        a.tenant, a.unfilled, a.guarantee
-                    )
-                })
-                .collect();
+            let names: Vec<String> = d.at_risk.iter().map(ToString::to_string).collect();
             let _ = writeln!(
                 out,
                 "GPU {}: GUARANTEES AT RISK: outside use exceeds what is free by {}; at risk: {}; \

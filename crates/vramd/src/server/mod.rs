@@ -94,7 +94,7 @@ pub struct Daemon {
     /// Set when metrics are served; until then the grant path records nothing.
     metrics: OnceLock<Instruments>,
     /// The driver's figures, where there is a driver to ask, and each device's last reading.
-    pub(crate) books: Option<reconcile::Books>,
+    pub(crate) driver_check: Option<reconcile::DriverCheck>,
     pub(crate) shared: shared::SharedServer,
 }
 
@@ -289,19 +289,19 @@ impl Server {
             next_ask: AtomicU64::new(1),
             metrics: OnceLock::new(),
             shared: shared::SharedServer::default(),
-            books: opts
+            driver_check: opts
                 .probe
-                .map(|p| reconcile::Books::new(p, opts.devices.len(), opts.probe_period)),
+                .map(|p| reconcile::DriverCheck::new(p, opts.devices.len(), opts.probe_period)),
         });
         // Tenants of a daemon before are adopted before anything else sees the books.
         let keeper = Arc::new(state::Keeper::adopt(&daemon, &daemon.socket));
         pool_threads.push(start_keeper(daemon.clone(), keeper.clone())?);
         pool_threads.push(scrub::start(daemon.clone())?);
-        if let Some(books) = &daemon.books {
+        if let Some(check) = &daemon.driver_check {
             // The first reading before any tenant is admitted, so that memory already in use on
             // the device is never promised.
-            books.check(&daemon);
-            pool_threads.push(reconcile::start(daemon.clone(), books.period())?);
+            check.check(&daemon);
+            pool_threads.push(reconcile::start(daemon.clone(), check.period())?);
         }
         Ok(Server {
             daemon,

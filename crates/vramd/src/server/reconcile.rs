@@ -22,15 +22,19 @@ const LOG_STEP: Bytes = Bytes::mib(64);
 
 /// The probe and what it last showed of each device, shared by the periodic check and the
 /// check a tenant's first grant asks for.
-pub(crate) struct Books {
+pub(crate) struct DriverCheck {
     probe: Arc<dyn DriverProbe>,
     period: Duration,
     last: Mutex<Vec<Option<Reconciled>>>,
 }
 
-impl Books {
-    pub(crate) fn new(probe: Arc<dyn DriverProbe>, devices: usize, period: Duration) -> Books {
-        Books {
+impl DriverCheck {
+    pub(crate) fn new(
+        probe: Arc<dyn DriverProbe>,
+        devices: usize,
+        period: Duration,
+    ) -> DriverCheck {
+        DriverCheck {
             probe,
             period,
             last: Mutex::new(vec![None; devices]),
@@ -58,8 +62,8 @@ pub(super) fn start(
         .spawn(move || {
             while !daemon.is_shutting_down() {
                 daemon.sleep_unless_shutdown(period);
-                if let Some(books) = &daemon.books {
-                    books.check(&daemon);
+                if let Some(check) = &daemon.driver_check {
+                    check.check(&daemon);
                 }
             }
         })
@@ -91,16 +95,7 @@ fn reconcile_once(daemon: &Daemon, probe: &dyn DriverProbe, last: &mut [Option<R
             log_reading(i, reading.used, &books.created, &r);
         }
         if !applied.at_risk.is_empty() && (changed || applied.newly_at_risk) {
-            let names: Vec<String> = applied
-                .at_risk
-                .iter()
-                .map(|a| {
-                    format!(
-                        "{} ({} of {} not taken up)",
-                        a.tenant, a.unfilled, a.guarantee
-                    )
-                })
-                .collect();
+            let names: Vec<String> = applied.at_risk.iter().map(ToString::to_string).collect();
             let culprits: Vec<String> = r.outside_processes.iter().map(describe).collect();
             tracing::warn!(
                 gpu = i,

@@ -432,8 +432,8 @@ impl Session {
         if std::mem::replace(&mut t.driver_checked, true) {
             return;
         }
-        if let Some(books) = &self.daemon.books {
-            books.check(&self.daemon);
+        if let Some(check) = &self.daemon.driver_check {
+            check.check(&self.daemon);
         }
     }
 
@@ -541,18 +541,13 @@ fn log_exit(tenant: &str, gpu: usize, status: vram_proto::ExitStatus) {
     }
 }
 
-/// The broker's rule a tenant names for its own refusal, from the known set; anything else is
+/// The broker's rule a tenant names for its own refusal, from the broker's set; anything else is
 /// counted as `other`, so a tenant cannot grow the metrics' label set.
 fn refusal_reason(reason: &str) -> &'static str {
-    const KNOWN: [&str; 6] = [
-        "over_limit",
-        "user_limit",
-        "device_full",
-        "priority_reserve",
-        "bad_size",
-        "no_daemon",
-    ];
-    KNOWN.into_iter().find(|k| *k == reason).unwrap_or("other")
+    vram_core::broker::GrantError::REASONS
+        .into_iter()
+        .find(|k| *k == reason)
+        .unwrap_or("other")
 }
 
 /// Sends reclaim requests to other tenants' connections.

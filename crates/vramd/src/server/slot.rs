@@ -41,6 +41,28 @@ struct State {
     members: HashMap<TenantId, (Option<u64>, Process)>,
 }
 
+impl State {
+    /// What the last reading of the driver showed of process `pid` as outside use.
+    fn outside_of(&self, pid: u32) -> Bytes {
+        self.driver.as_ref().map_or(Bytes::ZERO, |d| {
+            d.outside_processes
+                .iter()
+                .filter(|p| p.pid == pid)
+                .map(|p| p.bytes)
+                .sum()
+        })
+    }
+
+    /// `own`, what the driver showed of process `pid`, is tenant `id`'s from now on (the caller
+    /// took it off the outside use).
+    fn claim_outside(&mut self, id: TenantId, pid: u32, own: Bytes) {
+        self.broker.set_tenant_outside(id, own);
+        if let Some(d) = self.driver.as_mut() {
+            d.outside_processes.retain(|p| p.pid != pid);
+        }
+    }
+}
+
 /// A tenant's process as the state file names it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Process {
@@ -220,13 +242,7 @@ impl Slot {
                 // What the driver showed of this process before it was a tenant (its context,
                 // made before its first allocation) is its own from now on, not outside use
                 // standing in the way of its own guarantee.
-                let own = st.driver.as_ref().map_or(Bytes::ZERO, |d| {
-                    d.outside_processes
-                        .iter()
-                        .filter(|p| p.pid == req.pid)
-                        .map(|p| p.bytes)
-                        .sum()
-                });
+                let own = st.outside_of(req.pid);
                 let outside = st.broker.outside_use();
                 st.broker.set_outside_use(outside.saturating_sub(own));
                 let id = match st.broker.connect(req) {
@@ -236,10 +252,7 @@ impl Slot {
                         return Err(admission(e.to_string()));
                     }
                 };
-                st.broker.set_tenant_outside(id, own);
-                if let Some(d) = st.driver.as_mut() {
-                    d.outside_processes.retain(|p| p.pid != process.pid);
-                }
+                st.claim_outside(id, process.pid, own);
                 st.processes.insert(id, process);
                 if let Some(r) = resume {
                     settle(st, id, r);
@@ -312,19 +325,10 @@ impl Slot {
             start_time: super::state::process_start_time(pid).unwrap_or(0),
         };
         // What the driver showed of the process so far (its context) is the tenant's now.
-        let own: Bytes = st.driver.as_mut().map_or(Bytes::ZERO, |d| {
-            let own = d
-                .outside_processes
-                .iter()
-                .filter(|p| p.pid == pid)
-                .map(|p| p.bytes)
-                .sum();
-            d.outside_processes.retain(|p| p.pid != pid);
-            own
-        });
+        let own = st.outside_of(pid);
         let outside = st.broker.outside_use();
         st.broker.set_outside_use(outside.saturating_sub(own));
-        st.broker.set_tenant_outside(id, own);
+        st.claim_outside(id, pid, own);
         st.members.insert(id, (holder_conn, holder));
         st.conn_of.insert(id, conn);
         st.processes.insert(id, member);
@@ -875,15 +879,7 @@ impl Slot {
             unattributed,
             outside_processes,
             deficit: snap.deficit,
-            at_risk: snap
-                .at_risk
-                .into_iter()
-                .map(|a| vram_proto::AtRisk {
-                    tenant: a.tenant,
-                    guarantee: a.guarantee,
-                    unfilled: a.unfilled,
-                })
-                .collect(),
+            at_risk: snap.at_risk,
         };
         let tenants = snap
             .tenants
