@@ -365,6 +365,12 @@ impl Client {
     }
 
     /// Installs what answers the daemon's requests for idle memory.
+    /// The shared-buffer versions this tenant owns or pinned that the daemon found changed since
+    /// publish (by a `verify` or its scrub), as it reported them on this connection.
+    pub fn corruptions(&self) -> Vec<vram_proto::Corruption> {
+        self.link.transport().corruptions()
+    }
+
     pub fn on_reclaim(&self, handler: ReclaimHandler) {
         *self.reclaim.lock().expect("reclaim") = Some(handler);
     }

@@ -258,10 +258,14 @@ impl Link {
 }
 
 /// A refusal that another try can cure: the daemon not listening yet, or still holding the name
-/// of this tenant's previous connection.
+/// of this tenant's previous connection. A rule of the configuration that refuses the tenant
+/// (its owners, its class) is final.
 fn worth_retrying(e: &ClientError) -> bool {
     match e {
-        ClientError::Daemon(r) => matches!(r.code, ErrorCode::Admission | ErrorCode::ShuttingDown),
+        ClientError::Daemon(r) if r.code == ErrorCode::Admission => {
+            matches!(r.reason.as_deref(), None | Some("name_in_use"))
+        }
+        ClientError::Daemon(r) => r.code == ErrorCode::ShuttingDown,
         ClientError::Proto(vram_proto::ProtoError::Version { .. }) => false,
         _ => true,
     }

@@ -436,6 +436,18 @@ impl Pinned<'_> {
         verify(self.client, self.buffer, self.version)
     }
 
+    /// Asks the device to make this reader's mapping writable, as a hostile reader could: what
+    /// the platform allows is what it enforces (for tests of that rule). The host backend
+    /// refuses (the descriptor is read-only and the version sealed); on CUDA an importer sets
+    /// its own mapping's access.
+    pub fn try_make_writable(&self) -> Result<(), ClientError> {
+        let res = &self.mapped().res;
+        Ok(self
+            .client
+            .device()
+            .set_access(res, Bytes::ZERO, res.size(), Access::ReadWrite)?)
+    }
+
     /// Writing through a read-only mapping is refused (for tests of that rule).
     pub fn try_write(&self, offset: Bytes, data: &[u8]) -> Result<(), ClientError> {
         Ok(self

@@ -62,9 +62,15 @@ pub(crate) struct Transport {
     /// The error the daemon sent unasked (id 0) before it closed the connection: a refused uid, a
     /// frame it could not trust. Calls that fail on the lost connection report it.
     last_word: Mutex<Option<ErrorReply>>,
+    /// Shared-buffer versions the daemon said it found corrupted, oldest first (at most
+    /// [`MAX_CORRUPTIONS`] kept).
+    corruptions: Mutex<Vec<vram_proto::Corruption>>,
     /// Run once, on the thread that finds the connection lost.
     on_lost: Mutex<Option<Box<dyn FnOnce() + Send>>>,
 }
+
+/// Corruption reports a connection keeps; older ones are in the tenant's log.
+const MAX_CORRUPTIONS: usize = 64;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
@@ -90,6 +96,7 @@ impl Transport {
             dead: AtomicBool::new(false),
             dead_reason: Mutex::new(String::new()),
             last_word: Mutex::new(None),
+            corruptions: Mutex::new(Vec::new()),
             on_lost: Mutex::new(None),
         })
     }
@@ -258,8 +265,28 @@ impl Transport {
                 }
             }
             Reply::Error(e) => *lock(&self.last_word) = Some(e),
+            Reply::Shared(vram_proto::SharedReply::Corrupted(c)) => {
+                tracing::error!(
+                    buffer = c.name,
+                    version = c.version.0,
+                    expected = format!("{:016x}", c.expected),
+                    actual = format!("{:016x}", c.actual),
+                    found_by = c.found_by,
+                    "vramd: a shared buffer this tenant owns or reads was changed after publish"
+                );
+                let mut all = lock(&self.corruptions);
+                if all.len() == MAX_CORRUPTIONS {
+                    all.remove(0);
+                }
+                all.push(c);
+            }
             _ => {}
         }
+    }
+
+    /// What the daemon reported of corrupted shared-buffer versions on this connection.
+    pub(crate) fn corruptions(&self) -> Vec<vram_proto::Corruption> {
+        lock(&self.corruptions).clone()
     }
 
     fn fail(&self, mail: &mut Mailroom, reason: String) {

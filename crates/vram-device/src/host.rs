@@ -5,6 +5,13 @@
 //! growing at creation, and an import checks both the seal and the size, so a process that maps an
 //! imported handle cannot be made to fault (SIGBUS) by a file shorter than it was told.
 //!
+//! The daemon's own descriptor of a handle and every export are separate opens of the memfd
+//! (through `/proc/self/fd`), never duplicates of one descriptor: the kernel counts open files, so
+//! whether any other process still holds an export (a descriptor kept after a return, passed to
+//! another process, or only a mapping of one) is one question to it, a write lease on the
+//! daemon's own open that is refused while any other open of the file exists
+//! ([`Device::reached_elsewhere`]).
+//!
 //! Read-only here is `PROT_READ` on a memfd opened read-only; a published shared-buffer version
 //! is also sealed against writes (`F_SEAL_FUTURE_WRITE`), so that a reader that reopens its
 //! descriptor through `/proc` with write access still cannot write it (on a GPU, a process that
@@ -14,7 +21,7 @@ use std::ffi::c_void;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::{Arc, RwLock};
 
-use rustix::fs::{FileType, MemfdFlags, SealFlags};
+use rustix::fs::{FileType, MemfdFlags, OFlags, SealFlags};
 use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 use vram_core::Bytes;
 
@@ -89,6 +96,45 @@ impl HostDevice {
     }
 }
 
+/// A new open of the memfd behind `fd`, with its own place in the kernel's count of the file's
+/// opens (a duplicate would share `fd`'s).
+fn reopen(fd: &OwnedFd, flags: OFlags) -> Result<OwnedFd> {
+    use std::os::fd::AsRawFd;
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    rustix::fs::open(&path, flags | OFlags::CLOEXEC, rustix::fs::Mode::empty())
+        .map_err(|e| DeviceError::os("open(/proc/self/fd/N)", e))
+}
+
+/// The kernel's count of a file's opens, asked through a write lease (`fcntl(F_SETLEASE)`): one
+/// is granted only while no other open of the file exists, for reading or writing, in any
+/// process; a mapping keeps its open alive after its descriptor is closed.
+mod lease {
+    use std::os::fd::{AsRawFd, OwnedFd};
+
+    /// Takes a write lease on `fd` and gives it up at once: `Ok(true)` if it was granted (no other
+    /// open of the file exists), `Ok(false)` if another open refused it.
+    pub fn try_write_lease(fd: &OwnedFd) -> std::io::Result<bool> {
+        // SAFETY: `fd` is an open descriptor borrowed for the call; F_SETLEASE takes an integer
+        // argument and touches no memory of ours.
+        let taken = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETLEASE, libc::F_WRLCK) };
+        if taken == -1 {
+            let e = std::io::Error::last_os_error();
+            return match e.raw_os_error() {
+                Some(libc::EAGAIN) => Ok(false),
+                _ => Err(e),
+            };
+        }
+        // Held for no longer than this: another open of the file meanwhile would have to break
+        // it, and nothing else of the daemon's opens a handle it is asking about.
+        // SAFETY: as above.
+        let released = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK) };
+        if released == -1 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(true)
+    }
+}
+
 fn prot(access: Access) -> ProtFlags {
     match access {
         Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
@@ -116,7 +162,9 @@ impl Device for HostDevice {
             rustix::fs::ftruncate(&fd, size.get()).map_err(|e| DeviceError::os("ftruncate", e))?;
             rustix::fs::fcntl_add_seals(&fd, SEALS)
                 .map_err(|e| DeviceError::os("fcntl(F_ADD_SEALS)", e))?;
-            Ok(RawHandle::Memfd(fd))
+            // The file `memfd_create` opened is not counted among the file's writers; an open
+            // through /proc is, which the lease test in `reached_elsewhere` relies on.
+            Ok(RawHandle::Memfd(reopen(&fd, OFlags::RDWR)?))
         })
     }
 
@@ -126,8 +174,17 @@ impl Device for HostDevice {
     }
 
     fn export(&self, handle: &Handle) -> Result<OwnedFd> {
-        rustix::io::fcntl_dupfd_cloexec(self.memfd(handle)?, 0)
-            .map_err(|e| DeviceError::os("fcntl(F_DUPFD_CLOEXEC)", e))
+        reopen(self.memfd(handle)?, OFlags::RDWR)
+    }
+
+    fn reached_elsewhere(&self, handle: &Handle) -> Option<bool> {
+        let fd = self.memfd(handle).ok()?;
+        match lease::try_write_lease(fd) {
+            Ok(true) => Some(false),
+            Ok(false) => Some(true),
+            // Leases turned off (`fs.leases-enable = 0`) or not allowed to this process.
+            Err(_) => None,
+        }
     }
 
     fn import(&self, fd: OwnedFd, size: Bytes) -> Result<Handle> {
@@ -352,6 +409,31 @@ mod tests {
         assert_eq!(&out, b"published");
         // A mapping made before the seal is the writer's own and stays as it was.
         dev.write(&before, Bytes::ZERO, b"P").unwrap();
+    }
+
+    #[test]
+    fn a_handle_is_reached_elsewhere_while_any_export_or_mapping_of_one_lives() {
+        let dev = device(Bytes::gib(1));
+        let h = dev.create(G).unwrap();
+        assert_eq!(dev.reached_elsewhere(&h), Some(false));
+        let fd = dev.export(&h).unwrap();
+        assert_eq!(dev.reached_elsewhere(&h), Some(true), "an export held");
+        // What an importer does: the descriptor, then a mapping of it that outlives it.
+        let client = HostDevice::for_client(G).unwrap();
+        let imported = client.import(fd, G).unwrap();
+        let r = client.reserve(G).unwrap();
+        client
+            .map(&r, Bytes::ZERO, &imported, Access::ReadWrite)
+            .unwrap();
+        drop(imported);
+        assert_eq!(dev.reached_elsewhere(&h), Some(true), "a mapping left");
+        client.unmap(&r, Bytes::ZERO, G).unwrap();
+        assert_eq!(dev.reached_elsewhere(&h), Some(false), "all gone");
+        // A reader's read-only reopen counts too.
+        let ro = reopen(&dev.export(&h).unwrap(), OFlags::RDONLY).unwrap();
+        assert_eq!(dev.reached_elsewhere(&h), Some(true), "a read-only open");
+        drop(ro);
+        assert_eq!(dev.reached_elsewhere(&h), Some(false));
     }
 
     #[test]

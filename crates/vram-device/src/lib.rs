@@ -169,6 +169,16 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// A file descriptor that another process passes to [`Device::import`] to reach the same memory.
     fn export(&self, handle: &Handle) -> Result<OwnedFd>;
 
+    /// Whether some process still reaches `handle`'s memory through a descriptor this device
+    /// exported (kept open, passed on, or mapped): `Some(true)` while one does, `Some(false)` once
+    /// none does, `None` where the backend cannot tell. The daemon asks before it counts a
+    /// returned handle as free. The host backend answers from the kernel (see `host.rs`); the
+    /// cuda backend cannot see another process's imports and answers `None`.
+    fn reached_elsewhere(&self, handle: &Handle) -> Option<bool> {
+        let _ = handle;
+        None
+    }
+
     /// Takes a file descriptor made by [`Device::export`] in any process. `size` is what the
     /// exporter said; it is checked where the backend can.
     fn import(&self, fd: OwnedFd, size: Bytes) -> Result<Handle>;

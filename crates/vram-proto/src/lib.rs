@@ -19,12 +19,14 @@ pub use message::{
     Request, Resume, Role, Welcome,
 };
 pub use shared::{
-    LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,
+    Corruption, LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,
 };
-pub use status::{DaemonInfo, DeviceStatus, OutsideProcess, PoolTakes, StatusReport, TenantStatus};
+pub use status::{
+    DaemonInfo, DeviceStatus, KeptOffline, OutsideProcess, PoolTakes, StatusReport, TenantStatus,
+};
 
 /// The protocol version this build speaks. A peer speaking another gets an error and is closed.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// The largest payload accepted, in bytes. Anything larger is refused and the connection closed.
 pub const MAX_PAYLOAD: usize = 256 * 1024;

@@ -102,6 +102,22 @@ pub enum SharedReply {
     /// The newer version, or `None` if the wait timed out.
     Newer(Option<Version>),
     Done,
+    /// Sent unsolicited (envelope id 0) to the buffer's owner and to the readers that pinned the
+    /// version, when the daemon finds a published version no longer matching its checksum.
+    Corrupted(Corruption),
+}
+
+/// A published version found changed since publish.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Corruption {
+    pub buffer: BufferId,
+    pub name: String,
+    pub version: Version,
+    /// The checksum at publish, and the one the daemon computed now.
+    pub expected: u64,
+    pub actual: u64,
+    /// What found it: `verify` (a tenant asked) or `scrub` (the daemon's background re-reads).
+    pub found_by: String,
 }
 
 /// The shared-buffer part of the status report.

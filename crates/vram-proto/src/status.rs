@@ -75,6 +75,21 @@ pub struct DeviceStatus {
     /// Guarantees the device cannot meet in full while the deficit lasts.
     #[serde(default)]
     pub at_risk: Vec<vram_core::broker::AtRisk>,
+    /// Memory given back that a process still reaches (a descriptor or a mapping kept), booked
+    /// to the tenant that had it until it is gone; included in `device_used`.
+    #[serde(default)]
+    pub kept: Bytes,
+    /// The part of `kept` whose tenant is not connected: (tenant, uid, bytes).
+    #[serde(default)]
+    pub kept_offline: Vec<KeptOffline>,
+}
+
+/// Memory kept by the processes of a tenant that is not connected.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptOffline {
+    pub tenant: String,
+    pub uid: u32,
+    pub bytes: Bytes,
 }
 
 /// A process on the device that is not a tenant.
@@ -127,6 +142,9 @@ pub struct TenantStatus {
     /// anything not intercepted); counted against its limit.
     #[serde(default)]
     pub outside: Bytes,
+    /// Memory it gave back that its process still reaches; counted against its limit.
+    #[serde(default)]
+    pub kept: Bytes,
     pub in_use: Bytes,
     pub cached: Bytes,
     pub handles: u64,

@@ -162,3 +162,46 @@ fn each_gpu_has_its_own_books() {
     );
     d.stop();
 }
+
+/// A tenant that gives a grant back but keeps its import: on CUDA the daemon cannot see the
+/// import, so the memory must show in the books' check against the driver (NVML) as use that is
+/// lent to no one, until the import is released.
+#[test]
+fn an_import_kept_after_its_return_is_not_lent_to_anyone() {
+    use vram_client::{Client, TenantOptions};
+    let Some(_dev) = gpu() else { return };
+    let d = Daemon::start_on("cuda", CONFIG);
+    let c = Client::connect(Some(&d.socket), &TenantOptions::named("hoarder")).unwrap();
+    // The books' check runs every 500 ms: wait for two after each change.
+    let settle = || std::thread::sleep(Duration::from_millis(1200));
+    settle();
+    let before = d.status();
+    let g = c.grant(Bytes::gib(1)).unwrap();
+    c.give_back_ids(vec![g.id]).unwrap();
+    settle();
+    let during = d.status();
+    let (b, m) = (&before.devices[0], &during.devices[0]);
+    let t = during.tenants.iter().find(|t| t.name == "hoarder").unwrap();
+    println!(
+        "MEASURED kept import on cuda: outside_use {} -> {}, unattributed {} -> {}, free {} -> {}, \
+         tenant outside {}, tenant kept {}, held {}",
+        b.outside_use, m.outside_use, b.unattributed, m.unattributed, b.free, m.free, t.outside,
+        t.kept, t.held
+    );
+    let booked = m.outside_use.saturating_sub(b.outside_use) + t.outside + t.kept;
+    assert!(
+        booked + Bytes::mib(64) >= Bytes::gib(1),
+        "a kept 1 GiB import is in nobody's books: {m:?}"
+    );
+    assert!(b.free.saturating_sub(m.free) + Bytes::mib(64) >= Bytes::gib(1));
+    drop(g);
+    settle();
+    let after = d.status();
+    println!(
+        "MEASURED kept import released: outside_use {}, free {}",
+        after.devices[0].outside_use, after.devices[0].free
+    );
+    assert!(after.devices[0].outside_use < b.outside_use + Bytes::mib(64));
+    drop(c);
+    d.stop();
+}

@@ -135,6 +135,60 @@ fn publish_latency_and_checksum_throughput_on_the_gpu() {
     d.stop();
 }
 
+/// Whether a reader can make its import of a read-only version writable on CUDA (the driver has
+/// no read-only export: an importer sets its own mapping's access). Either the platform refuses,
+/// or the write is caught by the checksum and the owner and the reader are told.
+#[test]
+fn a_reader_that_makes_a_version_writable_is_refused_or_caught() {
+    let Some(_dev) = gpu() else { return };
+    let d = Daemon::start_on("cuda", CONFIG);
+    let c = owner(&d);
+    let buf = c
+        .create_shared("ro-probe", Bytes::mib(2), anyone())
+        .unwrap();
+    let lease = buf.lease(Duration::from_secs(30)).unwrap();
+    let draft = lease.begin_write(None).unwrap();
+    draft.fill(Bytes::ZERO, Bytes::mib(2), 7).unwrap();
+    draft.publish().unwrap();
+    let reader = Client::connect(Some(&d.socket), &TenantOptions::named("reader")).unwrap();
+    let theirs = reader.open_shared("ro-probe").unwrap();
+    let pin = theirs.pin().unwrap();
+    assert!(
+        pin.try_write(Bytes::ZERO, &[1]).is_err(),
+        "mapped read-only"
+    );
+    match pin.try_make_writable() {
+        Err(e) => {
+            println!("MEASURED cuda read-only: cuMemSetAccess(READWRITE) on an imported version refused: {e}");
+            assert!(pin.try_write(Bytes::ZERO, &[1]).is_err());
+        }
+        Ok(()) => {
+            let wrote = pin.try_write(Bytes::ZERO, &[0xAB; 64]);
+            println!(
+                "MEASURED cuda read-only: cuMemSetAccess(READWRITE) on an imported version \
+                 allowed; the write {}",
+                if wrote.is_ok() {
+                    "went through"
+                } else {
+                    "failed"
+                }
+            );
+            if wrote.is_ok() {
+                assert!(!pin.verify().unwrap(), "the checksum catches the write");
+                for who in [&c, &reader] {
+                    let told = common::wait_until(Duration::from_secs(5), || {
+                        !who.corruptions().is_empty()
+                    });
+                    assert!(told, "{} not told of the corruption", who.welcome().name);
+                }
+            }
+        }
+    }
+    drop(pin);
+    drop(lease);
+    d.stop();
+}
+
 /// The child side of the tests above; does nothing unless started by one of them.
 #[test]
 #[ignore = "child process of the GPU tests"]

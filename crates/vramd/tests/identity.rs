@@ -13,12 +13,23 @@ const NOBODY: u32 = 65534;
 
 /// `vramd tenant --name NAME FLAGS` run as `uid`: its first answer.
 fn first_answer(d: &Daemon, uid: u32, name: &str, flags: &[&str]) -> serde_json::Value {
+    first_answer_as(d, (uid, 0), name, flags)
+}
+
+/// `vramd tenant --name NAME FLAGS` run as (uid, gid), without supplementary groups.
+fn first_answer_as(
+    d: &Daemon,
+    (uid, gid): (u32, u32),
+    name: &str,
+    flags: &[&str],
+) -> serde_json::Value {
     let out = Command::new(VRAMD)
         .args(["tenant", "--socket"])
         .arg(&d.socket)
         .args(["--name", name])
         .args(flags)
         .uid(uid)
+        .gid(gid)
         .stdin(Stdio::null())
         .output()
         .unwrap();
@@ -46,7 +57,9 @@ fn declared_names_classes_and_per_uid_counts_follow_the_configuration() {
     assert_eq!(w["event"], "refused_at_connect", "{w}");
     let msg = w["message"].as_str().unwrap();
     assert!(
-        msg.contains(&format!("uid {NOBODY} may not connect as tenant `prod`")),
+        msg.contains(&format!(
+            "uid {NOBODY} (groups [0]) may not connect as tenant `prod`"
+        )),
         "{msg}"
     );
 
@@ -88,4 +101,95 @@ fn declared_names_classes_and_per_uid_counts_follow_the_configuration() {
     );
     drop(mine.stdin.take());
     assert!(mine.wait().unwrap().success());
+}
+
+#[test]
+fn groups_from_the_kernel_may_own_tenants_and_classes() {
+    if !rustix::process::getuid().is_root() {
+        eprintln!("skipped: starting a tenant as another uid needs root");
+        return;
+    }
+    const TEAM: u32 = 4242;
+    let d = Daemon::start(&format!(
+        "capacity = \"4 GiB\"\nmetrics = \"off\"\nsocket_mode = \"0666\"\n\
+         allowed_uids = [0, {NOBODY}]\n\
+         [tenants.team]\nclass = \"normal\"\ngroups = [{TEAM}]\n\
+         [classes.high]\npriority = 100\ngroups = [{TEAM}]\n"
+    ));
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+
+    let w = first_answer_as(&d, (NOBODY, NOBODY), "team", &[]);
+    assert_eq!(w["event"], "refused_at_connect", "{w}");
+    assert!(
+        w["message"]
+            .as_str()
+            .unwrap()
+            .contains("tenants.team.groups"),
+        "{w}"
+    );
+    let w = first_answer_as(&d, (NOBODY, NOBODY), "climber", &["--class", "high"]);
+    assert!(
+        w["message"]
+            .as_str()
+            .unwrap()
+            .contains("classes.high.groups"),
+        "{w}"
+    );
+    assert_eq!(
+        first_answer_as(&d, (NOBODY, TEAM), "team", &[])["event"],
+        "welcome"
+    );
+    assert_eq!(
+        first_answer_as(&d, (NOBODY, TEAM), "climber", &["--class", "high"])["event"],
+        "welcome"
+    );
+}
+
+#[test]
+fn a_reload_disconnects_the_tenants_its_rules_no_longer_admit() {
+    if !rustix::process::getuid().is_root() {
+        eprintln!("skipped: starting a tenant as another uid needs root");
+        return;
+    }
+    let config = |users: &str| {
+        format!(
+            "capacity = \"4 GiB\"\nmetrics = \"off\"\nsocket_mode = \"0666\"\n\
+             allowed_uids = [0, {NOBODY}]\n[classes.high]\npriority = 100\nusers = [{users}]\n"
+        )
+    };
+    let d = Daemon::start(&config(&NOBODY.to_string()));
+    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut climber = Command::new(VRAMD)
+        .args(["tenant", "--socket"])
+        .arg(&d.socket)
+        .args(["--name", "climber", "--class", "high"])
+        .uid(NOBODY)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(climber.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains("\"welcome\""), "{line}");
+    std::fs::write(d.dir.path().join("vramd.toml"), config("")).unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(d.pid() as i32).unwrap(),
+        rustix::process::Signal::HUP,
+    )
+    .unwrap();
+    let gone = common::wait_until(std::time::Duration::from_secs(5), || {
+        d.status().tenants.is_empty()
+    });
+    assert!(gone, "{:?}\n{}", d.status().tenants, d.log());
+    assert!(
+        d.log().contains("the new configuration does not admit it"),
+        "{}",
+        d.log()
+    );
+    drop(climber.stdin.take());
+    let _ = climber.wait();
 }

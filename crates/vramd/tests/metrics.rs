@@ -10,14 +10,16 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{wait_until, Daemon, VRAMD};
+use vram_core::Bytes;
 use vram_proto::{StatusReport, TenantStatus};
 
 /// No priority reserve, so that the last free bytes go to whoever asks and reclaim is simple to
-/// provoke; metrics on any free loopback port.
+/// provoke; metrics on any free loopback port, per tenant.
 const CONFIG: &str = r#"
 capacity = "4 GiB"
 priority_reserve = "0"
 metrics = "127.0.0.1:0"
+metrics_tenants = true
 [pool]
 max = "64 MiB"
 "#;
@@ -246,17 +248,12 @@ fn scraped_figures_match_status_while_tenants_take_and_return() {
     assert_matches(&m, &s);
     assert_dashboard_series_exist(&m);
 
-    // /status is the same document as `vramd status --json`, less what moves by itself and
-    // what identifies processes (anyone who reaches the port reads it).
+    // /status, to a local user the daemon allows, is the same document as `vramd status
+    // --json`, less what moves by itself.
     let (code, body) = get(addr, "/status");
     assert_eq!(code, 200);
     let mut http: StatusReport = serde_json::from_str(&body).unwrap();
-    assert!(
-        http.tenants.iter().all(|t| t.pid == 0 && t.uid == 0),
-        "{body}"
-    );
-    assert_eq!(http.daemon.pid, 0);
-    let mut cli = vramd::metrics::without_processes(status_json(&d));
+    let mut cli = status_json(&d);
     for r in [&mut http, &mut cli] {
         r.daemon.uptime_seconds = 0.0;
         r.daemon.connections = 0;
@@ -310,7 +307,6 @@ fn metrics_off_serves_nothing_and_a_taken_address_is_an_error() {
 #[test]
 fn shared_buffer_series_match_status() {
     use vram_client::{Acl, Client, ClientError, Principal, TenantOptions};
-    use vram_core::Bytes;
 
     let d = Daemon::start(&format!("{CONFIG}[shared]\nscrub_rate = \"256 MiB\"\n"));
     let addr = metrics_addr(&d);
@@ -410,5 +406,53 @@ fn shared_buffer_series_match_status() {
     drop(draft);
     drop(lease);
     drop(theirs);
+    d.stop();
+}
+
+#[test]
+fn without_the_operators_word_metrics_and_status_name_no_tenant() {
+    let config = CONFIG
+        .replace("metrics_tenants = true", "http_status = \"any\"")
+        .replace("[pool]", "[classes.batch]\npriority = 20\n[pool]");
+    let d = Daemon::start(&config);
+    let addr = metrics_addr(&d);
+    let secret = d.tenant("secret-project", &["--class", "batch"]);
+    let other = d.tenant("other-project", &["--class", "batch"]);
+    let mut s = secret;
+    s.cmd("take 64MiB");
+    let m = scrape(addr);
+    assert!(!m.keys().any(|k| k.contains("project")), "{m:#?}");
+    let held = m
+        .iter()
+        .find(|(k, _)| k.starts_with("vramd_tenant_held") && k.contains("class=\"batch\""))
+        .map(|(_, v)| *v);
+    assert_eq!(
+        held,
+        Some(Bytes::mib(64).get() as f64),
+        "summed by class: {m:#?}"
+    );
+
+    let (code, body) = get(addr, "/status");
+    assert_eq!(code, 200);
+    assert!(!body.contains("project"), "{body}");
+    let http: StatusReport = serde_json::from_str(&body).unwrap();
+    assert_eq!(http.tenants.len(), 1, "one line per class: {body}");
+    assert_eq!(http.tenants[0].held, Bytes::mib(64));
+    assert_eq!(http.tenants[0].pid, 0);
+    s.exit();
+    other.exit();
+    d.stop();
+}
+
+#[test]
+fn status_over_http_is_for_the_daemons_own_users_by_default() {
+    let config = CONFIG.replace("metrics_tenants = true", "allowed_uids = [4242]");
+    let d = Daemon::start(&config);
+    let addr = metrics_addr(&d);
+    let (code, body) = get(addr, "/status");
+    assert_eq!(code, 403, "{body}");
+    assert!(body.contains("is not in allowed_uids [4242]"), "{body}");
+    let (code, _) = get(addr, "/metrics");
+    assert_eq!(code, 200);
     d.stop();
 }

@@ -279,6 +279,12 @@ fn a_reader_cannot_write_through_its_mapping() {
     let pinned = rbuf.pin().unwrap();
     let e = pinned.try_write(Bytes::ZERO, &[1, 2, 3]).unwrap_err();
     assert!(e.to_string().contains("read-only"), "{e}");
+    if backend() == "host" {
+        // Asking for a writable mapping is refused too: the descriptor is read-only.
+        let e = pinned.try_make_writable().unwrap_err();
+        assert!(e.to_string().contains("mprotect"), "{e}");
+        assert!(pinned.try_write(Bytes::ZERO, &[1]).is_err());
+    }
     drop(pinned);
 
     // On the host the mapping is a CPU pointer: a raw write through it must fault. (On a GPU the
@@ -313,6 +319,9 @@ fn a_byte_flipped_behind_the_daemons_back_is_found_by_the_scrub() {
     draft.publish_keeping_mapping().unwrap();
     let pinned = buf.pin().unwrap();
     assert!(pinned.verify().unwrap());
+    let reader = tenant(&d, "reader");
+    let theirs = reader.open_shared("scrubbed").unwrap();
+    let their_pin = theirs.pin().unwrap();
     // The writer's mapping outlived its publish: flip one byte in the published version.
     let mut byte = [0u8];
     pinned.read(Bytes(123_457), &mut byte).unwrap();
@@ -329,6 +338,21 @@ fn a_byte_flipped_behind_the_daemons_back_is_found_by_the_scrub() {
     assert!(!pinned.verify().unwrap(), "verify on request agrees");
     assert!(!pinned.verify_here().unwrap());
     assert!(d.log().contains("shared buffer corrupted"), "{}", d.log());
+    // The owner and the reader are told, not only the daemon's log, once.
+    for who in [&owner, &reader] {
+        assert!(
+            wait_until(Duration::from_secs(2), || !who.corruptions().is_empty()),
+            "{} was not told",
+            who.welcome().name
+        );
+        let told = who.corruptions();
+        assert_eq!(told.len(), 1, "{told:?}");
+        assert_eq!(told[0].name, "scrubbed");
+        assert_eq!(told[0].version, pinned.version());
+        assert_eq!(told[0].found_by, "scrub");
+        assert_ne!(told[0].expected, told[0].actual);
+    }
+    drop(their_pin);
     drop(pinned);
     drop(draft);
     drop(lease);

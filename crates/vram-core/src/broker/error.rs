@@ -34,17 +34,22 @@ pub enum AdmissionError {
     #[error("invalid tenant name `{name}`: {reason}")]
     BadName { name: String, reason: &'static str },
     #[error(
-        "uid {uid} may not connect as tenant `{name}`: its declaration names owners {owners:?} \
-         (tenants.{name}.owners)"
+        "uid {uid} (groups {gids:?}) may not connect as tenant `{name}`: its declaration names \
+         owners {owners:?} and groups {groups:?} (tenants.{name}.owners, tenants.{name}.groups)"
     )]
     NotOwner {
         name: String,
         uid: u32,
+        #[serde(default)]
+        gids: Vec<u32>,
         owners: Vec<u32>,
+        #[serde(default)]
+        groups: Vec<u32>,
     },
     #[error(
         "tenant `{name}` (uid {uid}) asks for class `{class}` (priority {priority}), above the \
-         default class (priority {default_priority}); only the uids in classes.{class}.users may"
+         default class (priority {default_priority}); only the uids in classes.{class}.users and \
+         the members of classes.{class}.groups may"
     )]
     ClassNotAllowed {
         name: String,
@@ -66,6 +71,23 @@ pub enum AdmissionError {
         max: Bytes,
         held: Bytes,
     },
+}
+
+impl AdmissionError {
+    /// A short, stable name for the rule that refused, for programs (`ErrorReply::reason`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            AdmissionError::NameInUse { .. } => "name_in_use",
+            AdmissionError::UnknownClass { .. } => "unknown_class",
+            AdmissionError::GuaranteeAboveLimit { .. } => "guarantee_above_limit",
+            AdmissionError::GuaranteeUnavailable { .. } => "guarantee_unavailable",
+            AdmissionError::BadName { .. } => "bad_name",
+            AdmissionError::NotOwner { .. } => "not_owner",
+            AdmissionError::ClassNotAllowed { .. } => "class_not_allowed",
+            AdmissionError::UserTenants { .. } => "user_tenants",
+            AdmissionError::UserMemory { .. } => "user_memory",
+        }
+    }
 }
 
 /// Why a request for memory was refused.

@@ -8,6 +8,12 @@
 //! books (processes that are not tenants, contexts it cannot attribute) is the device's
 //! `outside_use`, which no one may borrow.
 //!
+//! Memory a tenant gave back while its process still reaches it (a descriptor kept, a mapping
+//! left, where the device can tell) is `kept`: it counts as the tenant's until it is really gone,
+//! against its limit, its uid's limits and the capacity. When the tenant's connection closes first,
+//! the broker keeps that count under its name and uid, and a tenant connecting again with both
+//! starts with it.
+//!
 //! Invariant kept by every method that books memory: `outside_use + Σ over tenants of
 //! max(guarantee, total) ≤ capacity` (declared tenants that are not connected count with their
 //! guarantee). So a tenant below its guarantee always fits, nobody's borrowing ever eats into
@@ -45,6 +51,9 @@ pub struct TenantRequest {
     pub limit: Option<Bytes>,
     pub pid: u32,
     pub uid: u32,
+    /// The process's groups, primary first (the kernel's word, as `uid`).
+    #[serde(default)]
+    pub gids: Vec<u32>,
 }
 
 /// One tenant's state, as the broker accounts it.
@@ -62,23 +71,30 @@ pub struct Tenant {
     /// What the driver attributes to the tenant's process beyond `charged` (its context, memory
     /// taken through a route vramd does not serve), as last reconciled.
     pub outside: Bytes,
+    /// Memory it returned that its process still reaches (see the module docs).
+    #[serde(default)]
+    pub kept: Bytes,
     /// What the tenant's allocator last reported as handed to the application.
     pub in_use: Bytes,
     /// What the tenant's allocator last reported as held but idle (could be returned at once).
     pub cached: Bytes,
     pub pid: u32,
     pub uid: u32,
+    /// Its process's groups (primary first), as the kernel gave them when it connected.
+    #[serde(default)]
+    pub gids: Vec<u32>,
     pub grants: u64,
     pub returns: u64,
     pub refusals: BTreeMap<String, u64>,
 }
 
 impl Tenant {
-    /// Everything counted against the tenant's limit: granted, charged and outside.
+    /// Everything counted against the tenant's limit: granted, charged, outside and kept.
     pub fn total(&self) -> Bytes {
         self.held
             .saturating_add(self.charged)
             .saturating_add(self.outside)
+            .saturating_add(self.kept)
     }
 
     /// This tenant's share of the invariant: what it holds or is guaranteed, whichever is larger.
@@ -129,6 +145,8 @@ pub struct BrokerSnapshot {
     pub free: Bytes,
     pub tenants: Vec<(TenantId, Tenant)>,
     pub offline_declared: Vec<String>,
+    /// Memory still reached by processes whose tenant is not connected: (name, uid, bytes).
+    pub kept_offline: Vec<(String, u32, Bytes)>,
 }
 
 /// The broker. See the module docs for its invariant.
@@ -139,6 +157,8 @@ pub struct Broker {
     by_name: HashMap<String, TenantId>,
     next_id: u64,
     outside_use: Bytes,
+    /// Kept memory of tenants not connected, by name and uid (see the module docs).
+    kept_offline: BTreeMap<(String, u32), Bytes>,
 }
 
 impl Broker {
@@ -181,6 +201,7 @@ impl Broker {
             by_name: HashMap::new(),
             next_id: 1,
             outside_use: Bytes::ZERO,
+            kept_offline: BTreeMap::new(),
         })
     }
 
@@ -215,13 +236,58 @@ impl Broker {
             .sum()
     }
 
-    /// `outside_use + Σ max(guarantee, total)` over everyone, connected or declared.
+    /// `outside_use + Σ max(guarantee, total)` over everyone, connected or declared, and the
+    /// memory kept by tenants not connected.
     fn committed(&self) -> Bytes {
         self.tenants
             .values()
             .map(Tenant::footprint)
             .fold(self.offline_guarantees(), Bytes::saturating_add)
             .saturating_add(self.outside_use)
+            .saturating_add(self.kept_offline.values().copied().sum())
+    }
+
+    /// Memory kept by `uid`'s processes whose tenants are not connected.
+    fn kept_offline_of(&self, uid: u32) -> Bytes {
+        self.kept_offline
+            .iter()
+            .filter(|((_, u), _)| *u == uid)
+            .map(|(_, b)| *b)
+            .sum()
+    }
+
+    /// Books `bytes` more that tenant `name` of `uid` gave back and its processes still reach:
+    /// the connected tenant's `kept`, or the count kept for it until it connects again.
+    pub fn add_kept(&mut self, name: &str, uid: u32, bytes: Bytes) {
+        if let Some(t) = self.tenant_named(name, uid) {
+            t.kept = t.kept.saturating_add(bytes);
+        } else if bytes > Bytes::ZERO {
+            let k = self
+                .kept_offline
+                .entry((name.to_string(), uid))
+                .or_default();
+            *k = k.saturating_add(bytes);
+        }
+    }
+
+    /// Takes back `bytes` of what [`Broker::add_kept`] booked: that memory is gone.
+    pub fn take_kept(&mut self, name: &str, uid: u32, bytes: Bytes) {
+        if let Some(t) = self.tenant_named(name, uid) {
+            t.kept = t.kept.saturating_sub(bytes);
+            return;
+        }
+        let key = (name.to_string(), uid);
+        if let Some(k) = self.kept_offline.get_mut(&key) {
+            *k = k.saturating_sub(bytes);
+            if *k == Bytes::ZERO {
+                self.kept_offline.remove(&key);
+            }
+        }
+    }
+
+    fn tenant_named(&mut self, name: &str, uid: u32) -> Option<&mut Tenant> {
+        let id = self.by_name.get(name)?;
+        self.tenants.get_mut(id).filter(|t| t.uid == uid)
     }
 
     /// Memory nobody holds or is guaranteed: what can be borrowed.
@@ -359,13 +425,19 @@ impl Broker {
                 limit,
             });
         }
+        let kept = self
+            .kept_offline
+            .get(&(req.name.clone(), req.uid))
+            .copied()
+            .unwrap_or(Bytes::ZERO);
         if let Some(max) = self.policy.user(req.uid).max_memory {
             let promised = self
                 .tenants
                 .values()
                 .filter(|t| t.uid == req.uid)
                 .map(Tenant::footprint)
-                .fold(guarantee, Bytes::saturating_add);
+                .fold(guarantee, Bytes::saturating_add)
+                .saturating_add(self.kept_offline_of(req.uid));
             if promised > max {
                 return Err(AdmissionError::UserMemory {
                     name: req.name,
@@ -409,14 +481,17 @@ impl Broker {
             held: Bytes::ZERO,
             charged: Bytes::ZERO,
             outside: Bytes::ZERO,
+            kept,
             in_use: Bytes::ZERO,
             cached: Bytes::ZERO,
             pid: req.pid,
             uid: req.uid,
+            gids: req.gids.clone(),
             grants: 0,
             returns: 0,
             refusals: BTreeMap::new(),
         };
+        self.kept_offline.remove(&(req.name.clone(), req.uid));
         self.tenants.insert(id, tenant);
         self.by_name.insert(req.name, id);
         Ok(id)
@@ -431,32 +506,7 @@ impl Broker {
         class_name: &str,
         class: &Class,
     ) -> Result<(), AdmissionError> {
-        if let Some(d) = declared.filter(|d| !d.owners.is_empty()) {
-            if !d.owners.contains(&req.uid) {
-                return Err(AdmissionError::NotOwner {
-                    name: req.name.clone(),
-                    uid: req.uid,
-                    owners: d.owners.clone(),
-                });
-            }
-        }
-        let default_priority = self
-            .policy
-            .classes
-            .get(Policy::DEFAULT_CLASS)
-            .map_or(0, |c| c.priority);
-        if declared.is_none()
-            && class.priority > default_priority
-            && !class.users.contains(&req.uid)
-        {
-            return Err(AdmissionError::ClassNotAllowed {
-                name: req.name.clone(),
-                class: class_name.to_string(),
-                priority: class.priority,
-                uid: req.uid,
-                default_priority,
-            });
-        }
+        self.check_rules(&req.name, req.uid, &req.gids, declared, class_name, class)?;
         if let Some(max) = self.policy.user(req.uid).max_tenants {
             let n = self.tenants.values().filter(|t| t.uid == req.uid).count();
             if n >= max {
@@ -468,6 +518,65 @@ impl Broker {
             }
         }
         Ok(())
+    }
+
+    /// The operator's rules on who may be which tenant: a declared tenant's owners (uids or
+    /// groups), and a class above the default one only for the uids and groups it lists.
+    fn check_rules(
+        &self,
+        name: &str,
+        uid: u32,
+        gids: &[u32],
+        declared: Option<&DeclaredTenant>,
+        class_name: &str,
+        class: &Class,
+    ) -> Result<(), AdmissionError> {
+        let in_groups = |groups: &[u32]| gids.iter().any(|g| groups.contains(g));
+        if let Some(d) = declared.filter(|d| d.has_owners()) {
+            if !d.owners.contains(&uid) && !in_groups(&d.groups) {
+                return Err(AdmissionError::NotOwner {
+                    name: name.to_string(),
+                    uid,
+                    gids: gids.to_vec(),
+                    owners: d.owners.clone(),
+                    groups: d.groups.clone(),
+                });
+            }
+        }
+        let default_priority = self
+            .policy
+            .classes
+            .get(Policy::DEFAULT_CLASS)
+            .map_or(0, |c| c.priority);
+        if declared.is_none()
+            && class.priority > default_priority
+            && !class.users.contains(&uid)
+            && !in_groups(&class.groups)
+        {
+            return Err(AdmissionError::ClassNotAllowed {
+                name: name.to_string(),
+                class: class_name.to_string(),
+                priority: class.priority,
+                uid,
+                default_priority,
+            });
+        }
+        Ok(())
+    }
+
+    /// The connected tenants that the rules in force would not admit as they are (after a new
+    /// configuration), with the rule each breaks.
+    pub fn breaking_rules(&self) -> Vec<(TenantId, AdmissionError)> {
+        self.tenants
+            .iter()
+            .filter_map(|(id, t)| {
+                let declared = self.policy.tenants.get(&t.name);
+                let class = self.policy.classes.get(&t.class)?;
+                self.check_rules(&t.name, t.uid, &t.gids, declared, &t.class, class)
+                    .err()
+                    .map(|e| (*id, e))
+            })
+            .collect()
     }
 
     /// Accounts `bytes` more to `id`, or says why not (and counts the refusal).
@@ -584,7 +693,7 @@ impl Broker {
                 .values()
                 .filter(|u| u.uid == t.uid)
                 .map(Tenant::total)
-                .fold(Bytes::ZERO, Bytes::saturating_add);
+                .fold(self.kept_offline_of(t.uid), Bytes::saturating_add);
             if uid_total.saturating_add(bytes) > max {
                 return Err(GrantError::UserLimit {
                     tenant: t.name.clone(),
@@ -639,6 +748,14 @@ impl Broker {
         taken
     }
 
+    /// Takes `bytes` off what `id` holds without counting a return: memory it gave back but
+    /// still reaches, which the caller books as kept ([`Broker::add_kept`]).
+    pub fn unhold(&mut self, id: TenantId, bytes: Bytes) {
+        if let Some(t) = self.tenants.get_mut(&id) {
+            t.held = t.held.saturating_sub(bytes);
+        }
+    }
+
     /// Records what a tenant's allocator says it uses and caches.
     pub fn report_usage(&mut self, id: TenantId, in_use: Bytes, cached: Bytes) {
         if let Some(t) = self.tenants.get_mut(&id) {
@@ -647,10 +764,18 @@ impl Broker {
         }
     }
 
-    /// Removes a tenant (its process is gone); returns its state, with what it held.
+    /// Removes a tenant (its connection closed); returns its state, with what it held. What it
+    /// kept stays counted under its name and uid.
     pub fn disconnect(&mut self, id: TenantId) -> Option<Tenant> {
         let t = self.tenants.remove(&id)?;
         self.by_name.remove(&t.name);
+        if t.kept > Bytes::ZERO {
+            let k = self
+                .kept_offline
+                .entry((t.name.clone(), t.uid))
+                .or_default();
+            *k = k.saturating_add(t.kept);
+        }
         Some(t)
     }
 
@@ -688,7 +813,8 @@ impl Broker {
             .tenants
             .values()
             .map(Tenant::total)
-            .fold(self.outside_use, Bytes::saturating_add);
+            .fold(self.outside_use, Bytes::saturating_add)
+            .saturating_add(self.kept_offline.values().copied().sum());
         BrokerSnapshot {
             capacity: self.policy.capacity,
             held,
@@ -708,6 +834,11 @@ impl Broker {
                 .keys()
                 .filter(|n| !self.by_name.contains_key(*n))
                 .cloned()
+                .collect(),
+            kept_offline: self
+                .kept_offline
+                .iter()
+                .map(|((name, uid), b)| (name.clone(), *uid, *b))
                 .collect(),
         }
     }

@@ -21,6 +21,9 @@ pub struct Class {
     /// take the default class or one below it). Declared tenants get their declared class.
     #[serde(default)]
     pub users: Vec<u32>,
+    /// The groups (gids, primary or supplementary) whose members may ask for it, as `users`.
+    #[serde(default)]
+    pub groups: Vec<u32>,
 }
 
 /// A tenant the operator declared ahead: its guarantee is reserved from start-up, whether or not it
@@ -32,10 +35,20 @@ pub struct DeclaredTenant {
     #[serde(default)]
     pub guarantee: Bytes,
     pub limit: Option<Bytes>,
-    /// The uids that may connect as this tenant (empty: any uid the daemon allows, which the
-    /// daemon warns about at start).
+    /// The uids that may connect as this tenant. With `groups` both empty, any uid the daemon
+    /// allows may (which the daemon warns about at start).
     #[serde(default)]
     pub owners: Vec<u32>,
+    /// The groups (gids, primary or supplementary) whose members may connect as this tenant.
+    #[serde(default)]
+    pub groups: Vec<u32>,
+}
+
+impl DeclaredTenant {
+    /// Whether anyone at all is named as owner.
+    pub fn has_owners(&self) -> bool {
+        !self.owners.is_empty() || !self.groups.is_empty()
+    }
 }
 
 /// What the processes of one uid may hold together, over all their tenants on a device.
@@ -74,6 +87,7 @@ impl Policy {
                     default_guarantee: Bytes::ZERO,
                     default_limit: None,
                     users: Vec::new(),
+                    groups: Vec::new(),
                 };
                 (n.to_string(), class)
             })
@@ -422,6 +436,7 @@ mod tests {
             guarantee,
             limit,
             owners: Vec::new(),
+            groups: Vec::new(),
         }
     }
 
@@ -481,6 +496,7 @@ mod tests {
             limit,
             pid: 1,
             uid: 0,
+            gids: Vec::new(),
         }
     }
 

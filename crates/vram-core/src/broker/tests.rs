@@ -10,6 +10,7 @@ fn req(name: &str, class: &str, guarantee: u64, limit: u64) -> TenantRequest {
         limit: Some(Bytes::gib(limit)),
         pid: 1,
         uid: 0,
+        gids: vec![0],
     }
 }
 
@@ -111,6 +112,7 @@ fn declared_tenants_reserve_their_guarantee_while_offline() {
             guarantee: Bytes::gib(10),
             limit: None,
             owners: Vec::new(),
+            groups: Vec::new(),
         },
     );
     let mut b = Broker::new(p).unwrap();
@@ -287,18 +289,70 @@ fn a_declared_tenant_is_its_owners_alone() {
             guarantee: Bytes::gib(4),
             limit: None,
             owners: vec![1001],
+            groups: vec![2000],
         },
     );
     let mut b = Broker::new(p).unwrap();
     let err = b.connect(as_uid("prod", "low", 1002)).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "uid 1002 may not connect as tenant `prod`: its declaration names owners [1001] \
-         (tenants.prod.owners)"
+        "uid 1002 (groups [0]) may not connect as tenant `prod`: its declaration names owners \
+         [1001] and groups [2000] (tenants.prod.owners, tenants.prod.groups)"
     );
     let id = b.connect(as_uid("prod", "low", 1001)).unwrap();
     // Its owner gets the declared class, whatever it asked for.
     assert_eq!(b.tenant(id).unwrap().class, "high");
+    b.disconnect(id);
+    // A member of an owning group, by a supplementary group.
+    let member = TenantRequest {
+        gids: vec![1003, 2000],
+        ..as_uid("prod", "low", 1003)
+    };
+    b.connect(member).unwrap();
+}
+
+#[test]
+fn a_class_above_the_default_is_for_its_users_and_groups() {
+    let mut p = policy(Bytes::gib(16));
+    p.classes.get_mut("high").unwrap().groups = vec![2000];
+    let mut b = Broker::new(p).unwrap();
+    b.connect(as_uid("x", "high", 1002)).unwrap_err();
+    let member = TenantRequest {
+        gids: vec![1002, 2000],
+        ..as_uid("x", "high", 1002)
+    };
+    let id = b.connect(member).unwrap();
+    assert_eq!(b.tenant(id).unwrap().class, "high");
+}
+
+#[test]
+fn a_new_policy_names_the_tenants_it_no_longer_admits() {
+    let mut p = policy(Bytes::gib(16));
+    p.classes.get_mut("high").unwrap().users = vec![1002];
+    let mut b = Broker::new(p.clone()).unwrap();
+    let x = b.connect(as_uid("x", "high", 1002)).unwrap();
+    let y = b.connect(as_uid("y", "normal", 1002)).unwrap();
+    assert!(b.breaking_rules().is_empty());
+    p.classes.get_mut("high").unwrap().users.clear();
+    p.tenants.insert(
+        "y".into(),
+        DeclaredTenant {
+            class: "normal".into(),
+            guarantee: Bytes::ZERO,
+            limit: None,
+            owners: vec![1001],
+            groups: Vec::new(),
+        },
+    );
+    b.replace_policy(p).unwrap();
+    let breaking: Vec<(TenantId, String)> = b
+        .breaking_rules()
+        .into_iter()
+        .map(|(id, e)| (id, e.to_string()))
+        .collect();
+    assert_eq!(breaking.len(), 2, "{breaking:?}");
+    assert!(breaking[0].0 == x && breaking[0].1.contains("classes.high.users"));
+    assert!(breaking[1].0 == y && breaking[1].1.contains("tenants.y.owners"));
 }
 
 #[test]
@@ -446,4 +500,38 @@ proptest! {
         prop_assert_eq!(b.held(), Bytes::ZERO);
         prop_assert_eq!(b.free(), b.capacity());
     }
+}
+
+#[test]
+fn kept_memory_follows_its_tenant_across_connections_and_stays_committed() {
+    let mut p = policy(Bytes::gib(8));
+    p.priority_reserve = Bytes::ZERO;
+    let mut b = Broker::new(p).unwrap();
+    let kept_req = || TenantRequest {
+        limit: Some(Bytes::gib(2)),
+        ..as_uid("k", "normal", 7)
+    };
+    let a = b.connect(kept_req()).unwrap();
+    b.grant(a, Bytes::gib(2)).unwrap();
+    b.release(a, Bytes::gib(2));
+    b.add_kept("k", 7, Bytes::gib(2));
+    assert!(matches!(
+        b.grant(a, Bytes::mib(2)),
+        Err(GrantError::OverLimit { .. })
+    ));
+    b.disconnect(a);
+    assert_eq!(b.free(), Bytes::gib(6), "kept memory stays committed");
+    // The same name of another uid starts clean; the same name and uid start with it.
+    let other = b
+        .connect(TenantRequest {
+            limit: Some(Bytes::gib(2)),
+            ..as_uid("k2", "normal", 8)
+        })
+        .unwrap();
+    assert_eq!(b.tenant(other).unwrap().kept, Bytes::ZERO);
+    let again = b.connect(kept_req()).unwrap();
+    assert_eq!(b.tenant(again).unwrap().kept, Bytes::gib(2));
+    b.take_kept("k", 7, Bytes::gib(2));
+    assert_eq!(b.free(), Bytes::gib(8));
+    b.grant(again, Bytes::gib(2)).unwrap();
 }

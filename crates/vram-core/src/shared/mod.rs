@@ -365,14 +365,22 @@ impl SharedBuffers {
     }
 
     /// Records that the scrub found `version` changed since its publish.
-    pub fn mark_corrupt(&mut self, id: BufferId, version: Version) {
-        if let Some(s) = self
-            .buffers
-            .get_mut(&id)
-            .and_then(|b| b.versions.get_mut(&version))
-        {
-            s.corrupt = true;
+    /// Marks `version` of `id` corrupt. The first time: whom to tell, the buffer's owner and
+    /// then each tenant that pinned the version; after that (the scrub finds it again) nobody.
+    pub fn mark_corrupt(&mut self, id: BufferId, version: Version) -> Vec<TenantId> {
+        let Some(b) = self.buffers.get_mut(&id) else {
+            return Vec::new();
+        };
+        let owner = b.owner;
+        let Some(s) = b.versions.get_mut(&version) else {
+            return Vec::new();
+        };
+        if std::mem::replace(&mut s.corrupt, true) {
+            return Vec::new();
         }
+        let mut tell = vec![owner];
+        tell.extend(s.pins.keys().filter(|t| **t != owner));
+        tell
     }
 
     /// `who`'s connection is gone: its pins and leases go, and the buffers it owned are deleted

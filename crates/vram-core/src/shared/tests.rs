@@ -15,6 +15,7 @@ fn connect(b: &mut Broker, name: &str, class: &str) -> TenantId {
         limit: None,
         pid: 1,
         uid: 0,
+        gids: Vec::new(),
     })
     .unwrap()
 }
@@ -199,6 +200,7 @@ fn versions_are_charged_to_the_owner_within_its_limit() {
             limit: Some(Bytes::gib(1)),
             pid: 1,
             uid: 0,
+            gids: Vec::new(),
         })
         .unwrap();
     let mut books = SharedBuffers::new();

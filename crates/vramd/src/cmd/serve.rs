@@ -90,12 +90,12 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         })
         .collect();
     refuse_problems(config_path, config.problems(&facts))?;
-    for (name, t) in config.tenants.iter().filter(|(_, t)| t.owners.is_empty()) {
+    for (name, t) in config.tenants.iter().filter(|(_, t)| !t.has_owners()) {
         tracing::warn!(
             tenant = name,
             class = t.class,
             "declared tenant has no owners: any allowed uid may connect as it and take its \
-             guarantee (set tenants.{name}.owners)"
+             guarantee (set tenants.{name}.owners or tenants.{name}.groups)"
         );
     }
     let policy_config = config.clone();
@@ -128,9 +128,14 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     server.configure_shared(&config.shared);
     server.configure_connections(config.connections);
     // From here a failed start drops `server`, which removes the socket it made.
-    let exporter = start_metrics(&server, args.metrics.or(config.metrics)).inspect_err(|e| {
-        tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
-    })?;
+    let detail = crate::metrics::Detail {
+        tenants: config.metrics_tenants,
+        status: config.http_status,
+    };
+    let exporter =
+        start_metrics(&server, args.metrics.or(config.metrics), detail).inspect_err(|e| {
+            tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
+        })?;
     let reloader = Reloader {
         path: args.config.clone(),
         started: config,
@@ -154,11 +159,15 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
 
 /// An address asked for (flag or config) must be served; the default one, when taken (another
 /// daemon, a test), is only warned about.
-fn start_metrics(server: &Server, asked: Option<MetricsAddr>) -> anyhow::Result<Option<Exporter>> {
+fn start_metrics(
+    server: &Server,
+    asked: Option<MetricsAddr>,
+    detail: crate::metrics::Detail,
+) -> anyhow::Result<Option<Exporter>> {
     let MetricsAddr::At(addr) = asked.unwrap_or(MetricsAddr::DEFAULT) else {
         return Ok(None);
     };
-    match Exporter::start(addr, server) {
+    match Exporter::start(addr, server, detail) {
         Ok(e) => {
             tracing::info!(addr = %e.addr(), "serving metrics at http://{}/metrics", e.addr());
             Ok(Some(e))

@@ -317,7 +317,11 @@ impl Tenant {
             if !check_pattern(self.client.device().as_ref(), &h).unwrap_or(false) {
                 errors.push(format!("cycle {i}: pattern mismatch"));
             }
-            if let Err(e) = self.client.give_back(vec![h.grant]) {
+            // Unmapped before it goes back: memory given back while still mapped stays booked
+            // to this tenant until the mapping is gone.
+            let Held { grant, res, .. } = h;
+            drop(res);
+            if let Err(e) = self.client.give_back(vec![grant]) {
                 errors.push(e.to_string());
             }
         }

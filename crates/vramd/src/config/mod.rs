@@ -46,6 +46,16 @@ pub struct Config {
     pub reclaim_timeout_ms: Option<u64>,
     /// Where to serve metrics: `"127.0.0.1:9464"` (the default) or `"off"`.
     pub metrics: Option<crate::metrics::MetricsAddr>,
+    /// Per-tenant series (labelled with tenant names) on `/metrics` and tenants in `/status`:
+    /// off unless the operator turns them on, since anyone who reaches the port reads them.
+    /// Off, tenants' figures are summed by class.
+    #[serde(default)]
+    pub metrics_tenants: bool,
+    /// Who may read `/status` over HTTP: `"local"` (the default: connections from this host
+    /// whose uid, looked up in the kernel's socket table, is in `allowed_uids`), `"any"` or
+    /// `"off"`.
+    #[serde(default)]
+    pub http_status: crate::metrics::HttpStatus,
     #[serde(default)]
     pub pool: PoolConfig,
     #[serde(default)]

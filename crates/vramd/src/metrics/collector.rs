@@ -14,7 +14,11 @@ use vram_proto::StatusReport;
 use super::{tenant_labels, TenantLabels};
 use crate::server::Daemon;
 
-pub struct StatusCollector(pub Arc<Daemon>);
+pub struct StatusCollector {
+    pub daemon: Arc<Daemon>,
+    /// Series per tenant, by name; otherwise summed by class ([`by_class`]).
+    pub per_tenant: bool,
+}
 
 impl fmt::Debug for StatusCollector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -24,8 +28,71 @@ impl fmt::Debug for StatusCollector {
 
 impl Collector for StatusCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> fmt::Result {
-        encode_report(&self.0.status(), &mut encoder)
+        let report = self.daemon.status();
+        let report = if self.per_tenant {
+            report
+        } else {
+            by_class(report)
+        };
+        encode_report(&report, &mut encoder)
     }
+}
+
+/// The report with its tenants summed by class and device, under an empty name, and every tenant
+/// name elsewhere in it blanked: for readers who may see the devices' figures but not who uses
+/// them (`metrics_tenants = false`). Shared buffers are left out (their names and owners are the
+/// tenants'), and counted.
+pub fn by_class(mut r: StatusReport) -> StatusReport {
+    let mut sums: std::collections::BTreeMap<(u32, String), vram_proto::TenantStatus> =
+        std::collections::BTreeMap::new();
+    for t in std::mem::take(&mut r.tenants) {
+        let key = (t.gpu, t.class.clone());
+        let s = sums.entry(key).or_insert_with(|| vram_proto::TenantStatus {
+            id: 0,
+            name: String::new(),
+            pid: 0,
+            uid: 0,
+            refusals: Default::default(),
+            handles: 0,
+            grants: 0,
+            returns: 0,
+            guarantee: vram_core::Bytes::ZERO,
+            limit: vram_core::Bytes::ZERO,
+            held: vram_core::Bytes::ZERO,
+            charged: vram_core::Bytes::ZERO,
+            outside: vram_core::Bytes::ZERO,
+            kept: vram_core::Bytes::ZERO,
+            in_use: vram_core::Bytes::ZERO,
+            cached: vram_core::Bytes::ZERO,
+            ..t.clone()
+        });
+        s.guarantee += t.guarantee;
+        s.limit = s.limit.saturating_add(t.limit);
+        s.held += t.held;
+        s.charged += t.charged;
+        s.outside += t.outside;
+        s.kept += t.kept;
+        s.in_use += t.in_use;
+        s.cached += t.cached;
+        s.handles += t.handles;
+        s.grants += t.grants;
+        s.returns += t.returns;
+        for (reason, n) in t.refusals {
+            *s.refusals.entry(reason).or_default() += n;
+        }
+    }
+    r.tenants = sums.into_values().collect();
+    for d in &mut r.devices {
+        for a in &mut d.at_risk {
+            a.tenant.clear();
+        }
+        for k in &mut d.kept_offline {
+            k.tenant.clear();
+        }
+    }
+    r.shared.buffers_left_out += r.shared.buffers.len() as u64;
+    r.shared.buffers.clear();
+    r
 }
 
 /// One family: its descriptor, then one sample per label set.

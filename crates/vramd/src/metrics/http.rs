@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::Context;
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -16,12 +16,16 @@ use prometheus_client::encoding::prometheus_text;
 use prometheus_client::registry::Registry;
 use tokio::sync::oneshot;
 
-use super::collector::StatusCollector;
+use super::collector::{by_class, StatusCollector};
+use super::{Detail, HttpStatus};
 use crate::server::{Daemon, Server};
 
 struct Scrape {
     registry: Registry,
     daemon: Arc<Daemon>,
+    detail: Detail,
+    /// The port served, to find a local client's connection in the kernel's socket table.
+    port: u16,
 }
 
 /// A running endpoint. Dropping it stops the endpoint and waits for its thread.
@@ -32,22 +36,33 @@ pub struct Exporter {
 }
 
 impl Exporter {
-    /// Binds `addr` (port 0: any free port) and serves `server`'s figures; turns on the grant and
-    /// reclaim instruments.
-    pub fn start(addr: SocketAddr, server: &Server) -> anyhow::Result<Exporter> {
+    /// Binds `addr` (port 0: any free port) and serves `server`'s figures with the detail the
+    /// operator chose; turns on the grant and reclaim instruments.
+    pub fn start(addr: SocketAddr, server: &Server, detail: Detail) -> anyhow::Result<Exporter> {
         let listener = std::net::TcpListener::bind(addr)
             .with_context(|| format!("cannot listen for metrics on {addr}"))?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let daemon = server.daemon().clone();
         let mut registry = Registry::with_prefix("vramd");
-        server.enable_metrics().register(&mut registry);
-        registry.register_collector(Box::new(StatusCollector(daemon.clone())));
+        server
+            .enable_metrics(detail.tenants)
+            .register(&mut registry);
+        registry.register_collector(Box::new(StatusCollector {
+            daemon: daemon.clone(),
+            per_tenant: detail.tenants,
+        }));
         let app = Router::new()
             .route("/metrics", get(metrics))
             .route("/healthz", get(|| async { "ok\n" }))
             .route("/status", get(status))
-            .with_state(Arc::new(Scrape { registry, daemon }));
+            .with_state(Arc::new(Scrape {
+                registry,
+                daemon,
+                detail,
+                port: addr.port(),
+            }))
+            .into_make_service_with_connect_info::<SocketAddr>();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .build()
@@ -108,11 +123,53 @@ async fn metrics(State(s): State<Arc<Scrape>>) -> Response {
     }
 }
 
-/// `vramd status`'s document, less what identifies processes: anyone who can reach the port
-/// reads it, and TCP says nothing of who they are (the socket's `vramd status` checks
-/// `allowed_uids` and gives the whole report).
-async fn status(State(s): State<Arc<Scrape>>) -> Response {
-    match serde_json::to_string_pretty(&without_processes(s.daemon.status())) {
+/// `vramd status`'s document. `http_status = "local"`: only to a client on this host whose uid
+/// (the kernel's socket table) is in `allowed_uids`, whole, as the socket gives it. `"any"`:
+/// to anyone who reaches the port, less what identifies processes, and tenants summed by class
+/// unless `metrics_tenants` is on.
+async fn status(
+    State(s): State<Arc<Scrape>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    let report = match s.detail.status {
+        HttpStatus::Off => {
+            return (
+                StatusCode::NOT_FOUND,
+                "/status is off (http_status = \"off\"); `vramd status` on the socket has it\n",
+            )
+                .into_response()
+        }
+        HttpStatus::Local => {
+            let allowed = s.daemon.settings().allowed_uids.clone();
+            match super::peer_uid::local_uid(peer, s.port) {
+                Some(uid) if allowed.contains(&uid) => s.daemon.status(),
+                Some(uid) => {
+                    return (
+                        StatusCode::FORBIDDEN,
+                        format!(
+                            "uid {uid} is not in allowed_uids {allowed:?}: /status is for the \
+                             daemon's users (http_status = \"local\")\n"
+                        ),
+                    )
+                        .into_response()
+                }
+                None => {
+                    return (
+                        StatusCode::FORBIDDEN,
+                        format!(
+                            "{peer} is not a connection from this host that the kernel's socket \
+                             table names: /status is for the daemon's users on this host \
+                             (http_status = \"local\")\n"
+                        ),
+                    )
+                        .into_response()
+                }
+            }
+        }
+        HttpStatus::Any if s.detail.tenants => without_processes(s.daemon.status()),
+        HttpStatus::Any => by_class(without_processes(s.daemon.status())),
+    };
+    match serde_json::to_string_pretty(&report) {
         Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     }

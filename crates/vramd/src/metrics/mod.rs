@@ -12,6 +12,7 @@
 
 mod collector;
 pub mod http;
+mod peer_uid;
 
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -21,6 +22,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
+pub use collector::by_class;
 pub use http::{without_processes, Exporter};
 
 /// Where `serve` exposes metrics: `--metrics ADDR`, or `off`.
@@ -60,6 +62,26 @@ impl TryFrom<String> for MetricsAddr {
     }
 }
 
+/// What the HTTP endpoint shows beyond the devices' figures: the operator's choice
+/// (`metrics_tenants`, `http_status` in the configuration).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Detail {
+    /// Series per tenant, by name; otherwise summed by class.
+    pub tenants: bool,
+    pub status: HttpStatus,
+}
+
+/// Who may read `/status` over HTTP.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HttpStatus {
+    /// Connections from this host whose uid is in `allowed_uids`, as for the socket.
+    #[default]
+    Local,
+    Any,
+    Off,
+}
+
 /// Labels of every per-tenant series: `tenant`, `class`, `gpu`.
 pub type TenantLabels = [(&'static str, String); 3];
 
@@ -91,11 +113,28 @@ const OUTCOMES: [&str; 2] = ["satisfied", "short"];
 /// What the grant and reclaim paths record. Clones share the same series.
 #[derive(Debug, Clone)]
 pub struct Instruments {
+    /// Whether series are per tenant (else per class: the tenant label is empty).
+    per_tenant: bool,
     grant_seconds: Family<TenantLabels, Histogram, fn() -> Histogram>,
     reclaim_requests: Counter,
     reclaim_answers: Counter,
     reclaim_returned_bytes: Counter,
     reclaim_outcomes: Family<OutcomeLabels, Counter>,
+}
+
+impl Instruments {
+    /// Instruments with series per tenant or summed by class.
+    pub fn new(per_tenant: bool) -> Self {
+        Instruments {
+            per_tenant,
+            ..Instruments::default()
+        }
+    }
+
+    /// The labels of tenant `name`'s series: its name only where per-tenant series are on.
+    pub fn labels(&self, name: &str, class: &str, gpu: u32) -> TenantLabels {
+        tenant_labels(if self.per_tenant { name } else { "" }, class, gpu)
+    }
 }
 
 impl Default for Instruments {
@@ -106,6 +145,7 @@ impl Default for Instruments {
             reclaim_outcomes.get_or_create_owned(&[("outcome", outcome)]);
         }
         Instruments {
+            per_tenant: true,
             grant_seconds: Family::new_with_constructor(grant_histogram),
             reclaim_requests: Counter::default(),
             reclaim_answers: Counter::default(),
@@ -121,9 +161,12 @@ impl Instruments {
         self.grant_seconds.get_or_create_owned(labels)
     }
 
-    /// The tenant is gone: its series go with it, as its status figures do.
+    /// The tenant is gone: its series go with it, as its status figures do (a class's series
+    /// stay).
     pub fn forget(&self, labels: &TenantLabels) {
-        self.grant_seconds.remove(labels);
+        if self.per_tenant {
+            self.grant_seconds.remove(labels);
+        }
     }
 
     /// A tenant was asked to give back idle memory.

@@ -148,6 +148,7 @@ impl Acceptor<'_> {
             }
         };
         let (uid, pid) = (creds.uid.as_raw(), creds.pid.as_raw_nonzero().get() as u32);
+        let gid = creds.gid.as_raw();
         let settings = self.daemon.settings();
         let limits = settings.connections;
         let conn = Conn::new(stream).with_frame_timeout(limits.frame_timeout());
@@ -178,7 +179,8 @@ impl Acceptor<'_> {
                 None
             };
             if refusal.is_none() {
-                conns.insert(id, Arc::new(Peer::new(conn.clone(), uid, pid)));
+                let gids = super::peer::groups_of(pid, Some(gid));
+                conns.insert(id, Arc::new(Peer::new(conn.clone(), uid, pid, gids)));
             }
             refusal
         };

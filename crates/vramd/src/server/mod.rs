@@ -325,8 +325,10 @@ impl Server {
     }
 
     /// Turns on the grant and reclaim instruments (for tenants that connect from now on).
-    pub fn enable_metrics(&self) -> &Instruments {
-        self.daemon.metrics.get_or_init(Instruments::default)
+    pub fn enable_metrics(&self, per_tenant: bool) -> &Instruments {
+        self.daemon
+            .metrics
+            .get_or_init(|| Instruments::new(per_tenant))
     }
 
     pub fn shutdown_handle(&self) -> Shutdown {
@@ -361,7 +363,20 @@ impl Server {
     }
 }
 
-/// The state file's housekeeping, every [`state::SAVE_EVERY`] until shutdown.
+/// Books back the memory tenants gave back while still reaching it, once it is gone.
+fn sweep_kept(daemon: &Daemon) {
+    for (gpu, slot) in daemon.slots.iter().enumerate() {
+        for (tenant, uid, bytes) in slot.sweep_kept() {
+            tracing::info!(
+                tenant, uid, gpu, %bytes,
+                "memory a tenant gave back while still reaching it is gone: back in the books"
+            );
+        }
+    }
+}
+
+/// The state file's housekeeping and the sweep of kept memory, every [`state::SAVE_EVERY`]
+/// until shutdown.
 fn start_keeper(
     daemon: Arc<Daemon>,
     keeper: Arc<state::Keeper>,
@@ -372,6 +387,7 @@ fn start_keeper(
             while !daemon.is_shutting_down() {
                 daemon.sleep_unless_shutdown(state::SAVE_EVERY);
                 keeper.tick(&daemon);
+                sweep_kept(&daemon);
             }
         })
 }

@@ -13,6 +13,8 @@ pub struct Peer {
     pub conn: Arc<Conn>,
     pub uid: u32,
     pub pid: u32,
+    /// Its groups, primary first (see [`groups_of`]).
+    pub gids: Vec<u32>,
     /// While frames offered to this peer could not be written without waiting (its socket full,
     /// or its connection busy sending): since when, and the latest such offer. `None` once one
     /// went through.
@@ -43,11 +45,12 @@ pub enum Offer {
 }
 
 impl Peer {
-    pub fn new(conn: Arc<Conn>, uid: u32, pid: u32) -> Peer {
+    pub fn new(conn: Arc<Conn>, uid: u32, pid: u32, gids: Vec<u32>) -> Peer {
         Peer {
             conn,
             uid,
             pid,
+            gids,
             unwritable: Mutex::new(None),
             closed: AtomicBool::new(false),
             slow: AtomicUsize::new(0),
@@ -134,7 +137,7 @@ mod tests {
     #[test]
     fn a_peer_that_does_not_read_is_skipped_and_timed() {
         let (a, b) = UnixStream::pair().unwrap();
-        let peer = Peer::new(Arc::new(Conn::new(a)), 0, 0);
+        let peer = Peer::new(Arc::new(Conn::new(a)), 0, 0, vec![0]);
         let msg = vram_proto::Reply::Pong;
         let mut first_skip = None;
         for i in 0..100_000 {
@@ -173,10 +176,39 @@ mod tests {
     #[test]
     fn slow_slots_are_bounded_and_given_back() {
         let (a, _b) = UnixStream::pair().unwrap();
-        let peer = Arc::new(Peer::new(Arc::new(Conn::new(a)), 0, 0));
+        let peer = Arc::new(Peer::new(Arc::new(Conn::new(a)), 0, 0, vec![0]));
         let held: Vec<_> = (0..3).map(|_| peer.slow_slot(3).unwrap()).collect();
         assert!(peer.slow_slot(3).is_none());
         drop(held);
         assert!(peer.slow_slot(3).is_some());
     }
+}
+
+/// A process's groups: `primary` (the kernel's word on the socket, `SO_PEERCRED`; `None`: the
+/// real gid `/proc/PID/status` gives) first, then its supplementary groups as `/proc/PID/status`
+/// lists them (none if it cannot be read; a connected process's pid is its own while this is
+/// read).
+pub fn groups_of(pid: u32, primary: Option<u32>) -> Vec<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| {
+                v.split_whitespace()
+                    .filter_map(|g| g.parse::<u32>().ok())
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    let mut gids: Vec<u32> = primary
+        .or_else(|| field("Gid:").first().copied())
+        .into_iter()
+        .collect();
+    for g in field("Groups:") {
+        if !gids.contains(&g) {
+            gids.push(g);
+        }
+    }
+    gids
 }

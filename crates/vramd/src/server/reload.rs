@@ -78,6 +78,19 @@ impl Daemon {
         }
         self.set_settings(new);
         changes.extend(self.shared.apply(&r.shared));
+        // Who may be which tenant is the configuration's to say at any time: a tenant it no
+        // longer admits is disconnected, and its memory comes back as at a crash.
+        for (gpu, slot) in self.slots.iter().enumerate() {
+            for (conn, name, rule) in slot.breaking_rules() {
+                if let Some(peer) = self.conns.lock().expect("conns").get(&conn) {
+                    peer.disconnect();
+                }
+                changes.push(format!(
+                    "gpu {gpu}: tenant `{name}` disconnected, the new configuration does not \
+                     admit it: {rule}"
+                ));
+            }
+        }
         Ok(changes)
     }
 }

@@ -13,7 +13,7 @@ use super::exit::Ended;
 use super::peer::Peer;
 use super::slot::ReclaimSender;
 use super::Daemon;
-use crate::metrics::{tenant_labels, TenantLabels};
+use crate::metrics::TenantLabels;
 
 /// A registered tenant on this connection.
 struct Registered {
@@ -267,6 +267,7 @@ impl Session {
             limit,
             pid: self.pid,
             uid: self.uid,
+            gids: self.peer.gids.clone(),
         };
         let (id, t) = s
             .connect(request, self.conn_id, hello.resume.as_ref())
@@ -312,7 +313,7 @@ impl Session {
     /// tenant's welcome.
     fn registered_as(&mut self, slot: usize, id: TenantId, t: Tenant, member: bool) -> Reply {
         let grant_seconds = self.daemon.metrics().map(|m| {
-            let labels = tenant_labels(&t.name, &t.class, slot as u32);
+            let labels = m.labels(&t.name, &t.class, slot as u32);
             (labels.clone(), m.grant_histogram(&labels))
         });
         self.tenant = Some(Registered {

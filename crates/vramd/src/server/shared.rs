@@ -605,7 +605,8 @@ pub fn checksum_memory(
     Ok(Some(sum.finish()))
 }
 
-/// A mismatch: an event, a counter, and the version marked corrupt in the books.
+/// A mismatch: an event, a counter, the version marked corrupt in the books, and (the first
+/// time) a message to the buffer's owner and the readers that pinned the version.
 pub(super) fn report_mismatch(
     daemon: &Daemon,
     slot: usize,
@@ -615,10 +616,33 @@ pub(super) fn report_mismatch(
     actual: u64,
     by: &'static str,
 ) {
-    let name = daemon.slots[slot].with_shared(|_, books| {
-        books.core.mark_corrupt(buffer, version);
-        books.core.info(buffer).map(|i| i.name).unwrap_or_default()
+    let (name, tell) = daemon.slots[slot].with_shared(|_, books| {
+        let tell = books.core.mark_corrupt(buffer, version);
+        let name = books.core.info(buffer).map(|i| i.name).unwrap_or_default();
+        (name, tell)
     });
+    let message = vram_proto::Reply::Shared(SharedReply::Corrupted(vram_proto::Corruption {
+        buffer,
+        name: name.clone(),
+        version,
+        expected,
+        actual,
+        found_by: by.to_string(),
+    }));
+    let unread = daemon.settings().connections.unread_timeout();
+    let peers: Vec<_> = {
+        let conns = daemon.conns.lock().expect("conns");
+        daemon.slots[slot]
+            .conns_of_tenants(&tell)
+            .into_iter()
+            .filter_map(|c| conns.get(&c).cloned())
+            .collect()
+    };
+    // Never waited for: a tenant that does not read misses the message, not the daemon its time.
+    let told = peers
+        .iter()
+        .filter(|p| matches!(p.offer(&message, unread), super::peer::Offer::Sent))
+        .count();
     daemon
         .shared
         .scrub
@@ -631,7 +655,9 @@ pub(super) fn report_mismatch(
         expected = format!("{expected:016x}"),
         actual = format!("{actual:016x}"),
         by,
-        "shared buffer corrupted: a published version no longer matches its checksum"
+        told,
+        "shared buffer corrupted: a published version no longer matches its checksum (its \
+         owner and readers are told)"
     );
 }
 

@@ -39,6 +39,41 @@ struct State {
     /// tenant adopted after a restart) and process, which the tenant falls back to when the
     /// member ends.
     members: HashMap<TenantId, (Option<u64>, Process)>,
+    /// Handles given back while a process still reached them, by a number of their own: booked
+    /// to the tenant that had them (the broker's `kept`) until [`Slot::sweep_kept`] finds them
+    /// gone.
+    kept: HashMap<u64, Kept>,
+    next_kept: u64,
+}
+
+/// A handle given back that some process still reaches (see [`Device::reached_elsewhere`]).
+struct Kept {
+    name: String,
+    uid: u32,
+    handle: Arc<Handle>,
+}
+
+impl State {
+    /// Books `handles`, which tenant `id` gave back and still reaches, as kept by it.
+    fn keep(&mut self, id: TenantId, handles: Vec<Handle>) -> Bytes {
+        let Some((name, uid)) = self.broker.tenant(id).map(|t| (t.name.clone(), t.uid)) else {
+            return Bytes::ZERO;
+        };
+        let mut bytes = Bytes::ZERO;
+        for handle in handles {
+            bytes += handle.size();
+            let n = self.next_kept;
+            self.next_kept += 1;
+            let kept = Kept {
+                name: name.clone(),
+                uid,
+                handle: Arc::new(handle),
+            };
+            self.kept.insert(n, kept);
+        }
+        self.broker.add_kept(&name, uid, bytes);
+        bytes
+    }
 }
 
 impl State {
@@ -135,6 +170,8 @@ impl Slot {
                 dirty: false,
                 invitations: HashMap::new(),
                 members: HashMap::new(),
+                kept: HashMap::new(),
+                next_kept: 1,
             }),
             returned: Condvar::new(),
             pool,
@@ -207,9 +244,9 @@ impl Slot {
         conn: u64,
         resume: Option<&Resume>,
     ) -> Result<(TenantId, Tenant), ErrorReply> {
-        let admission = |message: String| ErrorReply {
+        let admission = |reason: &str, message: String| ErrorReply {
             code: ErrorCode::Admission,
-            reason: None,
+            reason: Some(reason.to_string()),
             message,
         };
         let mut s = self.lock();
@@ -227,11 +264,14 @@ impl Slot {
                 id
             }
             Some((_, p)) => {
-                return Err(admission(format!(
+                return Err(admission(
+                    "name_in_use",
+                    format!(
                     "tenant name `{}` is held by pid {}, adopted after a daemon restart and not \
                      reconnected yet",
                     req.name, p.pid
-                )))
+                ),
+                ))
             }
             None => {
                 let process = Process {
@@ -249,7 +289,7 @@ impl Slot {
                     Ok(id) => id,
                     Err(e) => {
                         st.broker.set_outside_use(outside);
-                        return Err(admission(e.to_string()));
+                        return Err(admission(e.reason(), e.to_string()));
                     }
                 };
                 st.claim_outside(id, process.pid, own);
@@ -347,11 +387,13 @@ impl Slot {
     pub fn member_gone(&self, tenant: TenantId) -> (Bytes, usize) {
         let handles = take_grants(&mut self.lock(), tenant);
         let n = handles.len();
+        let (handles, reached) = self.split_reached(handles, EXIT_PATIENCE);
         // The memory first, the books after (see `give_back`).
         drop(handles);
         self.pool.forget(tenant.0);
         let mut s = self.lock();
         let st = &mut *s;
+        st.keep(tenant, reached);
         let held = st.broker.release_all(tenant);
         if let Some((conn, holder)) = st.members.remove(&tenant) {
             match conn {
@@ -390,6 +432,7 @@ impl Slot {
             limit: Some(t.limit),
             pid: t.pid,
             uid: t.uid,
+            gids: super::peer::groups_of(t.pid, None),
         };
         let mut s = self.lock();
         let st = &mut *s;
@@ -711,6 +754,24 @@ impl Slot {
         if adopted > Bytes::ZERO {
             s.broker.release(tenant, adopted);
         }
+        drop(s);
+        let (handles, reached) = self.split_reached(handles, std::time::Duration::ZERO);
+        let mut s = self.lock();
+        let kept_bytes: Bytes = reached.iter().map(Handle::size).sum();
+        if !reached.is_empty() {
+            // From held to kept; the return itself is counted with the rest of it below.
+            s.broker.unhold(tenant, kept_bytes);
+            bytes -= kept_bytes;
+            let name = s.broker.tenant(tenant).map(|t| t.name.clone());
+            let n = reached.len();
+            s.keep(tenant, reached);
+            tracing::warn!(
+                tenant = name.as_deref().unwrap_or(""), gpu = self.index, handles = n,
+                kept = %kept_bytes,
+                "tenant gave back memory its process still reaches (a descriptor or a mapping \
+                 kept): it stays booked to the tenant until it is really gone"
+            );
+        }
         // The room the pool will have once these bytes are back in the books.
         let room = s.broker.free() + bytes;
         drop(s);
@@ -751,12 +812,15 @@ impl Slot {
             s.invitations.retain(|_, (t, _)| *t != tenant);
             take_grants(&mut s, tenant)
         };
-        // The memory first, the books after (see `give_back`).
         let n = handles.len();
+        let (handles, reached) = self.split_reached(handles, EXIT_PATIENCE);
+        // The memory first, the books after (see `give_back`).
         drop(handles);
         self.pool.forget(tenant.0);
         let mut s = self.lock();
         let st = &mut *s;
+        // Counted under its name and uid once the broker lets the tenant go.
+        st.keep(tenant, reached);
         let shared = st.shared.disconnect(&mut st.broker, tenant);
         let state = st.broker.disconnect(tenant);
         self.pool.set_room(s.broker.free());
@@ -767,6 +831,92 @@ impl Slot {
             self.returned.notify_all();
         }
         state.map(|t| (t, n))
+    }
+
+    /// The connections the given tenants speak on (those still connected).
+    pub fn conns_of_tenants(&self, tenants: &[TenantId]) -> Vec<u64> {
+        let s = self.lock();
+        tenants
+            .iter()
+            .filter_map(|t| s.conn_of.get(t).copied())
+            .collect()
+    }
+
+    /// The connections of tenants that the rules in force no longer admit (a new configuration
+    /// changed who may be which tenant), with the rule each breaks.
+    pub fn breaking_rules(&self) -> Vec<(u64, String, String)> {
+        let s = self.lock();
+        s.broker
+            .breaking_rules()
+            .into_iter()
+            .filter_map(|(id, e)| {
+                let name = s.broker.tenant(id)?.name.clone();
+                Some((*s.conn_of.get(&id)?, name, e.to_string()))
+            })
+            .collect()
+    }
+
+    /// Splits `handles` into those no other process reaches (or the device cannot tell) and
+    /// those some process still reaches. Where some are reached, asks again for up to `patience`
+    /// (a process that is exiting closes its descriptors after its socket).
+    fn split_reached(
+        &self,
+        handles: Vec<Handle>,
+        patience: std::time::Duration,
+    ) -> (Vec<Handle>, Vec<Handle>) {
+        let reached = |h: &Handle| self.device.reached_elsewhere(h) == Some(true);
+        let (mut free, mut kept): (Vec<Handle>, Vec<Handle>) =
+            handles.into_iter().partition(|h| !reached(h));
+        let until = Instant::now() + patience;
+        let mut pause = std::time::Duration::from_millis(1);
+        while !kept.is_empty() && Instant::now() < until {
+            std::thread::sleep(pause.min(until.saturating_duration_since(Instant::now())));
+            pause *= 2;
+            let (gone, still): (Vec<Handle>, Vec<Handle>) =
+                kept.into_iter().partition(|h| !reached(h));
+            free.extend(gone);
+            kept = still;
+        }
+        (free, kept)
+    }
+
+    /// Releases the kept handles no process reaches any more, and books them back; returns
+    /// (tenant, uid, bytes) for each tenant whose kept memory came back.
+    pub fn sweep_kept(&self) -> Vec<(String, u32, Bytes)> {
+        let candidates: Vec<(u64, Arc<Handle>)> = {
+            let s = self.lock();
+            s.kept.iter().map(|(n, k)| (*n, k.handle.clone())).collect()
+        };
+        let gone: Vec<u64> = candidates
+            .iter()
+            .filter(|(_, h)| self.device.reached_elsewhere(h) != Some(true))
+            .map(|(n, _)| *n)
+            .collect();
+        drop(candidates);
+        if gone.is_empty() {
+            return Vec::new();
+        }
+        let leaving: Vec<Kept> = {
+            let mut s = self.lock();
+            gone.iter().filter_map(|n| s.kept.remove(n)).collect()
+        };
+        let mut back: BTreeMap<(String, u32), Bytes> = BTreeMap::new();
+        for k in &leaving {
+            *back.entry((k.name.clone(), k.uid)).or_default() += k.handle.size();
+        }
+        // The memory first, the books after (see `give_back`).
+        drop(leaving);
+        let mut s = self.lock();
+        for ((name, uid), bytes) in &back {
+            s.broker.take_kept(name, *uid, *bytes);
+        }
+        self.pool.set_room(s.broker.free());
+        let wake = s.waiting > 0;
+        drop(s);
+        if wake {
+            self.returned.notify_all();
+        }
+        back.into_iter().map(|((n, u), b)| (n, u, b)).collect()
     }
 
     /// The books as the driver should see them: what the daemon created, and each tenant's pid
@@ -859,6 +1009,7 @@ impl Slot {
             Some(d) => (Some(d.used), d.unattributed, d.outside_processes.clone()),
             None => (None, Bytes::ZERO, Vec::new()),
         };
+        let kept_bytes: Bytes = s.kept.values().map(|k| k.handle.size()).sum();
         drop(s);
         let info = self.device.info();
         let device = DeviceStatus {
@@ -880,6 +1031,12 @@ impl Slot {
             outside_processes,
             deficit: snap.deficit,
             at_risk: snap.at_risk,
+            kept: kept_bytes,
+            kept_offline: snap
+                .kept_offline
+                .into_iter()
+                .map(|(tenant, uid, bytes)| vram_proto::KeptOffline { tenant, uid, bytes })
+                .collect(),
         };
         let tenants = snap
             .tenants
@@ -895,6 +1052,7 @@ impl Slot {
                 held: t.held,
                 charged: t.charged,
                 outside: t.outside,
+                kept: t.kept,
                 in_use: t.in_use,
                 cached: t.cached,
                 handles: handles.get(&id).copied().unwrap_or(0),
@@ -950,6 +1108,10 @@ fn settle(s: &mut State, id: TenantId, r: &Resume) {
         }
     }
 }
+
+/// How long a closing connection's handles that another process still reaches are asked about
+/// again before they are booked as kept: enough for an exiting process to close its descriptors.
+const EXIT_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Takes every grant of `tenant` out of the tables (its adopted ones too): the handles, for the
 /// caller to drop outside the lock.
