@@ -196,3 +196,56 @@ fn a_uid_outside_allowed_uids_is_refused_with_its_number() {
     );
     d.stop();
 }
+
+/// The daemon's connection threads (`vramd-conn-N`).
+fn connection_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.starts_with("vramd-conn"))
+        .count()
+}
+
+/// A peer that sends the daemon its own end of the connection, in a frame that announces no
+/// descriptor, is refused and closed; without that the daemon would hold the peer's end open, never
+/// see it close, and keep the connection (a thread, a slot under the connection caps) for ever.
+#[test]
+fn descriptors_no_frame_announced_close_the_connection() {
+    use std::io::IoSlice;
+    use std::mem::MaybeUninit;
+    use std::os::fd::AsFd;
+
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use vram_proto::Envelope;
+
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let conn = raw(&d.socket);
+    let payload = postcard::to_stdvec(&Envelope {
+        id: 1,
+        msg: Request::Ping,
+    })
+    .unwrap();
+    let bytes = frame(FrameHeader::new(0, payload.len()), &payload);
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let own = [conn.stream().as_fd()];
+    assert!(control.push(SendAncillaryMessage::ScmRights(&own)));
+    let iov = [IoSlice::new(&bytes)];
+    rustix::net::sendmsg(conn.stream(), &iov, &mut control, SendFlags::empty()).unwrap();
+
+    let e = error_reply(&conn);
+    assert_eq!(e.code, ErrorCode::Protocol, "{e:?}");
+    assert!(
+        e.message
+            .contains("1 file descriptors arrived that no frame announced; closing the connection"),
+        "{}",
+        e.message
+    );
+    drop(conn);
+    assert!(
+        common::wait_until(Duration::from_secs(5), || connection_threads(d.pid()) == 0),
+        "the connection's thread outlived the peer's close"
+    );
+    assert_eq!(d.status().daemon.protocol_errors, 1);
+    d.stop();
+}
