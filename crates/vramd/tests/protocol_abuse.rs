@@ -249,3 +249,84 @@ fn descriptors_no_frame_announced_close_the_connection() {
     assert_eq!(d.status().daemon.protocol_errors, 1);
     d.stop();
 }
+
+/// A raw tenant connection, welcomed as `name` (claiming to resume with `resume`).
+fn raw_tenant(socket: &Path, name: &str, resume: Option<vram_proto::Resume>) -> Conn {
+    let conn = raw(socket);
+    let hello = vram_proto::Hello {
+        role: vram_proto::Role::Tenant {
+            name: name.into(),
+            class: None,
+            guarantee: None,
+            limit: None,
+        },
+        gpu: None,
+        client: "protocol_abuse test".into(),
+        resume,
+    };
+    conn.send(1, &Request::Hello(hello), &[]).unwrap();
+    let r = conn.recv::<Reply>().unwrap();
+    assert!(matches!(r.msg, Reply::Welcome(_)), "{:?}", r.msg);
+    conn
+}
+
+/// One grant of `bytes` on `conn`: its id and its memory.
+fn granted(conn: &Conn, id: u64, bytes: Bytes) -> (vram_proto::GrantId, std::fs::File) {
+    conn.send(id, &Request::Grant { bytes }, &[]).unwrap();
+    let r = conn.recv::<Reply>().unwrap();
+    let Reply::Granted { grant, .. } = r.msg else {
+        panic!("expected a grant, got {:?}", r.msg)
+    };
+    let fd = r.fds.into_iter().next().expect("the grant's fd");
+    (grant, std::fs::File::from(fd))
+}
+
+/// A tenant that says it resumes holding a grant id the daemon has not given yet cannot take the
+/// memory granted later under that id to another tenant: the id is never given while claimed.
+#[test]
+fn a_resume_claiming_an_id_not_yet_given_takes_nobody_elses_memory() {
+    use std::os::unix::fs::FileExt;
+    use vram_proto::{GrantId, Resume};
+
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let victim = raw_tenant(&d.socket, "victim", None);
+    let (first, _) = granted(&victim, 2, Bytes::mib(2));
+    // Grant ids are given in order: the next one is guessable.
+    let next = GrantId(first.0 + 1);
+    let claim = Resume {
+        grants: vec![(next, Bytes::mib(2))],
+        charged: Bytes::ZERO,
+    };
+    let thief = raw_tenant(&d.socket, "thief", Some(claim));
+    let (second, memory) = granted(&victim, 3, Bytes::mib(2));
+    assert_ne!(second, next, "the daemon gave an id a resuming tenant claims");
+    let secret = b"the victim's data";
+    memory.write_all_at(secret, 0).unwrap();
+
+    // The thief gives back what it claimed, then asks for memory of that size.
+    thief
+        .send(4, &Request::Return { grants: vec![next] }, &[])
+        .unwrap();
+    let r = thief.recv::<Reply>().unwrap();
+    assert!(matches!(r.msg, Reply::Returned { .. }), "{:?}", r.msg);
+    let (_, theirs) = granted(&thief, 5, Bytes::mib(2));
+    let mut read = [0u8; 17];
+    theirs.read_exact_at(&mut read, 0).unwrap();
+    assert_eq!(read, [0; 17], "the thief's memory holds another tenant's data");
+
+    // The victim's grants are still its own, and go back whole.
+    victim
+        .send(6, &Request::Return { grants: vec![first, second] }, &[])
+        .unwrap();
+    let r = victim.recv::<Reply>().unwrap();
+    assert_eq!(
+        r.msg,
+        Reply::Returned {
+            bytes: Bytes::mib(4),
+            held: Bytes::ZERO
+        }
+    );
+    drop((victim, thief));
+    d.wait_for_no_tenants();
+    d.stop();
+}

@@ -530,8 +530,13 @@ impl Slot {
             .into_iter()
             .zip(booked)
             .map(|(Ready { handle, fd }, size)| {
-                let id = GrantId(s.next_grant);
-                s.next_grant += 1;
+                // An id a resuming tenant claims (`settle`) is never given to a new grant: a
+                // return of the claim would take that grant's handle.
+                let mut id = GrantId(s.next_grant);
+                while s.adopted.contains_key(&id) {
+                    id.0 += 1;
+                }
+                s.next_grant = id.0 + 1;
                 // The grant table keeps the handle; the caller sends the fd.
                 s.grants.insert(id, (tenant, handle));
                 s.dirty = true;
