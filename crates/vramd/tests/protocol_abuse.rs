@@ -330,3 +330,79 @@ fn a_resume_claiming_an_id_not_yet_given_takes_nobody_elses_memory() {
     d.wait_for_no_tenants();
     d.stop();
 }
+
+/// The reply to `request`, sent with id `id`, skipping anything unasked.
+fn ask(conn: &Conn, id: u64, request: Request) -> Reply {
+    conn.send(id, &request, &[]).unwrap();
+    loop {
+        let r = conn.recv::<Reply>().unwrap();
+        if r.id == id {
+            return r.msg;
+        }
+    }
+}
+
+fn error_of(reply: Reply) -> ErrorReply {
+    match reply {
+        Reply::Error(e) => e,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+/// What a joined program's close takes back is its own only: a tenant invites no program while it
+/// holds memory or has one joined, and its registering connection takes no memory while a program
+/// is joined. Otherwise the program's close took back grants of the registering connection (or of
+/// an earlier program), which kept their memory and could then be granted as much again.
+#[test]
+fn a_joined_programs_close_takes_back_only_its_own_memory() {
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let reg = raw_tenant(&d.socket, "reg", None);
+    let (held, _memory) = granted(&reg, 2, Bytes::mib(2));
+    let e = error_of(ask(&reg, 3, Request::Invite));
+    assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
+    assert!(e.message.contains("the tenant holds 2 MiB"), "{}", e.message);
+    let returned = ask(&reg, 4, Request::Return { grants: vec![held] });
+    assert!(matches!(returned, Reply::Returned { .. }), "{returned:?}");
+
+    let Reply::Invitation { token } = ask(&reg, 5, Request::Invite) else {
+        panic!("no invitation for a tenant holding nothing")
+    };
+    let program = raw(&d.socket);
+    let join = vram_proto::Hello {
+        role: vram_proto::Role::Join { token },
+        gpu: None,
+        client: "protocol_abuse test".into(),
+        resume: None,
+    };
+    let welcome = ask(&program, 1, Request::Hello(join));
+    assert!(matches!(welcome, Reply::Welcome(_)), "{welcome:?}");
+    let (_, _program_memory) = granted(&program, 2, Bytes::mib(2));
+
+    for request in [
+        Request::Grant {
+            bytes: Bytes::mib(2),
+        },
+        Request::Charge {
+            bytes: Bytes::mib(2),
+        },
+    ] {
+        let e = error_of(ask(&reg, 6, request));
+        assert_eq!(e.code, ErrorCode::Refused, "{e:?}");
+        assert_eq!(e.reason.as_deref(), Some("program_joined"), "{e:?}");
+    }
+    for conn in [&reg, &program] {
+        let e = error_of(ask(conn, 7, Request::Invite));
+        assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
+        assert!(e.message.contains("has joined this tenant already"), "{}", e.message);
+    }
+
+    drop(program);
+    assert!(common::wait_until(Duration::from_secs(5), || d.held_by("reg")
+        == Bytes::ZERO));
+    // The program gone, the registration may take memory again.
+    granted(&reg, 8, Bytes::mib(2));
+    assert_eq!(d.held_by("reg"), Bytes::mib(2));
+    drop(reg);
+    d.wait_for_no_tenants();
+    d.stop();
+}

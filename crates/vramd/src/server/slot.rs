@@ -267,7 +267,9 @@ impl Slot {
         Ok((id, tenant))
     }
 
-    /// An invitation for one process of `uid` to join `tenant` (see [`Slot::join`]).
+    /// An invitation for one process of `uid` to join `tenant` (see [`Slot::join`]). Only for a
+    /// tenant that holds nothing and has no program joined: what a joined program's tenant holds
+    /// goes back when the program's connection closes, so it must all be the program's.
     pub fn invite(&self, tenant: TenantId, uid: u32) -> Result<String, ErrorReply> {
         let token = random_token().map_err(|e| ErrorReply {
             code: ErrorCode::Device,
@@ -275,9 +277,48 @@ impl Slot {
             message: format!("cannot make an invitation token: {e}"),
         })?;
         let mut s = self.lock();
+        let refuse = |message: String| ErrorReply {
+            code: ErrorCode::Admission,
+            reason: None,
+            message,
+        };
+        if let Some(p) = s.processes.get(&tenant).filter(|_| s.members.contains_key(&tenant)) {
+            return Err(refuse(format!(
+                "no invitation: a program (pid {}) has joined this tenant already",
+                p.pid
+            )));
+        }
+        if let Some(t) = s.broker.tenant(tenant) {
+            if t.held > Bytes::ZERO || t.charged > Bytes::ZERO {
+                return Err(refuse(format!(
+                    "no invitation: the tenant holds {} and has charged {}; invitations are for a \
+                     tenant that holds nothing yet",
+                    t.held, t.charged
+                )));
+            }
+        }
         s.invitations.retain(|_, (t, _)| *t != tenant);
         s.invitations.insert(token.clone(), (tenant, uid));
         Ok(token)
+    }
+
+    /// Whether connection `conn` of `tenant` may take memory: not while a program it invited is
+    /// joined, whose memory side the tenant is then (and whose connection's close takes back all
+    /// the tenant holds).
+    pub fn memory_side(&self, tenant: TenantId, conn: u64) -> Result<(), ErrorReply> {
+        let s = self.lock();
+        match (s.members.get(&tenant), s.conn_of.get(&tenant), s.processes.get(&tenant)) {
+            (Some(_), Some(&member), Some(p)) if member != conn => Err(ErrorReply {
+                code: ErrorCode::Refused,
+                reason: Some("program_joined".into()),
+                message: format!(
+                    "the tenant's memory is its joined program's (pid {}) while it runs; this \
+                     connection keeps the registration only",
+                    p.pid
+                ),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Whether an invitation with this token waits here.
