@@ -364,17 +364,33 @@ fn a_joined_programs_close_takes_back_only_its_own_memory() {
     let returned = ask(&reg, 4, Request::Return { grants: vec![held] });
     assert!(matches!(returned, Reply::Returned { .. }), "{returned:?}");
 
-    let Reply::Invitation { token } = ask(&reg, 5, Request::Invite) else {
-        panic!("no invitation for a tenant holding nothing")
+    let join = |token: String| {
+        let program = raw(&d.socket);
+        let hello = vram_proto::Hello {
+            role: vram_proto::Role::Join { token },
+            gpu: None,
+            client: "protocol_abuse test".into(),
+            resume: None,
+        };
+        let welcome = ask(&program, 1, Request::Hello(hello));
+        (program, welcome)
     };
-    let program = raw(&d.socket);
-    let join = vram_proto::Hello {
-        role: vram_proto::Role::Join { token },
-        gpu: None,
-        client: "protocol_abuse test".into(),
-        resume: None,
+    let invitation = |id| match ask(&reg, id, Request::Invite) {
+        Reply::Invitation { token } => token,
+        other => panic!("no invitation for a tenant holding nothing: {other:?}"),
     };
-    let welcome = ask(&program, 1, Request::Hello(join));
+    // Memory taken between the invitation and the join is the registration's: no join.
+    let token = invitation(5);
+    let charged = ask(&reg, 6, Request::Charge { bytes: Bytes::mib(2) });
+    assert_eq!(charged, Reply::Ack);
+    let (_, refused) = join(token);
+    let e = error_of(refused);
+    assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
+    assert!(e.message.contains("has charged 2 MiB"), "{}", e.message);
+    let uncharged = ask(&reg, 7, Request::Uncharge { bytes: Bytes::mib(2) });
+    assert_eq!(uncharged, Reply::Ack);
+
+    let (program, welcome) = join(invitation(8));
     assert!(matches!(welcome, Reply::Welcome(_)), "{welcome:?}");
     let (_, _program_memory) = granted(&program, 2, Bytes::mib(2));
 

@@ -359,6 +359,18 @@ impl Slot {
         // A tenant adopted after a restart has no registering connection any more; its process
         // (`vramd run`) is still what the tenant falls back to.
         let holder_conn = st.conn_of.get(&id).copied();
+        // What the tenant holds goes back when the program's connection closes: it must all be
+        // the program's, none its registering connection's (an adopted tenant's is the program's
+        // from before the restart).
+        if let (Some(_), Some(t)) = (holder_conn, st.broker.tenant(id)) {
+            if t.held > Bytes::ZERO || t.charged > Bytes::ZERO {
+                return Err(refuse(format!(
+                    "the invited tenant holds {} and has charged {}: a program joins a tenant \
+                     that holds nothing",
+                    t.held, t.charged
+                )));
+            }
+        }
         st.pending.remove(&id);
         let member = Process {
             pid,

@@ -150,8 +150,13 @@ pub struct Peer<'a> {
     salt: u64,
     file: File,
     sockets: (UnixStream, UnixStream),
+    /// The last frames sent and received, for the message of a failure.
+    trace: std::collections::VecDeque<String>,
     pub counts: Counts,
 }
+
+/// How many frames a failure's message shows.
+const TRACE: usize = 40;
 
 fn mix(mut z: u64) -> u64 {
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -240,6 +245,7 @@ impl<'a> Peer<'a> {
             salt,
             file: tempfile::tempfile().expect("a temporary file"),
             sockets: UnixStream::pair().expect("a socket pair"),
+            trace: std::collections::VecDeque::new(),
             counts: Counts::default(),
         }
     }
@@ -249,12 +255,34 @@ impl<'a> Peer<'a> {
     pub fn play(&mut self, script: &Script) -> Result<(), String> {
         self.next_hello = script.hello.clone();
         for (i, op) in script.ops.iter().enumerate() {
-            self.step(op)
-                .map_err(|e| format!("step {i} of {}: {op:?}\n{e}", script.ops.len()))?;
+            self.note(format!("step {i}"));
+            self.step(op).map_err(|e| {
+                let trace: Vec<&str> = self.trace.iter().map(String::as_str).collect();
+                format!(
+                    "step {i} of {}: {op:?}\n{e}\nthe peer's last frames:\n  {}",
+                    script.ops.len(),
+                    trace.join("\n  ")
+                )
+            })?;
         }
         self.conn = None;
         self.lingering.clear();
         Ok(())
+    }
+
+    fn note(&mut self, what: String) {
+        if self.trace.len() == TRACE {
+            self.trace.pop_front();
+        }
+        let mut what = what;
+        if what.len() > 240 {
+            let mut end = 240;
+            while !what.is_char_boundary(end) {
+                end -= 1;
+            }
+            what.truncate(end);
+        }
+        self.trace.push_back(what);
     }
 
     fn id(&mut self) -> u64 {
@@ -271,6 +299,7 @@ impl<'a> Peer<'a> {
     /// The connection, opened (and greeted with the pending `Hello`) if there is none.
     fn live(&mut self) -> Result<(), String> {
         if self.conn.is_none() {
+            self.note("connect".into());
             self.conn = Some(Live::new(self.open()?));
             if let Some(h) = self.next_hello.take() {
                 let p = if h.resume.is_none() {
@@ -556,6 +585,7 @@ impl<'a> Peer<'a> {
     /// Sends a well-formed request; its id.
     fn send(&mut self, r: &Request, p: Pending) -> Result<u64, String> {
         let id = self.id();
+        self.note(format!("> {id:x} {r:?}"));
         let live = self.conn.as_mut().expect("connected");
         self.counts.inputs += 1;
         match live.conn.send(id, r, &[]) {
@@ -653,6 +683,7 @@ impl<'a> Peer<'a> {
 
     /// One reply: what it changes in this peer's view, and what it must not show.
     fn take(&mut self, r: Received<Reply>) -> Result<(), String> {
+        self.note(format!("< {:x} {:?}", r.id, r.msg));
         let world = self.world;
         let live = self.conn.as_mut().expect("connected");
         let pending = live.pending.remove(&r.id);
