@@ -52,7 +52,11 @@ fn env_u64(name: &str) -> Option<u64> {
 
 impl Settings {
     fn from_env() -> Settings {
-        let default_inputs = if cfg!(debug_assertions) { 5_000 } else { 100_000 };
+        let default_inputs = if cfg!(debug_assertions) {
+            5_000
+        } else {
+            100_000
+        };
         let seed = env_u64("FUZZ_PROTOCOL_SEED").unwrap_or_else(|| {
             let t = std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
@@ -103,8 +107,7 @@ fn listing_of(scripts: &[Script]) -> String {
 
 /// The daemon's open descriptors and threads.
 fn resources(d: &Daemon) -> (usize, usize) {
-    let threads = std::fs::read_dir(format!("/proc/{}/task", d.pid()))
-        .map_or(0, |t| t.count());
+    let threads = std::fs::read_dir(format!("/proc/{}/task", d.pid())).map_or(0, |t| t.count());
     (d.fd_count(), threads)
 }
 
@@ -115,10 +118,18 @@ fn listing(
     what: impl Fn(&std::path::Path) -> std::io::Result<String>,
 ) -> String {
     let mut kinds = std::collections::BTreeMap::<String, usize>::new();
-    for e in std::fs::read_dir(format!("/proc/{}/{dir}", d.pid())).into_iter().flatten() {
+    for e in std::fs::read_dir(format!("/proc/{}/{dir}", d.pid()))
+        .into_iter()
+        .flatten()
+    {
         let path = e.map_or_else(|_| "?".into(), |e| e.path());
         let kind = what(&path).unwrap_or_else(|e| e.to_string());
-        let kind = kind.split(['[', ':']).next().unwrap_or("").trim().to_string();
+        let kind = kind
+            .split(['[', ':'])
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string();
         *kinds.entry(kind).or_default() += 1;
     }
     format!("{kinds:?}")
@@ -161,7 +172,9 @@ fn round(d: &Daemon, seed: u64, scripts: &[Script], counts: &mut Counts) -> Resu
         let mut observed = Ok(Counts::default());
         while done.load(Ordering::Relaxed) < scripts.len() {
             if observed.is_ok() {
-                observed = alive(d).and_then(|r| check_report(&r)).map(|()| Counts::default());
+                observed = alive(d)
+                    .and_then(|r| check_report(&r))
+                    .map(|()| Counts::default());
             }
             std::thread::sleep(Duration::from_millis(5));
         }
@@ -199,7 +212,8 @@ fn settled(d: &Daemon, before: (usize, usize)) -> Result<(), String> {
             now.1,
             before.0,
             before.1,
-            listing(d, "fd", |p| std::fs::read_link(p).map(|l| l.display().to_string())),
+            listing(d, "fd", |p| std::fs::read_link(p)
+                .map(|l| l.display().to_string())),
             listing(d, "task", |p| std::fs::read_to_string(p.join("comm"))),
         ));
     }

@@ -299,7 +299,10 @@ fn a_resume_claiming_an_id_not_yet_given_takes_nobody_elses_memory() {
     };
     let thief = raw_tenant(&d.socket, "thief", Some(claim));
     let (second, memory) = granted(&victim, 3, Bytes::mib(2));
-    assert_ne!(second, next, "the daemon gave an id a resuming tenant claims");
+    assert_ne!(
+        second, next,
+        "the daemon gave an id a resuming tenant claims"
+    );
     let secret = b"the victim's data";
     memory.write_all_at(secret, 0).unwrap();
 
@@ -312,11 +315,20 @@ fn a_resume_claiming_an_id_not_yet_given_takes_nobody_elses_memory() {
     let (_, theirs) = granted(&thief, 5, Bytes::mib(2));
     let mut read = [0u8; 17];
     theirs.read_exact_at(&mut read, 0).unwrap();
-    assert_eq!(read, [0; 17], "the thief's memory holds another tenant's data");
+    assert_eq!(
+        read, [0; 17],
+        "the thief's memory holds another tenant's data"
+    );
 
     // The victim's grants are still its own, and go back whole.
     victim
-        .send(6, &Request::Return { grants: vec![first, second] }, &[])
+        .send(
+            6,
+            &Request::Return {
+                grants: vec![first, second],
+            },
+            &[],
+        )
         .unwrap();
     let r = victim.recv::<Reply>().unwrap();
     assert_eq!(
@@ -360,7 +372,11 @@ fn a_joined_programs_close_takes_back_only_its_own_memory() {
     let (held, _memory) = granted(&reg, 2, Bytes::mib(2));
     let e = error_of(ask(&reg, 3, Request::Invite));
     assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
-    assert!(e.message.contains("the tenant holds 2 MiB"), "{}", e.message);
+    assert!(
+        e.message.contains("the tenant holds 2 MiB"),
+        "{}",
+        e.message
+    );
     let returned = ask(&reg, 4, Request::Return { grants: vec![held] });
     assert!(matches!(returned, Reply::Returned { .. }), "{returned:?}");
 
@@ -381,13 +397,25 @@ fn a_joined_programs_close_takes_back_only_its_own_memory() {
     };
     // Memory taken between the invitation and the join is the registration's: no join.
     let token = invitation(5);
-    let charged = ask(&reg, 6, Request::Charge { bytes: Bytes::mib(2) });
+    let charged = ask(
+        &reg,
+        6,
+        Request::Charge {
+            bytes: Bytes::mib(2),
+        },
+    );
     assert_eq!(charged, Reply::Ack);
     let (_, refused) = join(token);
     let e = error_of(refused);
     assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
     assert!(e.message.contains("has charged 2 MiB"), "{}", e.message);
-    let uncharged = ask(&reg, 7, Request::Uncharge { bytes: Bytes::mib(2) });
+    let uncharged = ask(
+        &reg,
+        7,
+        Request::Uncharge {
+            bytes: Bytes::mib(2),
+        },
+    );
     assert_eq!(uncharged, Reply::Ack);
 
     let (program, welcome) = join(invitation(8));
@@ -409,11 +437,16 @@ fn a_joined_programs_close_takes_back_only_its_own_memory() {
     for conn in [&reg, &program] {
         let e = error_of(ask(conn, 7, Request::Invite));
         assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
-        assert!(e.message.contains("has joined this tenant already"), "{}", e.message);
+        assert!(
+            e.message.contains("has joined this tenant already"),
+            "{}",
+            e.message
+        );
     }
 
     drop(program);
-    assert!(common::wait_until(Duration::from_secs(5), || d.held_by("reg")
+    assert!(common::wait_until(Duration::from_secs(5), || d
+        .held_by("reg")
         == Bytes::ZERO));
     // The program gone, the registration may take memory again.
     granted(&reg, 8, Bytes::mib(2));

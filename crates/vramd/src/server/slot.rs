@@ -282,7 +282,11 @@ impl Slot {
             reason: None,
             message,
         };
-        if let Some(p) = s.processes.get(&tenant).filter(|_| s.members.contains_key(&tenant)) {
+        if let Some(p) = s
+            .processes
+            .get(&tenant)
+            .filter(|_| s.members.contains_key(&tenant))
+        {
             return Err(refuse(format!(
                 "no invitation: a program (pid {}) has joined this tenant already",
                 p.pid
@@ -307,7 +311,11 @@ impl Slot {
     /// the tenant holds).
     pub fn memory_side(&self, tenant: TenantId, conn: u64) -> Result<(), ErrorReply> {
         let s = self.lock();
-        match (s.members.get(&tenant), s.conn_of.get(&tenant), s.processes.get(&tenant)) {
+        match (
+            s.members.get(&tenant),
+            s.conn_of.get(&tenant),
+            s.processes.get(&tenant),
+        ) {
             (Some(_), Some(&member), Some(p)) if member != conn => Err(ErrorReply {
                 code: ErrorCode::Refused,
                 reason: Some("program_joined".into()),

@@ -46,7 +46,13 @@ pub fn size() -> impl Strategy<Value = Bytes> {
         g - 1,
         g + 1,
     ];
-    let absurd = vec![u64::MAX, u64::MAX - 1, 1 << 63, u64::MAX - g + 2, u64::MAX / 2 + 1];
+    let absurd = vec![
+        u64::MAX,
+        u64::MAX - 1,
+        1 << 63,
+        u64::MAX - g + 2,
+        u64::MAX / 2 + 1,
+    ];
     prop_oneof![
         6 => (1u64..=8).prop_map(move |n| Bytes(n * g)),
         2 => (1u64..=4096).prop_map(Bytes),
@@ -68,10 +74,7 @@ fn gpu() -> impl Strategy<Value = Option<u32>> {
 }
 
 fn resume() -> impl Strategy<Value = Resume> {
-    (
-        vec((any::<u64>().prop_map(GrantId), size()), 0..4),
-        size(),
-    )
+    (vec((any::<u64>().prop_map(GrantId), size()), 0..4), size())
         .prop_map(|(grants, charged)| Resume { grants, charged })
 }
 
@@ -86,17 +89,19 @@ pub fn hello_tenant() -> impl Strategy<Value = Hello> {
         prop_oneof![9 => Just("fuzz".to_string()), 1 => ".{0,300}"],
         option::weighted(0.1, resume()),
     )
-        .prop_map(|(name, class, guarantee, limit, gpu, client, resume)| Hello {
-            role: Role::Tenant {
-                name,
-                class,
-                guarantee,
-                limit,
+        .prop_map(
+            |(name, class, guarantee, limit, gpu, client, resume)| Hello {
+                role: Role::Tenant {
+                    name,
+                    class,
+                    guarantee,
+                    limit,
+                },
+                gpu,
+                client,
+                resume,
             },
-            gpu,
-            client,
-            resume,
-        })
+        )
 }
 
 fn hello() -> impl Strategy<Value = Hello> {
@@ -305,7 +310,12 @@ pub enum FdKind {
 }
 
 fn fd_kind() -> impl Strategy<Value = FdKind> {
-    select(vec![FdKind::File, FdKind::Socket, FdKind::Grant, FdKind::Itself])
+    select(vec![
+        FdKind::File,
+        FdKind::Socket,
+        FdKind::Grant,
+        FdKind::Itself,
+    ])
 }
 
 /// One step of a peer.
@@ -316,7 +326,10 @@ pub enum Op {
     /// Requests sent back to back; their replies read after.
     Pipeline(Vec<Req>),
     /// A well-formed request's payload with bytes changed, in a frame whose header is right.
-    Mutated { req: Req, edits: Vec<Edit> },
+    Mutated {
+        req: Req,
+        edits: Vec<Edit>,
+    },
     /// Random payload bytes in a frame whose header is right.
     RandomPayload(Vec<u8>),
     /// Bytes that are no frame (most do not start with the magic).
@@ -329,16 +342,26 @@ pub enum Op {
         announce: u16,
     },
     /// The first `keep` bytes of a request's frame, then the connection closed.
-    CutOff { req: Req, keep: usize },
+    CutOff {
+        req: Req,
+        keep: usize,
+    },
     /// The first `keep` bytes of a request's frame on a connection of its own, left unfinished
     /// and open until the round ends.
-    Stall { req: Req, keep: usize },
+    Stall {
+        req: Req,
+        keep: usize,
+    },
     /// A connection opened and left silent until the round ends.
     Silent,
     /// Closes the connection abruptly; the next one starts with `then` if given.
-    Close { then: Option<Hello> },
+    Close {
+        then: Option<Hello>,
+    },
     /// Answers the last reclaim request: gives back up to `give` grants, then `ReclaimDone`.
-    AnswerReclaim { give: usize },
+    AnswerReclaim {
+        give: usize,
+    },
 }
 
 pub fn op() -> impl Strategy<Value = Op> {

@@ -71,7 +71,11 @@ impl World {
 
     fn draft(&self, b: BufferId) -> Version {
         let s = self.seen();
-        s.drafts.get(&b).or(s.versions.get(&b)).copied().unwrap_or(Version(1))
+        s.drafts
+            .get(&b)
+            .or(s.versions.get(&b))
+            .copied()
+            .unwrap_or(Version(1))
     }
 }
 
@@ -216,8 +220,16 @@ fn edit(payload: &mut Vec<u8>, e: &Edit) {
 fn send_with_fds(stream: &UnixStream, bytes: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(32))];
     let mut control = SendAncillaryBuffer::new(&mut space);
-    assert!(control.push(SendAncillaryMessage::ScmRights(fds)), "room for the fds");
-    let sent = rustix::net::sendmsg(stream, &[IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL)?;
+    assert!(
+        control.push(SendAncillaryMessage::ScmRights(fds)),
+        "room for the fds"
+    );
+    let sent = rustix::net::sendmsg(
+        stream,
+        &[IoSlice::new(bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
     let mut rest: &UnixStream = stream;
     rest.write_all(&bytes[sent..])
 }
@@ -292,7 +304,8 @@ impl<'a> Peer<'a> {
 
     fn open(&self) -> Result<UnixStream, String> {
         let s = UnixStream::connect(self.socket).map_err(|e| format!("connect: {e}"))?;
-        s.set_write_timeout(Some(PATIENCE)).map_err(|e| e.to_string())?;
+        s.set_write_timeout(Some(PATIENCE))
+            .map_err(|e| e.to_string())?;
         Ok(s)
     }
 
@@ -415,7 +428,12 @@ impl<'a> Peer<'a> {
                 let ids: Vec<GrantId> = live.grants[..n].iter().map(|g| g.0).collect();
                 let returned = Bytes(live.grants[..n].iter().map(|g| g.1.get()).sum());
                 if !ids.is_empty() {
-                    self.request(Request::Return { grants: ids.clone() }, Pending::Return(ids))?;
+                    self.request(
+                        Request::Return {
+                            grants: ids.clone(),
+                        },
+                        Pending::Return(ids),
+                    )?;
                 }
                 self.request(Request::ReclaimDone { ask, returned }, Pending::Other)
             }
@@ -438,7 +456,10 @@ impl<'a> Peer<'a> {
             .map(|k| match k {
                 FdKind::File => self.file.as_fd(),
                 FdKind::Socket => self.sockets.0.as_fd(),
-                FdKind::Grant => live.grants.first().map_or(self.file.as_fd(), |g| g.2.as_fd()),
+                FdKind::Grant => live
+                    .grants
+                    .first()
+                    .map_or(self.file.as_fd(), |g| g.2.as_fd()),
                 FdKind::Itself => live.conn.stream().as_fd(),
             })
             .collect();
@@ -631,7 +652,9 @@ impl<'a> Peer<'a> {
         if gone(e) && (live.bad || live.closing) {
             return Ok(());
         }
-        Err(format!("sending to the daemon: {e} (the connection sent nothing to close it for)"))
+        Err(format!(
+            "sending to the daemon: {e} (the connection sent nothing to close it for)"
+        ))
     }
 
     /// A ping, read up to its pong: every frame sent before it has been read by the daemon.
@@ -762,7 +785,8 @@ impl<'a> Peer<'a> {
             },
             Reply::Status(report) => check_report(&report)?,
             Reply::Budget(b) => {
-                let total = b.held.get() as u128 + b.charged.get() as u128 + b.outside.get() as u128;
+                let total =
+                    b.held.get() as u128 + b.charged.get() as u128 + b.outside.get() as u128;
                 if total > b.limit.get() as u128 || b.available > b.limit.saturating_sub(b.held) {
                     return Err(format!("budget over its limit: {b:?}"));
                 }

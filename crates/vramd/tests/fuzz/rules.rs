@@ -91,7 +91,10 @@ fn declared(name: &str) -> Option<&'static Declared> {
 pub fn check_report(r: &StatusReport) -> Result<(), String> {
     let fail = |what: String| Err(format!("{what}\nstatus: {r:#?}"));
     if r.devices.len() != 1 {
-        return fail(format!("{} devices; the daemon serves one", r.devices.len()));
+        return fail(format!(
+            "{} devices; the daemon serves one",
+            r.devices.len()
+        ));
     }
     let dev = &r.devices[0];
     let mut by_uid: BTreeMap<u32, (u128, usize)> = BTreeMap::new();
@@ -194,12 +197,22 @@ pub fn check_idle(r: &StatusReport) -> Result<(), String> {
 /// other in a class below `high`.
 pub fn check_welcome(w: &vram_proto::Welcome) -> Result<(), String> {
     match declared(&w.name) {
-        Some(d) if !d.ours => Err(format!("admitted as `{}`, whose owners exclude this uid", w.name)),
-        Some(d) if w.class != d.class || w.guarantee != d.guarantee || w.limit > d.limit => Err(
-            format!("declared tenant admitted as {w:?}; declared {}, {}, {}", d.class, d.guarantee, d.limit),
-        ),
-        None if w.class == "high" => Err(format!("undeclared tenant admitted in class high: {w:?}")),
-        _ if w.guarantee > w.limit => Err(format!("admitted with a guarantee above its limit: {w:?}")),
+        Some(d) if !d.ours => Err(format!(
+            "admitted as `{}`, whose owners exclude this uid",
+            w.name
+        )),
+        Some(d) if w.class != d.class || w.guarantee != d.guarantee || w.limit > d.limit => {
+            Err(format!(
+                "declared tenant admitted as {w:?}; declared {}, {}, {}",
+                d.class, d.guarantee, d.limit
+            ))
+        }
+        None if w.class == "high" => {
+            Err(format!("undeclared tenant admitted in class high: {w:?}"))
+        }
+        _ if w.guarantee > w.limit => {
+            Err(format!("admitted with a guarantee above its limit: {w:?}"))
+        }
         _ => Ok(()),
     }
 }
