@@ -541,15 +541,20 @@ mod tests {
         assert!(matches!(b.recv::<Request>(), Err(ProtoError::Closed)));
     }
 
-    #[test]
-    fn fds_no_frame_announced_are_an_error() {
-        let (a, b) = pair();
+    /// A ping's frame whose header announces `fds` descriptors.
+    fn ping_frame(fds: usize) -> Vec<u8> {
         let payload = postcard::to_stdvec(&Envelope {
             id: 1,
             msg: Request::Ping,
         })
         .unwrap();
-        let frame = [&FrameHeader::new(0, payload.len()).encode()[..], &payload].concat();
+        [&FrameHeader::new(fds, payload.len()).encode()[..], &payload].concat()
+    }
+
+    #[test]
+    fn fds_no_frame_announced_are_an_error() {
+        let (a, b) = pair();
+        let frame = ping_frame(0);
         // The frame says it carries none; the peer's own end of the socket rides with it.
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = SendAncillaryBuffer::new(&mut space);
@@ -569,14 +574,7 @@ mod tests {
     #[test]
     fn fds_announced_but_missing_are_an_error() {
         let (a, b) = pair();
-        let payload = postcard::to_stdvec(&Envelope {
-            id: 1,
-            msg: Request::Ping,
-        })
-        .unwrap();
-        let mut frame = FrameHeader::new(2, payload.len()).encode().to_vec();
-        frame.extend_from_slice(&payload);
-        a.send_bytes(&frame).unwrap();
+        a.send_bytes(&ping_frame(2)).unwrap();
         assert!(matches!(
             b.recv::<Request>(),
             Err(ProtoError::MissingFds { announced: 2, .. })
