@@ -303,6 +303,15 @@ impl Conn {
             });
         }
         let fds: Vec<OwnedFd> = rx.fds.drain(..nfds).collect();
+        // A frame's descriptors arrive with its first byte, never before it: once every byte read
+        // is taken, a descriptor still queued was announced by no frame. It is closed, and so is
+        // the connection: kept, it could be the peer's own end of this socket, whose close this
+        // side would then never see.
+        if rx.start == rx.end && !rx.fds.is_empty() {
+            let count = rx.fds.len();
+            rx.fds.clear();
+            return Err(ProtoError::UnannouncedFds { count });
+        }
         if h.version != PROTOCOL_VERSION {
             return Err(ProtoError::Version {
                 theirs: h.version,
@@ -532,17 +541,40 @@ mod tests {
         assert!(matches!(b.recv::<Request>(), Err(ProtoError::Closed)));
     }
 
-    #[test]
-    fn fds_announced_but_missing_are_an_error() {
-        let (a, b) = pair();
+    /// A ping's frame whose header announces `fds` descriptors.
+    fn ping_frame(fds: usize) -> Vec<u8> {
         let payload = postcard::to_stdvec(&Envelope {
             id: 1,
             msg: Request::Ping,
         })
         .unwrap();
-        let mut frame = FrameHeader::new(2, payload.len()).encode().to_vec();
-        frame.extend_from_slice(&payload);
-        a.send_bytes(&frame).unwrap();
+        [&FrameHeader::new(fds, payload.len()).encode()[..], &payload].concat()
+    }
+
+    #[test]
+    fn fds_no_frame_announced_are_an_error() {
+        let (a, b) = pair();
+        let frame = ping_frame(0);
+        // The frame says it carries none; the peer's own end of the socket rides with it.
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = SendAncillaryBuffer::new(&mut space);
+        let fds = [a.stream().as_fd()];
+        assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+        let iov = [IoSlice::new(&frame)];
+        rustix::net::sendmsg(a.stream(), &iov, &mut control, SendFlags::empty()).unwrap();
+        assert!(matches!(
+            b.recv::<Request>(),
+            Err(ProtoError::UnannouncedFds { count: 1 })
+        ));
+        // The descriptor is closed: the peer's close reaches this side.
+        drop(a);
+        assert!(matches!(b.recv::<Request>(), Err(ProtoError::Closed)));
+    }
+
+    #[test]
+    fn fds_announced_but_missing_are_an_error() {
+        let (a, b) = pair();
+        a.send_bytes(&ping_frame(2)).unwrap();
         assert!(matches!(
             b.recv::<Request>(),
             Err(ProtoError::MissingFds { announced: 2, .. })

@@ -61,6 +61,8 @@ pub enum ProtoError {
     TooManyFds { count: usize, max: usize },
     #[error("frame announces {announced} file descriptors but {received} arrived")]
     MissingFds { announced: usize, received: usize },
+    #[error("{count} file descriptors arrived that no frame announced")]
+    UnannouncedFds { count: usize },
     #[error("malformed message: {0}")]
     Decode(String),
     #[error("peer took more than {0:?} to send one frame")]

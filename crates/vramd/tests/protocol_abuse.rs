@@ -196,3 +196,262 @@ fn a_uid_outside_allowed_uids_is_refused_with_its_number() {
     );
     d.stop();
 }
+
+/// The daemon's connection threads (`vramd-conn-N`).
+fn connection_threads(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .filter(|comm| comm.starts_with("vramd-conn"))
+        .count()
+}
+
+/// A peer that sends the daemon its own end of the connection, in a frame that announces no
+/// descriptor, is refused and closed; without that the daemon would hold the peer's end open, never
+/// see it close, and keep the connection (a thread, a slot under the connection caps) for ever.
+#[test]
+fn descriptors_no_frame_announced_close_the_connection() {
+    use std::io::IoSlice;
+    use std::mem::MaybeUninit;
+    use std::os::fd::AsFd;
+
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use vram_proto::Envelope;
+
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let conn = raw(&d.socket);
+    let payload = postcard::to_stdvec(&Envelope {
+        id: 1,
+        msg: Request::Ping,
+    })
+    .unwrap();
+    let bytes = frame(FrameHeader::new(0, payload.len()), &payload);
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let own = [conn.stream().as_fd()];
+    assert!(control.push(SendAncillaryMessage::ScmRights(&own)));
+    let iov = [IoSlice::new(&bytes)];
+    rustix::net::sendmsg(conn.stream(), &iov, &mut control, SendFlags::empty()).unwrap();
+
+    let e = error_reply(&conn);
+    assert_eq!(e.code, ErrorCode::Protocol, "{e:?}");
+    assert!(
+        e.message
+            .contains("1 file descriptors arrived that no frame announced; closing the connection"),
+        "{}",
+        e.message
+    );
+    drop(conn);
+    assert!(
+        common::wait_until(Duration::from_secs(5), || connection_threads(d.pid()) == 0),
+        "the connection's thread outlived the peer's close"
+    );
+    assert_eq!(d.status().daemon.protocol_errors, 1);
+    d.stop();
+}
+
+/// A raw tenant connection, welcomed as `name` (claiming to resume with `resume`).
+fn raw_tenant(socket: &Path, name: &str, resume: Option<vram_proto::Resume>) -> Conn {
+    let conn = raw(socket);
+    let hello = vram_proto::Hello {
+        role: vram_proto::Role::Tenant {
+            name: name.into(),
+            class: None,
+            guarantee: None,
+            limit: None,
+        },
+        gpu: None,
+        client: "protocol_abuse test".into(),
+        resume,
+    };
+    conn.send(1, &Request::Hello(hello), &[]).unwrap();
+    let r = conn.recv::<Reply>().unwrap();
+    assert!(matches!(r.msg, Reply::Welcome(_)), "{:?}", r.msg);
+    conn
+}
+
+/// One grant of `bytes` on `conn`: its id and its memory.
+fn granted(conn: &Conn, id: u64, bytes: Bytes) -> (vram_proto::GrantId, std::fs::File) {
+    conn.send(id, &Request::Grant { bytes }, &[]).unwrap();
+    let r = conn.recv::<Reply>().unwrap();
+    let Reply::Granted { grant, .. } = r.msg else {
+        panic!("expected a grant, got {:?}", r.msg)
+    };
+    let fd = r.fds.into_iter().next().expect("the grant's fd");
+    (grant, std::fs::File::from(fd))
+}
+
+/// A tenant that says it resumes holding a grant id the daemon has not given yet cannot take the
+/// memory granted later under that id to another tenant: the id is never given while claimed.
+#[test]
+fn a_resume_claiming_an_id_not_yet_given_takes_nobody_elses_memory() {
+    use std::os::unix::fs::FileExt;
+    use vram_proto::{GrantId, Resume};
+
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let victim = raw_tenant(&d.socket, "victim", None);
+    let (first, _) = granted(&victim, 2, Bytes::mib(2));
+    // Grant ids are given in order: the next one is guessable.
+    let next = GrantId(first.0 + 1);
+    let claim = Resume {
+        grants: vec![(next, Bytes::mib(2))],
+        charged: Bytes::ZERO,
+    };
+    let thief = raw_tenant(&d.socket, "thief", Some(claim));
+    let (second, memory) = granted(&victim, 3, Bytes::mib(2));
+    assert_ne!(
+        second, next,
+        "the daemon gave an id a resuming tenant claims"
+    );
+    let secret = b"the victim's data";
+    memory.write_all_at(secret, 0).unwrap();
+
+    // The thief gives back what it claimed, then asks for memory of that size.
+    thief
+        .send(4, &Request::Return { grants: vec![next] }, &[])
+        .unwrap();
+    let r = thief.recv::<Reply>().unwrap();
+    assert!(matches!(r.msg, Reply::Returned { .. }), "{:?}", r.msg);
+    let (_, theirs) = granted(&thief, 5, Bytes::mib(2));
+    let mut read = [0u8; 17];
+    theirs.read_exact_at(&mut read, 0).unwrap();
+    assert_eq!(
+        read, [0; 17],
+        "the thief's memory holds another tenant's data"
+    );
+
+    // The victim's grants are still its own, and go back whole.
+    victim
+        .send(
+            6,
+            &Request::Return {
+                grants: vec![first, second],
+            },
+            &[],
+        )
+        .unwrap();
+    let r = victim.recv::<Reply>().unwrap();
+    assert_eq!(
+        r.msg,
+        Reply::Returned {
+            bytes: Bytes::mib(4),
+            held: Bytes::ZERO
+        }
+    );
+    drop((victim, thief));
+    d.wait_for_no_tenants();
+    d.stop();
+}
+
+/// The reply to `request`, sent with id `id`, skipping anything unasked.
+fn ask(conn: &Conn, id: u64, request: Request) -> Reply {
+    conn.send(id, &request, &[]).unwrap();
+    loop {
+        let r = conn.recv::<Reply>().unwrap();
+        if r.id == id {
+            return r.msg;
+        }
+    }
+}
+
+fn error_of(reply: Reply) -> ErrorReply {
+    match reply {
+        Reply::Error(e) => e,
+        other => panic!("expected an error, got {other:?}"),
+    }
+}
+
+/// What a joined program's close takes back is its own only: a tenant invites no program while it
+/// holds memory or has one joined, and its registering connection takes no memory while a program
+/// is joined. Otherwise the program's close took back grants of the registering connection (or of
+/// an earlier program), which kept their memory and could then be granted as much again.
+#[test]
+fn a_joined_programs_close_takes_back_only_its_own_memory() {
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let reg = raw_tenant(&d.socket, "reg", None);
+    let (held, _memory) = granted(&reg, 2, Bytes::mib(2));
+    let e = error_of(ask(&reg, 3, Request::Invite));
+    assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
+    assert!(
+        e.message.contains("the tenant holds 2 MiB"),
+        "{}",
+        e.message
+    );
+    let returned = ask(&reg, 4, Request::Return { grants: vec![held] });
+    assert!(matches!(returned, Reply::Returned { .. }), "{returned:?}");
+
+    let join = |token: String| {
+        let program = raw(&d.socket);
+        let hello = vram_proto::Hello {
+            role: vram_proto::Role::Join { token },
+            gpu: None,
+            client: "protocol_abuse test".into(),
+            resume: None,
+        };
+        let welcome = ask(&program, 1, Request::Hello(hello));
+        (program, welcome)
+    };
+    let invitation = |id| match ask(&reg, id, Request::Invite) {
+        Reply::Invitation { token } => token,
+        other => panic!("no invitation for a tenant holding nothing: {other:?}"),
+    };
+    // Memory taken between the invitation and the join is the registration's: no join.
+    let token = invitation(5);
+    let charged = ask(
+        &reg,
+        6,
+        Request::Charge {
+            bytes: Bytes::mib(2),
+        },
+    );
+    assert_eq!(charged, Reply::Ack);
+    let (_, refused) = join(token);
+    let e = error_of(refused);
+    assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
+    assert!(e.message.contains("has charged 2 MiB"), "{}", e.message);
+    let uncharged = ask(
+        &reg,
+        7,
+        Request::Uncharge {
+            bytes: Bytes::mib(2),
+        },
+    );
+    assert_eq!(uncharged, Reply::Ack);
+
+    let (program, welcome) = join(invitation(8));
+    assert!(matches!(welcome, Reply::Welcome(_)), "{welcome:?}");
+    let (_, _program_memory) = granted(&program, 2, Bytes::mib(2));
+
+    for request in [
+        Request::Grant {
+            bytes: Bytes::mib(2),
+        },
+        Request::Charge {
+            bytes: Bytes::mib(2),
+        },
+    ] {
+        let e = error_of(ask(&reg, 6, request));
+        assert_eq!(e.code, ErrorCode::Refused, "{e:?}");
+        assert_eq!(e.reason.as_deref(), Some("program_joined"), "{e:?}");
+    }
+    for conn in [&reg, &program] {
+        let e = error_of(ask(conn, 7, Request::Invite));
+        assert_eq!(e.code, ErrorCode::Admission, "{e:?}");
+        assert!(
+            e.message.contains("has joined this tenant already"),
+            "{}",
+            e.message
+        );
+    }
+
+    drop(program);
+    assert!(common::wait_until(Duration::from_secs(5), || d
+        .held_by("reg")
+        == Bytes::ZERO));
+    // The program gone, the registration may take memory again.
+    granted(&reg, 8, Bytes::mib(2));
+    assert_eq!(d.held_by("reg"), Bytes::mib(2));
+    drop(reg);
+    d.wait_for_no_tenants();
+    d.stop();
+}

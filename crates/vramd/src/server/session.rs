@@ -348,6 +348,9 @@ impl Session {
             Ok(r) => r,
             Err(e) => return self.send(id, &Reply::Error(e), &[]),
         };
+        if let Err(e) = self.daemon.slots[slot].memory_side(tenant, self.conn_id) {
+            return self.send(id, &Reply::Error(e), &[]);
+        }
         if sizes.is_empty() || sizes.len() > vram_proto::MAX_FDS {
             let e = ErrorReply {
                 code: ErrorCode::Refused,
@@ -404,6 +407,7 @@ impl Session {
     /// Books memory the tenant made itself; refusals are logged as a grant's are.
     fn charge(&mut self, bytes: Bytes) -> Result<Reply, ErrorReply> {
         let (slot, tenant) = self.registered()?;
+        self.daemon.slots[slot].memory_side(tenant, self.conn_id)?;
         self.first_driver_check();
         let asker = Asker(&self.daemon);
         let timeout = self.daemon.settings().reclaim_timeout;

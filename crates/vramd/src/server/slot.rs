@@ -307,7 +307,9 @@ impl Slot {
         Ok((id, tenant))
     }
 
-    /// An invitation for one process of `uid` to join `tenant` (see [`Slot::join`]).
+    /// An invitation for one process of `uid` to join `tenant` (see [`Slot::join`]). Only for a
+    /// tenant that holds nothing and has no program joined: what a joined program's tenant holds
+    /// goes back when the program's connection closes, so it must all be the program's.
     pub fn invite(&self, tenant: TenantId, uid: u32) -> Result<String, ErrorReply> {
         let token = random_token().map_err(|e| ErrorReply {
             code: ErrorCode::Device,
@@ -315,9 +317,56 @@ impl Slot {
             message: format!("cannot make an invitation token: {e}"),
         })?;
         let mut s = self.lock();
+        let refuse = |message: String| ErrorReply {
+            code: ErrorCode::Admission,
+            reason: None,
+            message,
+        };
+        if let Some(p) = s
+            .processes
+            .get(&tenant)
+            .filter(|_| s.members.contains_key(&tenant))
+        {
+            return Err(refuse(format!(
+                "no invitation: a program (pid {}) has joined this tenant already",
+                p.pid
+            )));
+        }
+        if let Some(t) = s.broker.tenant(tenant) {
+            if t.held > Bytes::ZERO || t.charged > Bytes::ZERO {
+                return Err(refuse(format!(
+                    "no invitation: the tenant holds {} and has charged {}; invitations are for a \
+                     tenant that holds nothing yet",
+                    t.held, t.charged
+                )));
+            }
+        }
         s.invitations.retain(|_, (t, _)| *t != tenant);
         s.invitations.insert(token.clone(), (tenant, uid));
         Ok(token)
+    }
+
+    /// Whether connection `conn` of `tenant` may take memory: not while a program it invited is
+    /// joined, whose memory side the tenant is then (and whose connection's close takes back all
+    /// the tenant holds).
+    pub fn memory_side(&self, tenant: TenantId, conn: u64) -> Result<(), ErrorReply> {
+        let s = self.lock();
+        match (
+            s.members.get(&tenant),
+            s.conn_of.get(&tenant),
+            s.processes.get(&tenant),
+        ) {
+            (Some(_), Some(&member), Some(p)) if member != conn => Err(ErrorReply {
+                code: ErrorCode::Refused,
+                reason: Some("program_joined".into()),
+                message: format!(
+                    "the tenant's memory is its joined program's (pid {}) while it runs; this \
+                     connection keeps the registration only",
+                    p.pid
+                ),
+            }),
+            _ => Ok(()),
+        }
     }
 
     /// Whether an invitation with this token waits here.
@@ -358,6 +407,18 @@ impl Slot {
         // A tenant adopted after a restart has no registering connection any more; its process
         // (`vramd run`) is still what the tenant falls back to.
         let holder_conn = st.conn_of.get(&id).copied();
+        // What the tenant holds goes back when the program's connection closes: it must all be
+        // the program's, none its registering connection's (an adopted tenant's is the program's
+        // from before the restart).
+        if let (Some(_), Some(t)) = (holder_conn, st.broker.tenant(id)) {
+            if t.held > Bytes::ZERO || t.charged > Bytes::ZERO {
+                return Err(refuse(format!(
+                    "the invited tenant holds {} and has charged {}: a program joins a tenant \
+                     that holds nothing",
+                    t.held, t.charged
+                )));
+            }
+        }
         st.pending.remove(&id);
         let member = Process {
             pid,
@@ -573,8 +634,13 @@ impl Slot {
             .into_iter()
             .zip(booked)
             .map(|(Ready { handle, fd }, size)| {
-                let id = GrantId(s.next_grant);
-                s.next_grant += 1;
+                // An id a resuming tenant claims (`settle`) is never given to a new grant: a
+                // return of the claim would take that grant's handle.
+                let mut id = GrantId(s.next_grant);
+                while s.adopted.contains_key(&id) {
+                    id.0 += 1;
+                }
+                s.next_grant = id.0 + 1;
                 // The grant table keeps the handle; the caller sends the fd.
                 s.grants.insert(id, (tenant, handle));
                 s.dirty = true;
