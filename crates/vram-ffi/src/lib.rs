@@ -330,6 +330,19 @@ pub extern "C" fn vram_connect(
 
 /// See `include/vram.h`.
 #[no_mangle]
+pub extern "C" fn vram_status_json(socket: *const c_char) -> *mut c_char {
+    guarded(std::ptr::null_mut(), || {
+        let socket = optional_text(socket, "socket")?.map(std::path::PathBuf::from);
+        let report = vram_client::Observer::connect(socket.as_deref())
+            .and_then(|o| o.status())
+            .map_err(|e| format!("vramd: {e}"))?;
+        let s = serde_json::to_string(&report).map_err(|e| e.to_string())?;
+        Ok(CString::new(s).map_err(|e| e.to_string())?.into_raw())
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
 pub extern "C" fn vram_disconnect() -> c_int {
     guarded(-1, || {
         let _one_at_a_time = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
@@ -350,11 +363,13 @@ pub extern "C" fn vram_disconnect() -> c_int {
         t.alloc.trim();
         let s = t.alloc.stats();
         let b = client.budget().map_err(|e| format!("vramd: {e}"))?;
-        if s.in_use > Bytes::ZERO || b.held > Bytes::ZERO || b.charged > Bytes::ZERO {
+        // What the daemon holds for the tenant beyond the allocator's handles is its shared
+        // buffers' versions, mapped nowhere in this process (no handle is open): they end with it.
+        if s.in_use > Bytes::ZERO || s.core.held > Bytes::ZERO || b.charged > Bytes::ZERO {
             return Err(format!(
                 "vramd: tenant `{name}` cannot end while its memory is in use: {} allocated and \
-                 not freed, {} held, {} charged; free it first",
-                s.in_use, b.held, b.charged
+                 not freed ({} mapped), {} charged; free it first",
+                s.in_use, s.core.held, b.charged
             ));
         }
         t.connected.store(false, Ordering::Release);

@@ -66,7 +66,9 @@ fn a_process_ends_one_tenant_and_becomes_another() {
     assert_eq!(vram::vram_disconnect(), -1, "memory in use");
     let e = vram::last_error().unwrap();
     assert!(
-        e.contains("tenant `first` cannot end while its memory is in use: 8 MiB allocated"),
+        e.contains(
+            "tenant `first` cannot end while its memory is in use: 8 MiB allocated and not freed"
+        ),
         "{e}"
     );
     vram::vram_free(p, 0, 0, stream);

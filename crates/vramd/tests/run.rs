@@ -8,32 +8,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::{wait_until, Daemon, VRAMD};
+use common::{library, wait_until, Daemon, VRAMD};
 use vram_core::Bytes;
 
 const CONFIG: &str = "capacity = \"8 GiB\"\n";
-
-/// libvram.so as `vramd run` looks for it (built by `cargo build -p vram-ffi`), if it is there.
-/// libvram.so next to the vramd binary, built here if `cargo test` has not built it.
-fn library() -> Option<PathBuf> {
-    static BUILT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one_at_a_time = BUILT.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = Path::new(VRAMD).parent()?;
-    let lib = dir.join("libvram.so");
-    if !lib.is_file() {
-        let mut cargo = Command::new(env!("CARGO"));
-        cargo.args(["build", "-p", "vram-ffi", "--lib"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cargo.arg("--release");
-        }
-        cargo.env("CARGO_TARGET_DIR", dir.parent()?);
-        assert!(
-            cargo.status().expect("cargo runs").success(),
-            "building libvram.so failed"
-        );
-    }
-    lib.is_file().then_some(lib)
-}
 
 fn vramd_run(d: &Daemon, flags: &[&str], program: &[&str], env: &[(&str, &Path)]) -> Output {
     let mut cmd = Command::new(VRAMD);
