@@ -4,9 +4,8 @@ tenant, that PyTorch's allocator and everything else in the process use.
 Where it is looked for, first found wins:
   1. the path given to `vramd.load(path)` (or `lib=` of `vramd.connect`);
   2. `VRAMD_LIB` (what `vramd run` sets);
-  3. `libvram.so` inside this package (a wheel built with the library in it, see python/README.md);
-  4. `libvram.so` next to the `vramd` executable found on PATH (where `cargo build --release`
-     puts both).
+  3. `libvram.so` next to the `vramd` executable found on PATH (where `cargo build --release`
+     puts both; a symbolic link to `vramd` is followed).
 """
 
 import ctypes
@@ -58,7 +57,6 @@ def candidates():
     env = os.environ.get("VRAMD_LIB")
     if env:
         out.append(("VRAMD_LIB", env))
-    out.append(("this package", os.path.join(os.path.dirname(os.path.abspath(__file__)), "libvram.so")))
     exe = shutil.which("vramd")
     if exe:
         out.append(("next to vramd on PATH", os.path.join(os.path.dirname(os.path.realpath(exe)), "libvram.so")))

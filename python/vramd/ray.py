@@ -36,15 +36,12 @@ __all__ = ["RESOURCE", "options", "remote"]
 RESOURCE = "vramd_memory_mib"
 MIB = 1 << 20
 
-# Variables libvram.so reads for the tenant's ask (include/vram.h); the worker's runtime_env
-# carries them, so that `.options(**options(...))` changes the ask as it changes the resources.
-_ASK = ("VRAMD_GUARANTEE", "VRAMD_LIMIT", "VRAMD_PRIORITY", "VRAMD_TORCH_MODE")
-
-
-def options(memory, limit=None, priority=None, torch_mode=None, preload=False):
+# The ask travels in the variables libvram.so reads for it (include/vram.h), in the worker's
+# runtime_env, so that `.options(**options(...))` changes the ask as it changes the resources.
+def options(memory, limit=None, priority=None, gpu=None, torch_mode=None, preload=False):
     """Ray options (`resources` and `runtime_env`) for a task or actor that asks for `memory`
     (its guarantee, what Ray places by) and may grow to `limit` (default: `memory`), in class
-    `priority`. `torch_mode` ("full" or "pool") installs vramd's allocator into PyTorch when the
+    `priority`, on the daemon's device `gpu` (default 0). `torch_mode` ("full" or "pool") installs vramd's allocator into PyTorch when the
     worker imports torch, as `vramd run --torch-mode` does; pool mode needs libvram.so preloaded
     (`preload=True`: the path this process finds, which must be the same on every node)."""
     guarantee = parse_size(memory)
@@ -58,6 +55,8 @@ def options(memory, limit=None, priority=None, torch_mode=None, preload=False):
     env = {"VRAMD_GUARANTEE": str(guarantee), "VRAMD_LIMIT": str(cap)}
     if priority:
         env["VRAMD_PRIORITY"] = str(priority)
+    if gpu is not None:
+        env["VRAMD_GPU"] = str(int(gpu))
     if torch_mode:
         env["VRAMD_TORCH_MODE"] = torch_mode
     if preload:
@@ -83,12 +82,12 @@ def _merge(ours, theirs):
     return out
 
 
-def remote(memory, limit=None, priority=None, torch_mode=None, preload=False, **ray_options):
+def remote(memory, limit=None, priority=None, gpu=None, torch_mode=None, preload=False, **ray_options):
     """`ray.remote` for a function or class that asks for memory (see `options`); any other
     Ray option (num_cpus, max_retries, ...) passes through."""
     import ray
 
-    opts = _merge(options(memory, limit, priority, torch_mode, preload), ray_options)
+    opts = _merge(options(memory, limit, priority, gpu, torch_mode, preload), ray_options)
 
     def wrap(obj):
         if inspect.isclass(obj):

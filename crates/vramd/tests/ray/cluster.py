@@ -1,6 +1,7 @@
 """A Ray cluster of two nodes on loopback for tests: a head and a worker raylet, each started
-with `ray start --block` in a session of its own and the environment given for it (its own
-daemon's socket), and stopped by killing every process of those sessions."""
+through deploy/ray/ray-node.sh (`ray start` with the resources its daemon reports) in a session
+of its own, with the environment given for it (its own daemon's socket), and stopped by killing
+every process of those sessions."""
 
 import os
 import signal
@@ -8,6 +9,11 @@ import socket
 import subprocess
 import sys
 import time
+
+
+NODE_SCRIPT = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "..", "deploy", "ray", "ray-node.sh"
+)
 
 
 def free_port():
@@ -23,16 +29,13 @@ class Cluster:
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
 
-    def _start(self, name, args, env, resources):
-        import json
-
+    def _start(self, name, args, env):
         log = open(os.path.join(self.tmp, f"ray-{name}.log"), "w")
         cmd = [
-            "ray", "start", "--block", "--disable-usage-stats",
+            NODE_SCRIPT, "--block", "--disable-usage-stats",
             "--node-ip-address=127.0.0.1",
             "--num-cpus=2", "--num-gpus=0",
             "--object-store-memory=100000000",
-            "--resources", json.dumps(resources),
         ] + args
         p = subprocess.Popen(
             cmd, env={**os.environ, **env, "RAY_USAGE_STATS_ENABLED": "0"},
@@ -41,14 +44,14 @@ class Cluster:
         self.nodes.append((name, p))
         return p
 
-    def start_head(self, env, resources):
+    def start_head(self, env):
         self._start("head", [
             "--head", f"--port={self.port}", "--include-dashboard=false",
             f"--temp-dir={os.path.join(self.tmp, 'ray')}",
-        ], env, resources)
+        ], env)
 
-    def start_worker(self, env, resources):
-        self._start("worker", [f"--address={self.address}"], env, resources)
+    def start_worker(self, env):
+        self._start("worker", [f"--address={self.address}"], env)
 
     def wait_nodes(self, ray, n, limit_s=120):
         deadline = time.time() + limit_s

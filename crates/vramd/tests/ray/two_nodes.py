@@ -89,12 +89,14 @@ def main():
 
     cluster = Cluster(TMP)
     try:
-        cluster.start_head({"VRAMD_SOCKET": HEAD}, json.loads(HEAD_RES))
-        cluster.start_worker({"VRAMD_SOCKET": WORKER}, json.loads(WORKER_RES))
+        cluster.start_head({"VRAMD_SOCKET": HEAD})
+        cluster.start_worker({"VRAMD_SOCKET": WORKER})
         ray.init(address=cluster.address, logging_level="WARNING")
         nodes = cluster.wait_nodes(ray, 2)
         say("measured", "two Ray nodes up")
+        # Each node offers what its daemon reported (`vramd ray-resources`, through the script).
         by_mem = {n["Resources"].get(vr.RESOURCE): n["NodeID"] for n in nodes}
+        assert set(by_mem) == {json.loads(HEAD_RES)[vr.RESOURCE], json.loads(WORKER_RES)[vr.RESOURCE]}, by_mem
         head_node = by_mem[json.loads(HEAD_RES)[vr.RESOURCE]]
         worker_node = by_mem[json.loads(WORKER_RES)[vr.RESOURCE]]
         on = lambda node: NodeAffinitySchedulingStrategy(node, soft=False)
