@@ -74,7 +74,18 @@ def status(socket=None, lib=None):
     return _lib.take_json(l.vram_status_json(_lib.text(socket)), "status")
 
 
-class Tenant:
+class _Closes:
+    """`with X(...) as x:` closes x at the end of the block."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class Tenant(_Closes):
     """This process as a tenant. Made by `connect` (or `current`); one per process at a time."""
 
     def __init__(self):
@@ -85,21 +96,11 @@ class Tenant:
         """{"tenant", "gpu", "limit", "guarantee", "stats": {...}}: the allocator's figures."""
         return _lib.take_json(_lib.lib().vram_stats_json(), "vram_stats_json")
 
-    @property
-    def name(self):
-        return self.stats()["tenant"]
-
-    @property
-    def limit(self):
-        return self.stats()["limit"]
-
-    @property
-    def guarantee(self):
-        return self.stats()["guarantee"]
-
-    @property
-    def gpu(self):
-        return self.stats()["gpu"]
+    # The tenant's name, limit and guarantee (bytes) and daemon device, as its welcome said.
+    name = property(lambda self: self.stats()["tenant"])
+    limit = property(lambda self: self.stats()["limit"])
+    guarantee = property(lambda self: self.stats()["guarantee"])
+    gpu = property(lambda self: self.stats()["gpu"])
 
     def alloc(self, size, stream=None):
         """The address of a block of at least `size` bytes on the tenant's device; VramdError
@@ -132,13 +133,6 @@ class Tenant:
             return
         _lib.check(_lib.lib().vram_disconnect() == 0, "vram_disconnect")
         self._ended = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False
 
     def __repr__(self):
         if self._ended:
@@ -186,7 +180,7 @@ class Pin:
             self.ptr = None
 
 
-class SharedBuffer:
+class SharedBuffer(_Closes):
     """A named shared buffer (one writer at a time under a lease, readers pinning published
     versions; see docs/protocol.md). `create` or `open`, then `close` (or a `with` block)."""
 
@@ -251,10 +245,3 @@ class SharedBuffer:
         if self._h:
             _lib.lib().vram_shared_close(self._h)
             self._h = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-        return False

@@ -2,7 +2,7 @@
 //! running one task after another does. Nothing of one tenant (name, limit, memory) reaches the
 //! next, and the daemon holds nothing between them.
 
-use std::ffi::{c_char, CStr, CString};
+use std::ffi::CString;
 
 use vram_client::Observer;
 use vram_core::Bytes;
@@ -14,13 +14,7 @@ fn text(s: &str) -> CString {
 }
 
 fn stats() -> serde_json::Value {
-    let p: *mut c_char = vram::vram_stats_json();
-    assert!(!p.is_null(), "{:?}", vram::last_error());
-    // SAFETY: `p` is a live string from libvram, read once and freed right after.
-    let v = serde_json::from_str(&unsafe { CStr::from_ptr(p) }.to_string_lossy()).unwrap();
-    // SAFETY: returned by libvram and not freed before.
-    unsafe { vram::vram_string_free(p) };
-    v
+    common::take_json(vram::vram_stats_json())
 }
 
 #[test]
