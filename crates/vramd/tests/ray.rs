@@ -3,7 +3,8 @@
 //! on them (`tests/ray/two_nodes.py`, which makes the checks and prints them): Ray places by the
 //! memory each node's `vramd ray-resources` reported, each daemon enforces what its actors asked
 //! for, killed actors' memory is back within 1 s, ten tasks in a row on a reused worker are ten
-//! tenants that start with nothing, and bad input (larger than any node, more than the daemon can
+//! tenants that start with nothing, a task with `torch_mode="pool"` gets libvram.so preloaded and
+//! the allocator installed at `import torch` (a stand-in torch), and bad input (larger than any node, more than the daemon can
 //! give, a daemon that is down) ends in a clear message rather than a hang.
 //!
 //! Needs Ray for Python 3 (`.ci/run` installs it); without it the test says `skipped` and why.

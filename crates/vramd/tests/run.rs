@@ -166,24 +166,7 @@ fn a_missing_program_is_an_error_and_signals_reach_the_program() {
 }
 
 /// A stand-in `torch`: just what `vramd_torch.install(mode="pool")` touches before CUDA starts.
-const FAKE_TORCH: &str = r#"
-import types, sys
-cuda = types.ModuleType("torch.cuda")
-memory = types.ModuleType("torch.cuda.memory")
-cuda.memory = memory
-cuda.is_initialized = lambda: False
-def _lazy_init():
-    pass
-cuda._lazy_init = _lazy_init
-class CUDAGraph:
-    def capture_begin(self):
-        pass
-    def capture_end(self):
-        pass
-cuda.CUDAGraph = CUDAGraph
-sys.modules["torch.cuda"] = cuda
-sys.modules["torch.cuda.memory"] = memory
-"#;
+const FAKE_TORCH: &str = include_str!("fake_torch/torch/__init__.py");
 
 #[test]
 fn importing_torch_installs_the_allocator_and_mem_get_info_shows_the_tenant_view() {

@@ -207,6 +207,25 @@ def main():
             assert r["mapped_at_start"] == 0 and r["guarantee"] == 256 * MiB and r["limit"] == 512 * MiB, r
         say("ok", f"ten tasks on {len(set(pids))} worker process(es), ten tenants, each starting with nothing and alone on the daemon")
 
+        # PyTorch's integration in a worker, as under `vramd run --torch-mode pool`: libvram.so
+        # preloaded into the worker, the allocator installed when torch is imported (a stand-in
+        # torch, tests/fake_torch: no GPU here), mem_get_info answering the tenant's view.
+        fake = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fake_torch")
+
+        @vr.remote(memory="256MiB", limit="512MiB", torch_mode="pool", preload=True,
+                   runtime_env={"env_vars": {"PYTHONPATH": f"{fake}:{os.environ['PYTHONPATH']}"}})
+        def with_torch():
+            import torch
+            import vramd_torch
+
+            torch.cuda.empty_cache = lambda: None  # the stand-in keeps no cache to empty
+            return vramd_torch.installed(), torch.cuda.mem_get_info(), vramd_torch._lib.lib().vram_interposing()
+
+        mode, (free, total), interposing = ray.get(with_torch.options(scheduling_strategy=on(head_node)).remote(), timeout=120)
+        assert (mode, total, interposing) == ("pool", 512 * MiB, 1), (mode, free, total, interposing)
+        assert wait_for(lambda: not tenants(HEAD), 1) is not None, tenants(HEAD)
+        say("ok", f"a task with torch_mode='pool': allocator {mode}, libvram.so interposing, mem_get_info ({free}, {total})")
+
         # A task that ends holding memory fails with vramd's reason; the worker it leaves is not
         # reused: the next task there finds it gone and runs on a fresh one.
         @vr.remote(memory="256MiB", limit="512MiB")
