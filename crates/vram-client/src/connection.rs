@@ -121,6 +121,13 @@ impl Client {
         self.link.bye();
     }
 
+    /// Ends the registration now, whoever else shares this client: says `Bye` and closes the
+    /// connection, so the daemon takes back everything the tenant held; calls made through the
+    /// client afterwards fail. Dropping the last handle does the same.
+    pub fn close(&self) {
+        self.link.close();
+    }
+
     /// How many times this client has reconnected to a restarted daemon.
     pub fn reconnects(&self) -> u64 {
         self.link.reconnects()

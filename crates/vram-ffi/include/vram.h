@@ -180,6 +180,28 @@ int vram_shared_verify(vram_shared_t *h, uint64_t version);
  * time-out, -1 on error. */
 int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint64_t *version);
 
+/* Tenants one after another. A process is one tenant at a time; the first is set up on first use
+ * (above) or here. vram_connect makes this process a tenant now, as the daemon at `socket` admits
+ * it: each argument NULL (or `gpu` -1) takes what first use would (VRAMD_SOCKET, VRAMD_TENANT,
+ * VRAMD_PRIORITY, VRAMD_GUARANTEE, VRAMD_LIMIT, VRAMD_GPU, then the defaults); sizes like
+ * "20GiB". It fails while the process is a tenant already. vram_disconnect ends the tenant: every
+ * idle byte goes back, the daemon hears Bye and closes the registration, and the process is no
+ * tenant until vram_connect or the next call that needs one (which connects as at first use).
+ * It refuses while memory from the tenant is in use (allocated and not freed, charged) or a
+ * vram_shared_t is open, naming what is left; shared buffers the tenant owns end with it, as at
+ * its exit. Ending nothing (no tenant) succeeds. Every tenant of
+ * one process is on the same device (the allocator's memory is mapped from it): a tenant admitted
+ * on another is refused. No other thread may allocate while vram_disconnect runs; calls that need
+ * a tenant afterwards connect anew. 0, or -1 with the reason in vram_last_error(). */
+int vram_connect(const char *socket, const char *name, const char *priority,
+                 const char *guarantee, const char *limit, int gpu);
+int vram_disconnect(void);
+
+/* The daemon's status (at `socket`, NULL: VRAMD_SOCKET or the default), as `vramd status --json`
+ * prints it: devices, tenants, shared buffers. Asked as a tool asks (no tenant is set up). Free it
+ * with vram_string_free; NULL with the reason in vram_last_error(). */
+char *vram_status_json(const char *socket);
+
 /* The tenant's view of its memory, as cuMemGetInfo_v2 and NVML's memory info answer it inside a
  * tenant: *total is its limit, *free what it could still get now (its limit less what it holds,
  * charged and uses outside vramd, within what the device has free for it). 0, or -1 with the

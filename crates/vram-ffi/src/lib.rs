@@ -14,17 +14,19 @@
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, LazyLock, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use vram_client::alloc::{
-    CachingAllocator, CaptureNotices, CudaEvents, DaemonSource, HostEvents, MappedBacking,
-    StreamEvents,
+    CachingAllocator, CaptureNotices, ClientSlot, CudaEvents, DaemonSource, HostEvents,
+    MappedBacking, StreamEvents,
 };
 use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, StreamId};
 use vram_core::Bytes;
+use vram_proto::DeviceDesc;
 
 mod cudart;
 mod interpose;
@@ -34,11 +36,28 @@ pub use cudart::{vram_interposed_calls, vram_interposing};
 pub use interpose::stats::vram_interposer_stats_json;
 pub use shared::VramShared;
 
-/// The process's tenant: its connection and its allocator.
+/// The process's tenant: its connection and its allocator. The allocator (and its address
+/// reservation) is made at the first connect and lives as long as the process; the connection
+/// may end (`vram_disconnect`) and another tenant of the same device take its place
+/// (`vram_connect`, or the next call that needs memory), so a process that runs one job after
+/// another (a Ray worker) is a new tenant for each.
 pub struct Tenant {
-    pub client: Arc<Client>,
+    slot: Arc<ClientSlot>,
+    /// Whether `slot` holds a connection: read on every call, so kept apart from the slot's lock.
+    connected: AtomicBool,
     pub alloc: CachingAllocator<DaemonSource>,
     pub gpu: u32,
+    /// The device the allocator maps; every tenant this process becomes is on it.
+    pub device: DeviceDesc,
+}
+
+impl Tenant {
+    /// The connection of the tenant this process is now.
+    pub fn client(&self) -> Result<Arc<Client>, String> {
+        self.slot
+            .get()
+            .ok_or_else(|| "vramd: this process is no tenant now (its tenant ended)".to_string())
+    }
 }
 
 static TENANT: OnceLock<Tenant> = OnceLock::new();
@@ -95,9 +114,22 @@ fn options_from_env() -> Result<TenantOptions, String> {
     })
 }
 
-fn connect() -> Result<Tenant, String> {
-    let opts = options_from_env()?;
-    let client = Arc::new(Client::connect(None, &opts).map_err(|e| format!("vramd: {e}"))?);
+/// Registers with the daemon as `opts` asks, and installs the reclaim handler.
+fn register(socket: Option<&Path>, opts: &TenantOptions) -> Result<Arc<Client>, String> {
+    let client = Arc::new(Client::connect(socket, opts).map_err(|e| format!("vramd: {e}"))?);
+    client.on_reclaim(Box::new(|_, _| {
+        *RECLAIM_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        RECLAIM_ASKED.notify_all();
+        match TENANT.get() {
+            Some(t) => t.alloc.trim(),
+            None => Bytes::ZERO,
+        }
+    }));
+    Ok(client)
+}
+
+/// The process's first tenant: its connection, and the allocator every later tenant shares.
+fn first(client: Arc<Client>) -> Result<Tenant, String> {
     let w = client.welcome().clone();
     let events: Box<dyn StreamEvents> = match w.device.backend.as_str() {
         "host" => Box::new(HostEvents),
@@ -118,22 +150,47 @@ fn connect() -> Result<Tenant, String> {
             .map_err(|e| format!("vramd: VRAMD_ALLOC: {e}"))?;
     }
     let device = client.device().clone();
-    let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::new(client.clone()))
+    let slot = Arc::new(ClientSlot::new(client));
+    let backing = MappedBacking::new(device, config.va_bytes, DaemonSource::through(slot.clone()))
         .map_err(|e| format!("vramd: cannot reserve address space: {e}"))?;
     let alloc = CachingAllocator::new(config, backing, events).with_limit(w.limit);
-    client.on_reclaim(Box::new(|_, _| {
-        *RECLAIM_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        RECLAIM_ASKED.notify_all();
-        match TENANT.get() {
-            Some(t) => t.alloc.trim(),
-            None => Bytes::ZERO,
-        }
-    }));
     Ok(Tenant {
-        client,
+        slot,
+        connected: AtomicBool::new(true),
         alloc,
         gpu: w.device.index,
+        device: w.device,
     })
+}
+
+/// Makes the process the tenant `opts` asks for: its first, or the next one after an ended one
+/// (on the same device, since the allocator's memory is mapped from it). Called with
+/// `LAST_FAILURE` held, so that one thread connects at a time.
+fn establish(socket: Option<&Path>, opts: &TenantOptions) -> Result<&'static Tenant, String> {
+    let client = register(socket, opts)?;
+    if let Some(t) = TENANT.get() {
+        let w = client.welcome();
+        if w.device.uuid != t.device.uuid {
+            return Err(format!(
+                "vramd: tenant `{}` was admitted on device {} ({}), but this process's memory \
+                 is mapped from device {} ({}): a process stays on one device",
+                w.name, w.device.index, w.device.uuid, t.device.index, t.device.uuid
+            ));
+        }
+        t.alloc.set_limit(w.limit);
+        t.slot.replace(Some(client));
+        t.connected.store(true, Ordering::Release);
+        return Ok(t);
+    }
+    let t = first(client)?;
+    let t = TENANT.get_or_init(|| t);
+    start_housekeeping();
+    // SAFETY: `say_bye` is an `extern "C" fn()` that catches panics and only sends a
+    // message; registering it has no other precondition.
+    if unsafe { libc::atexit(say_bye) } != 0 {
+        tracing::debug!("cannot register the exit handler: the end will read as a crash");
+    }
+    Ok(t)
 }
 
 /// Keeps the daemon informed and lets idle memory go back with hysteresis.
@@ -142,10 +199,11 @@ fn start_housekeeping() {
         .name("vram-housekeeping".into())
         .spawn(|| {
             let start = Instant::now();
-            let mut last = (Bytes(u64::MAX), Bytes(u64::MAX));
+            let mut last = (0, Bytes(u64::MAX), Bytes(u64::MAX));
             loop {
                 std::thread::sleep(Duration::from_millis(200));
                 let Some(t) = TENANT.get() else { return };
+                let Some(client) = t.slot.get() else { continue };
                 t.alloc.tick(start.elapsed().as_micros() as u64);
                 let s = t.alloc.stats();
                 // A caching layer above (PyTorch's, in pool mode) knows what of its segments is
@@ -157,25 +215,26 @@ fn start_housekeeping() {
                         (in_use, s.core.held.saturating_sub(in_use))
                     }
                 };
-                if (in_use, cached) != last {
-                    last = (in_use, cached);
-                    if t.client.report_usage(in_use, cached).is_err() {
-                        return;
-                    }
+                let now = (client.welcome().tenant, in_use, cached);
+                // A failure is a connection that ended or is being re-established: the next
+                // reading is sent again.
+                if now != last && client.report_usage(in_use, cached).is_ok() {
+                    last = now;
                 }
             }
         });
 }
 
-/// The process's tenant, connecting on first use; a failed connect is tried again on a later
-/// call, at most every 100 ms (so a program allocating in a loop does not hammer the socket).
+/// The process's tenant, connecting on first use (and on the first use after its tenant ended);
+/// a failed connect is tried again on a later call, at most every 100 ms (so a program
+/// allocating in a loop does not hammer the socket).
 pub fn tenant() -> Result<&'static Tenant, String> {
-    if let Some(t) = TENANT.get() {
+    if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
         return Ok(t);
     }
     // One thread connects at a time; the others wait for its outcome.
     let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(t) = TENANT.get() {
+    if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
         return Ok(t);
     }
     if let Some((at, why)) = last.as_ref() {
@@ -183,16 +242,9 @@ pub fn tenant() -> Result<&'static Tenant, String> {
             return Err(why.clone());
         }
     }
-    match connect() {
+    match options_from_env().and_then(|opts| establish(None, &opts)) {
         Ok(t) => {
-            let t = TENANT.get_or_init(|| t);
             *last = None;
-            start_housekeeping();
-            // SAFETY: `say_bye` is an `extern "C" fn()` that catches panics and only sends a
-            // message; registering it has no other precondition.
-            if unsafe { libc::atexit(say_bye) } != 0 {
-                tracing::debug!("cannot register the exit handler: the end will read as a crash");
-            }
             Ok(t)
         }
         Err(e) => {
@@ -207,10 +259,124 @@ pub fn tenant() -> Result<&'static Tenant, String> {
 /// signal never gets here, and its end is a crash as it should be.
 extern "C" fn say_bye() {
     let _ = catch_unwind(|| {
-        if let Some(t) = TENANT.get() {
-            t.client.bye();
+        if let Some(c) = TENANT.get().and_then(|t| t.slot.get()) {
+            c.bye();
         }
     });
+}
+
+/// A C string argument that may be NULL (then `None`).
+fn optional_text(s: *const c_char, what: &str) -> Result<Option<String>, String> {
+    if s.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the caller passes NULL or a NUL-terminated string alive for this call (vram.h).
+    let s = unsafe { CStr::from_ptr(s) }.to_str();
+    s.map(|s| Some(s.to_string()).filter(|s| !s.is_empty()))
+        .map_err(|_| format!("vramd: {what} is not UTF-8"))
+}
+
+fn optional_bytes(s: *const c_char, what: &str) -> Result<Option<Bytes>, String> {
+    optional_text(s, what)?
+        .map(|v| v.parse().map_err(|e| format!("vramd: {what} `{v}`: {e}")))
+        .transpose()
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_connect(
+    socket: *const c_char,
+    name: *const c_char,
+    priority: *const c_char,
+    guarantee: *const c_char,
+    limit: *const c_char,
+    gpu: c_int,
+) -> c_int {
+    guarded(-1, || {
+        let mut opts = options_from_env()?;
+        if let Some(n) = optional_text(name, "name")? {
+            opts.name = n;
+        }
+        if let Some(p) = optional_text(priority, "priority")? {
+            opts.class = Some(p);
+        }
+        if let Some(g) = optional_bytes(guarantee, "guarantee")? {
+            opts.guarantee = Some(g);
+        }
+        if let Some(l) = optional_bytes(limit, "limit")? {
+            opts.limit = Some(l);
+        }
+        if gpu >= 0 {
+            opts.gpu = Some(gpu as u32);
+        }
+        // An invitation is for the first tenant `vramd run` registered, not for one asked here.
+        opts.join = None;
+        let socket = optional_text(socket, "socket")?.map(std::path::PathBuf::from);
+        let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
+            let name = t
+                .client()
+                .map(|c| c.welcome().name.clone())
+                .unwrap_or_default();
+            return Err(format!(
+                "vramd: this process is tenant `{name}` already; end it first (vram_disconnect)"
+            ));
+        }
+        establish(socket.as_deref(), &opts)?;
+        *last = None;
+        Ok(0)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_status_json(socket: *const c_char) -> *mut c_char {
+    guarded(std::ptr::null_mut(), || {
+        let socket = optional_text(socket, "socket")?.map(std::path::PathBuf::from);
+        let report = vram_client::Observer::connect(socket.as_deref())
+            .and_then(|o| o.status())
+            .map_err(|e| format!("vramd: {e}"))?;
+        let s = serde_json::to_string(&report).map_err(|e| e.to_string())?;
+        Ok(CString::new(s).map_err(|e| e.to_string())?.into_raw())
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_disconnect() -> c_int {
+    guarded(-1, || {
+        let _one_at_a_time = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(t) = TENANT.get() else {
+            return Ok(0);
+        };
+        let Some(client) = t.slot.get() else {
+            return Ok(0);
+        };
+        let name = client.welcome().name.clone();
+        let open = shared::OPEN.load(Ordering::Relaxed);
+        if open > 0 {
+            return Err(format!(
+                "vramd: tenant `{name}` cannot end with {open} shared buffer handle(s) open; \
+                 close them first (vram_shared_close)"
+            ));
+        }
+        t.alloc.trim();
+        let s = t.alloc.stats();
+        let b = client.budget().map_err(|e| format!("vramd: {e}"))?;
+        // What the daemon holds for the tenant beyond the allocator's handles is its shared
+        // buffers' versions, mapped nowhere in this process (no handle is open): they end with it.
+        if s.in_use > Bytes::ZERO || s.core.held > Bytes::ZERO || b.charged > Bytes::ZERO {
+            return Err(format!(
+                "vramd: tenant `{name}` cannot end while its memory is in use: {} allocated and \
+                 not freed ({} mapped), {} charged; free it first",
+                s.in_use, s.core.held, b.charged
+            ));
+        }
+        t.connected.store(false, Ordering::Release);
+        t.slot.replace(None);
+        client.close();
+        Ok(0)
+    })
 }
 
 fn guarded<R>(fallback: R, f: impl FnOnce() -> Result<R, String>) -> R {
@@ -243,7 +409,7 @@ pub extern "C" fn vram_alloc(size: isize, device: c_int, stream: *mut c_void) ->
     guarded(std::ptr::null_mut(), || {
         let t = tenant()?;
         let refused = |reason: &str, message: String| {
-            refusal::refused_here(&t.client, Bytes(size.max(0) as u64), reason, &message);
+            refusal::refused_here(t, Bytes(size.max(0) as u64), reason, &message);
             message
         };
         check_device(t, device).map_err(|m| refused("other", m))?;
@@ -285,7 +451,8 @@ pub extern "C" fn vram_last_error() -> *const c_char {
 pub extern "C" fn vram_stats_json() -> *mut c_char {
     guarded(std::ptr::null_mut(), || {
         let t = tenant()?;
-        let w = t.client.welcome();
+        let client = t.client()?;
+        let w = client.welcome();
         let v = serde_json::json!({
             "tenant": w.name, "gpu": t.gpu, "limit": w.limit.get(), "guarantee": w.guarantee.get(),
             "stats": t.alloc.stats(),

@@ -11,7 +11,6 @@
 use std::collections::HashSet;
 use std::sync::{LazyLock, Mutex};
 
-use vram_client::Client;
 use vram_core::alloc::AllocError;
 use vram_core::Bytes;
 
@@ -34,10 +33,12 @@ pub(crate) fn log_once(reason: &str, message: &str) {
 }
 
 /// A refusal made in this library: logged once per reason, and reported to the daemon.
-pub(crate) fn refused_here(client: &Client, bytes: Bytes, reason: &str, message: &str) {
+pub(crate) fn refused_here(t: &Tenant, bytes: Bytes, reason: &str, message: &str) {
     log_once(reason, message);
     // Nothing to do if it cannot be sent: the connection is gone, and the next call says so.
-    let _ = client.report_refusal(bytes, reason, message);
+    if let Ok(client) = t.client() {
+        let _ = client.report_refusal(bytes, reason, message);
+    }
 }
 
 /// A refusal the daemon made (and counted): only logged once per reason.
@@ -48,19 +49,25 @@ pub(crate) fn refused_by_daemon(reason: &str, message: &str) {
 /// The message for an allocation of `size` the tenant's allocator refused, after logging it and,
 /// where the refusal was made here, reporting it. `what` names the call (`cudaMalloc`, ...).
 pub(crate) fn alloc_refused(t: &Tenant, what: &str, size: Bytes, e: &AllocError) -> String {
-    let w = t.client.welcome();
-    let message = format!(
-        "vramd: tenant `{}` could not allocate {size}: {e} (limit {}, guarantee {}; {what})",
-        w.name, w.limit, w.guarantee
-    );
+    let message = match t.client() {
+        Ok(client) => {
+            let w = client.welcome();
+            format!(
+                "vramd: tenant `{}` could not allocate {size}: {e} (limit {}, guarantee {}; \
+                 {what})",
+                w.name, w.limit, w.guarantee
+            )
+        }
+        Err(ended) => format!("vramd: could not allocate {size}: {e} ({ended}; {what})"),
+    };
     match e {
         AllocError::OutOfMemory { source, .. } if source.reason.starts_with(LIMIT_CHECK) => {
-            refused_here(&t.client, size, "over_limit", &message);
+            refused_here(t, size, "over_limit", &message);
         }
         // A grant the daemon refused: it counted the refusal.
         AllocError::OutOfMemory { .. } => refused_by_daemon("grant_refused", &message),
-        AllocError::TooLarge { .. } => refused_here(&t.client, size, "bad_size", &message),
-        AllocError::UnknownBlock { .. } => refused_here(&t.client, size, "other", &message),
+        AllocError::TooLarge { .. } => refused_here(t, size, "bad_size", &message),
+        AllocError::UnknownBlock { .. } => refused_here(t, size, "other", &message),
     }
     message
 }

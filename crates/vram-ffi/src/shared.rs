@@ -3,9 +3,11 @@
 //! go back when it is closed.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
-use vram_client::{Acl, Draft, Pinned, Principal, SharedBuffer, Version, WriterLease};
+use vram_client::{Acl, Client, Draft, Pinned, Principal, SharedBuffer, Version, WriterLease};
 use vram_core::Bytes;
 
 use crate::{guarded, tenant};
@@ -16,6 +18,19 @@ pub struct VramShared {
     draft: Option<Draft<'static>>,
     lease: Option<WriterLease<'static>>,
     buffer: SharedBuffer<'static>,
+    /// The connection `buffer` (and everything taken through it) calls through: kept alive by
+    /// this handle even if the process's tenant ends meanwhile, and dropped last (fields drop in
+    /// the order they are declared).
+    _client: Arc<Client>,
+}
+
+/// The tenant's connection, and a reference to it that lives as long as the handle made from it.
+fn connection() -> Result<(Arc<Client>, &'static Client), String> {
+    let client = tenant()?.client()?;
+    // SAFETY: the reference points into the `Arc` returned with it, which `opened` stores in the
+    // handle after every field that borrows through the reference, so it outlives them all.
+    let borrowed: &'static Client = unsafe { &*Arc::as_ptr(&client) };
+    Ok((client, borrowed))
 }
 
 fn text(s: *const c_char, what: &str) -> Result<String, String> {
@@ -63,12 +78,17 @@ fn put(out: *mut u64, value: u64) {
     }
 }
 
-fn opened(buffer: SharedBuffer<'static>) -> *mut VramShared {
+/// Handles open now: a tenant ends only with none (its pins and drafts are mapped here).
+pub(crate) static OPEN: AtomicUsize = AtomicUsize::new(0);
+
+fn opened(buffer: SharedBuffer<'static>, client: Arc<Client>) -> *mut VramShared {
+    OPEN.fetch_add(1, Ordering::Relaxed);
     Box::into_raw(Box::new(VramShared {
         pins: Vec::new(),
         draft: None,
         lease: None,
         buffer,
+        _client: client,
     }))
 }
 
@@ -85,14 +105,14 @@ pub extern "C" fn vram_shared_create(
     writers: *const c_char,
 ) -> *mut VramShared {
     guarded(std::ptr::null_mut(), || {
-        let client = &*tenant()?.client;
+        let (owned, client) = connection()?;
         let acl = Acl {
             readers: principals(readers)?,
             writers: principals(writers)?,
         };
         let name = text(name, "name")?;
         let buffer = client.create_shared(&name, Bytes(size), acl).map_err(err)?;
-        Ok(opened(buffer))
+        Ok(opened(buffer, owned))
     })
 }
 
@@ -100,9 +120,9 @@ pub extern "C" fn vram_shared_create(
 #[no_mangle]
 pub extern "C" fn vram_shared_open(name: *const c_char) -> *mut VramShared {
     guarded(std::ptr::null_mut(), || {
-        let client = &*tenant()?.client;
+        let (owned, client) = connection()?;
         let buffer = client.open_shared(&text(name, "name")?).map_err(err)?;
-        Ok(opened(buffer))
+        Ok(opened(buffer, owned))
     })
 }
 
@@ -115,6 +135,7 @@ pub extern "C" fn vram_shared_close(h: *mut VramShared) {
         }
         // SAFETY: `h` came from Box::into_raw in `opened` and is closed once (vram.h).
         drop(unsafe { Box::from_raw(h) });
+        OPEN.fetch_sub(1, Ordering::Relaxed);
         Ok(())
     })
 }

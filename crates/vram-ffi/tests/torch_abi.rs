@@ -1,20 +1,9 @@
 //! What PyTorch's integration (`vramd_torch`) reads through the C ABI: the snapshot of segments and
 //! blocks, the peak reset, and the count of reclaim requests and the wait for one.
 
-use std::ffi::{c_char, CStr};
-
 use vram_core::Bytes;
 
 mod common;
-
-fn take_json(p: *mut c_char) -> serde_json::Value {
-    assert!(!p.is_null(), "{:?}", vram::last_error());
-    // SAFETY: `p` is a live string from libvram, read once and freed right after.
-    let v = serde_json::from_str(&unsafe { CStr::from_ptr(p) }.to_string_lossy()).unwrap();
-    // SAFETY: returned by libvram and not freed before.
-    unsafe { vram::vram_string_free(p) };
-    v
-}
 
 #[test]
 fn snapshot_lists_live_blocks_and_peaks_reset() {
@@ -30,7 +19,7 @@ fn snapshot_lists_live_blocks_and_peaks_reset() {
         vram::last_error()
     );
 
-    let snap = take_json(vram::vram_snapshot_json());
+    let snap = common::take_json(vram::vram_snapshot_json());
     let blocks: Vec<&serde_json::Value> = snap["segments"]
         .as_array()
         .unwrap()
@@ -59,10 +48,10 @@ fn snapshot_lists_live_blocks_and_peaks_reset() {
 
     vram::vram_free(big, 0, 0, stream);
     let core = |v: &serde_json::Value, k: &str| v["stats"]["core"][k].as_u64().unwrap();
-    let before = take_json(vram::vram_stats_json());
+    let before = common::take_json(vram::vram_stats_json());
     assert!(core(&before, "allocated_peak") > core(&before, "allocated"));
     assert_eq!(vram::vram_reset_peak(), 0);
-    let after = take_json(vram::vram_stats_json());
+    let after = common::take_json(vram::vram_stats_json());
     assert_eq!(core(&after, "allocated_peak"), core(&after, "allocated"));
     assert_eq!(vram::vram_reclaim_requests(), 0);
     // Waiting for a request: at once when the count is not the one seen, else until the timeout.

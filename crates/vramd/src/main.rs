@@ -39,6 +39,9 @@ enum Command {
     Replay(cmd::replay::Args),
     /// Start a program as a tenant (PyTorch programs get vramd's allocator, unchanged).
     Run(cmd::run::Args),
+    /// Print what the daemon can still guarantee as the JSON `ray start --resources` takes
+    /// (`{"vramd_memory_mib": N}`; see docs/ray.md).
+    RayResources(cmd::ray_resources::Args),
     /// A scripted tenant process (used by `demo` and the tests).
     #[command(hide = true)]
     Tenant(cmd::tenant::Args),
@@ -55,6 +58,7 @@ fn main() -> std::process::ExitCode {
         Command::Bench(a) => cmd::bench::run(a),
         Command::Replay(a) => cmd::replay::run(a),
         Command::Run(a) => cmd::run::run(a),
+        Command::RayResources(a) => cmd::ray_resources::run(a),
         Command::Tenant(a) => cmd::tenant::run(a),
     };
     match result {

@@ -4,36 +4,14 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
-use common::{wait_until, Daemon, VRAMD};
+use common::{library, wait_until, Daemon, VRAMD};
 use vram_core::Bytes;
 
 const CONFIG: &str = "capacity = \"8 GiB\"\n";
-
-/// libvram.so as `vramd run` looks for it (built by `cargo build -p vram-ffi`), if it is there.
-/// libvram.so next to the vramd binary, built here if `cargo test` has not built it.
-fn library() -> Option<PathBuf> {
-    static BUILT: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one_at_a_time = BUILT.lock().unwrap_or_else(|p| p.into_inner());
-    let dir = Path::new(VRAMD).parent()?;
-    let lib = dir.join("libvram.so");
-    if !lib.is_file() {
-        let mut cargo = Command::new(env!("CARGO"));
-        cargo.args(["build", "-p", "vram-ffi", "--lib"]);
-        if dir.file_name().is_some_and(|n| n == "release") {
-            cargo.arg("--release");
-        }
-        cargo.env("CARGO_TARGET_DIR", dir.parent()?);
-        assert!(
-            cargo.status().expect("cargo runs").success(),
-            "building libvram.so failed"
-        );
-    }
-    lib.is_file().then_some(lib)
-}
 
 fn vramd_run(d: &Daemon, flags: &[&str], program: &[&str], env: &[(&str, &Path)]) -> Output {
     let mut cmd = Command::new(VRAMD);
@@ -188,24 +166,7 @@ fn a_missing_program_is_an_error_and_signals_reach_the_program() {
 }
 
 /// A stand-in `torch`: just what `vramd_torch.install(mode="pool")` touches before CUDA starts.
-const FAKE_TORCH: &str = r#"
-import types, sys
-cuda = types.ModuleType("torch.cuda")
-memory = types.ModuleType("torch.cuda.memory")
-cuda.memory = memory
-cuda.is_initialized = lambda: False
-def _lazy_init():
-    pass
-cuda._lazy_init = _lazy_init
-class CUDAGraph:
-    def capture_begin(self):
-        pass
-    def capture_end(self):
-        pass
-cuda.CUDAGraph = CUDAGraph
-sys.modules["torch.cuda"] = cuda
-sys.modules["torch.cuda.memory"] = memory
-"#;
+const FAKE_TORCH: &str = include_str!("fake_torch/torch/__init__.py");
 
 #[test]
 fn importing_torch_installs_the_allocator_and_mem_get_info_shows_the_tenant_view() {

@@ -2,7 +2,7 @@
 //! device directly for trace replay) mapped into one reservation of this process.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use vram_core::alloc::{Backing, GrantId, Refused};
@@ -22,24 +22,62 @@ pub trait HandleSource: Send {
     fn settle(&mut self) {}
 }
 
+/// The connection a [`DaemonSource`] takes its handles through. A process that ends its tenant
+/// and becomes another one (libvram.so's `vram_disconnect` and `vram_connect`) keeps its
+/// allocator and its reservation, and swaps the connection here; between two tenants there is
+/// none, and growth is refused.
+#[derive(Default)]
+pub struct ClientSlot(RwLock<Option<Arc<Client>>>);
+
+impl ClientSlot {
+    pub fn new(client: Arc<Client>) -> ClientSlot {
+        ClientSlot(RwLock::new(Some(client)))
+    }
+
+    /// The connection, if the process is a tenant now.
+    pub fn get(&self) -> Option<Arc<Client>> {
+        self.0.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Puts `client` in (or empties the slot); returns what was there.
+    pub fn replace(&self, client: Option<Arc<Client>>) -> Option<Arc<Client>> {
+        std::mem::replace(
+            &mut *self.0.write().unwrap_or_else(|p| p.into_inner()),
+            client,
+        )
+    }
+}
+
 /// Handles granted by the daemon.
 pub struct DaemonSource {
-    client: Arc<Client>,
+    slot: Arc<ClientSlot>,
 }
 
 impl DaemonSource {
     pub fn new(client: Arc<Client>) -> DaemonSource {
-        DaemonSource { client }
+        Self::through(Arc::new(ClientSlot::new(client)))
+    }
+
+    /// Handles through whichever connection `slot` holds at the time.
+    pub fn through(slot: Arc<ClientSlot>) -> DaemonSource {
+        DaemonSource { slot }
     }
 }
 
 impl HandleSource for DaemonSource {
     /// One round trip for up to 16 handles (the daemon's `GrantMany`).
     fn take(&mut self, sizes: &[Bytes]) -> Result<Vec<(Handle, u64)>, Refused> {
-        match self.client.grant_many(sizes) {
+        let bytes = sizes.iter().copied().sum();
+        let Some(client) = self.slot.get() else {
+            return Err(Refused {
+                bytes,
+                reason: "this process is no tenant now (its tenant ended)".into(),
+            });
+        };
+        match client.grant_many(sizes) {
             Ok(grants) => Ok(grants.into_iter().map(|g| (g.handle, g.id.0)).collect()),
             Err(e) => Err(Refused {
-                bytes: sizes.iter().copied().sum(),
+                bytes,
                 reason: e.to_string(),
             }),
         }
@@ -48,9 +86,13 @@ impl HandleSource for DaemonSource {
     /// Sent without waiting for the answer: on the H200 a return waited for took 140-210 µs of
     /// the tenant's time (a round trip to a daemon that had gone idle), and nothing the
     /// allocator does next needs the answer. Any later request on the connection finds them back.
+    /// With no connection, the daemon has taken everything back already.
     fn give(&mut self, tickets: &[u64]) {
+        let Some(client) = self.slot.get() else {
+            return;
+        };
         let ids = tickets.iter().map(|&t| vram_proto::GrantId(t)).collect();
-        if let Err(e) = self.client.give_back_unanswered(ids) {
+        if let Err(e) = client.give_back_unanswered(ids) {
             // The daemon takes everything back when the connection ends; nothing is lost.
             tracing::warn!("returning a grant failed: {e}");
         }
@@ -58,7 +100,10 @@ impl HandleSource for DaemonSource {
 
     /// A round trip: the daemon answers it only after the returns sent before it.
     fn settle(&mut self) {
-        if let Err(e) = self.client.ping() {
+        let Some(client) = self.slot.get() else {
+            return;
+        };
+        if let Err(e) = client.ping() {
             tracing::warn!("waiting for returns to land failed: {e}");
         }
     }

@@ -18,7 +18,7 @@ use vram_core::alloc::{
 };
 use vram_core::Bytes;
 
-pub use backing::{CallTimes, DaemonSource, HandleSource, LocalSource, MappedBacking};
+pub use backing::{CallTimes, ClientSlot, DaemonSource, HandleSource, LocalSource, MappedBacking};
 
 use live::LiveTable;
 use thread_cache::{ThreadCaches, CACHE_LIMIT};
@@ -228,7 +228,8 @@ pub struct CachingAllocator<S: HandleSource> {
     events: Box<dyn StreamEvents>,
     /// The tenant's limit, if known: a request that cannot fit under it however well the heap
     /// were packed is refused at once, without taking (and giving back) memory in pieces.
-    limit: Option<Bytes>,
+    /// `u64::MAX`: not known. Changes when the process becomes another tenant ([`Self::set_limit`]).
+    limit: AtomicU64,
     /// Whether calls to the core are timed (`VRAMD_TIME_CORE=1`), and what they took.
     timed: bool,
     core_ops: AtomicU64,
@@ -254,7 +255,7 @@ impl<S: HandleSource> CachingAllocator<S> {
             align,
             caches: ThreadCaches::default(),
             events,
-            limit: None,
+            limit: AtomicU64::new(u64::MAX),
             timed: std::env::var_os("VRAMD_TIME_CORE").is_some_and(|v| v == "1"),
             core_ops: AtomicU64::new(0),
             core_ns: AtomicU64::new(0),
@@ -282,16 +283,23 @@ impl<S: HandleSource> CachingAllocator<S> {
     }
 
     /// Knows the tenant's limit (see the `limit` field).
-    pub fn with_limit(mut self, limit: Bytes) -> Self {
-        self.limit = Some(limit);
+    pub fn with_limit(self, limit: Bytes) -> Self {
+        self.set_limit(limit);
         self
+    }
+
+    /// The tenant's limit from now on: the allocator serves a new tenant of the same device
+    /// once the previous one has ended holding nothing (libvram.so's `vram_connect`).
+    pub fn set_limit(&self, limit: Bytes) {
+        self.limit.store(limit.get(), Ordering::Relaxed);
     }
 
     /// Refuses a request larger than the limit minus what the application uses now. `stats` are
     /// the core's, read under the lock the allocation then uses.
     fn check_limit(&self, size: Bytes, len: u64, stats: &AllocStats) -> Result<(), AllocError> {
-        let Some(limit) = self.limit else {
-            return Ok(());
+        let limit = match self.limit.load(Ordering::Relaxed) {
+            u64::MAX => return Ok(()),
+            l => Bytes(l),
         };
         if len <= limit.get().saturating_sub(stats.allocated.get()) {
             return Ok(());

@@ -35,8 +35,9 @@ fn managed() -> std::sync::MutexGuard<'static, HashMap<u64, u64>> {
 /// Charges `bytes` made with `what`; on refusal, the message (logged once, and reported to the
 /// daemon unless the daemon made the refusal itself and counted it).
 pub(crate) fn charge(t: &Tenant, what: &str, bytes: Bytes) -> Result<(), String> {
-    t.client.charge(bytes).map_err(|e| {
-        let w = t.client.welcome();
+    let client = t.client()?;
+    client.charge(bytes).map_err(|e| {
+        let w = client.welcome();
         let message = format!(
             "vramd: tenant `{}` may not keep {bytes} made with {what}: {e} (limit {}, guarantee {})",
             w.name, w.limit, w.guarantee
@@ -44,7 +45,7 @@ pub(crate) fn charge(t: &Tenant, what: &str, bytes: Bytes) -> Result<(), String>
         if e.is_refusal() {
             refused_by_daemon("charge_refused", &message);
         } else {
-            refused_here(&t.client, bytes, "other", &message);
+            refused_here(t, bytes, "other", &message);
         }
         message
     })
@@ -52,8 +53,8 @@ pub(crate) fn charge(t: &Tenant, what: &str, bytes: Bytes) -> Result<(), String>
 
 /// Takes back a charge (sent without waiting), if the tenant is still there.
 pub(crate) fn uncharge(bytes: u64) {
-    if let Some(t) = TENANT.get() {
-        let _ = t.client.uncharge(Bytes(bytes));
+    if let Some(client) = TENANT.get().and_then(|t| t.client().ok()) {
+        let _ = client.uncharge(Bytes(bytes));
     }
 }
 

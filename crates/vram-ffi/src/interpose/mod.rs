@@ -80,7 +80,7 @@ pub(crate) enum Gpu {
 
 /// The calling thread's current device, compared with the tenant's.
 pub(crate) fn current_gpu(t: &Tenant) -> Gpu {
-    if t.client.welcome().device.backend != "cuda" {
+    if t.device.backend != "cuda" {
         return Gpu::Tenant;
     }
     let Some(get) = real::driver().ctx_get_device else {
@@ -106,8 +106,7 @@ pub(crate) fn is_tenant_device(t: &Tenant, ordinal: c_int) -> bool {
     const OURS: u8 = 1;
     const OTHER: u8 = 2;
     static VERDICTS: [AtomicU8; 64] = [const { AtomicU8::new(UNKNOWN) }; 64];
-    let w = t.client.welcome();
-    if w.device.backend != "cuda" {
+    if t.device.backend != "cuda" {
         return true;
     }
     let slot = usize::try_from(ordinal).ok().and_then(|i| VERDICTS.get(i));
@@ -128,7 +127,7 @@ pub(crate) fn is_tenant_device(t: &Tenant, ordinal: c_int) -> bool {
     if !known {
         return false;
     }
-    let ours = same_uuid(&vram_device::cuda::format_uuid(&uuid), &w.device.uuid);
+    let ours = same_uuid(&vram_device::cuda::format_uuid(&uuid), &t.device.uuid);
     if let Some(s) = slot {
         s.store(if ours { OURS } else { OTHER }, Ordering::Relaxed);
     }
@@ -138,7 +137,7 @@ pub(crate) fn is_tenant_device(t: &Tenant, ordinal: c_int) -> bool {
             &format!(
                 "vramd: device memory asked for on CUDA device {ordinal}, but this process is a \
                  tenant of {}: that memory is the driver's own, outside vramd's books",
-                w.device.uuid
+                t.device.uuid
             ),
         );
     }
@@ -152,6 +151,6 @@ pub(crate) fn same_uuid(a: &str, b: &str) -> bool {
 /// The tenant's view of its memory, as both `cuMemGetInfo` and NVML answer it: (total, free),
 /// total its limit, free what it could still get now.
 pub(crate) fn tenant_view(t: &Tenant) -> Result<(u64, u64), String> {
-    let b = t.client.budget().map_err(|e| format!("vramd: {e}"))?;
+    let b = t.client()?.budget().map_err(|e| format!("vramd: {e}"))?;
     Ok((b.limit.get(), b.available.min(b.limit).get()))
 }

@@ -104,7 +104,7 @@ fn view_for(device: NvmlDevice) -> Option<(u64, u64)> {
         .into_owned();
     guarded(None, || {
         let t = tenant_or_log()?;
-        if !same_uuid(&uuid, &t.client.welcome().device.uuid) {
+        if !same_uuid(&uuid, &t.device.uuid) {
             return Ok(None);
         }
         tenant_view(t).map(Some)

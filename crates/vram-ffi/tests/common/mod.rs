@@ -59,3 +59,14 @@ impl Drop for Daemon {
         }
     }
 }
+
+/// Reads a JSON string libvram returned (it must not be NULL) and frees it.
+pub fn take_json(p: *mut std::ffi::c_char) -> serde_json::Value {
+    assert!(!p.is_null(), "{:?}", vram::last_error());
+    // SAFETY: `p` is a live string from libvram, read once and freed right after.
+    let v =
+        serde_json::from_str(&unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy()).unwrap();
+    // SAFETY: returned by libvram and not freed before.
+    unsafe { vram::vram_string_free(p) };
+    v
+}

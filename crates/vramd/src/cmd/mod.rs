@@ -3,6 +3,7 @@
 pub mod bench;
 mod child;
 pub mod demo;
+pub mod ray_resources;
 mod registration;
 pub mod replay;
 pub mod run;

@@ -11,7 +11,7 @@
 //! that uses the GPU too is refused its memory, with the reason. For Python, a private directory
 //! goes first on `PYTHONPATH`, holding the `vramd_torch` package and a `sitecustomize` that
 //! installs vramd's allocator into PyTorch right after `torch` is imported, before any CUDA
-//! allocation (see `python/vramd_torch/`). The program's exit status is ours, and the daemon is
+//! allocation (see the repository's `python/vramd_torch/`). The program's exit status is ours, and the daemon is
 //! told it (a normal end is logged as such, a signal as a crash); SIGTERM, SIGHUP and SIGQUIT
 //! sent to us are passed on, and SIGINT too unless it came from our terminal, which delivers it to
 //! the program itself.
@@ -81,31 +81,45 @@ impl TorchMode {
     }
 }
 
-/// The Python files `vramd run` puts on `PYTHONPATH`, relative to that directory.
+/// The Python files `vramd run` puts on `PYTHONPATH`, relative to that directory: the
+/// repository's `python/` (the same files `pip install ./python` installs, and the
+/// `sitecustomize` that only `vramd run` uses).
 const PYTHON_FILES: &[(&str, &str)] = &[
     (
         "sitecustomize.py",
-        include_str!("../../python/sitecustomize.py"),
+        include_str!("../../../../python/sitecustomize.py"),
+    ),
+    (
+        "vramd/__init__.py",
+        include_str!("../../../../python/vramd/__init__.py"),
+    ),
+    (
+        "vramd/_lib.py",
+        include_str!("../../../../python/vramd/_lib.py"),
+    ),
+    (
+        "vramd/ray.py",
+        include_str!("../../../../python/vramd/ray.py"),
     ),
     (
         "vramd_torch/__init__.py",
-        include_str!("../../python/vramd_torch/__init__.py"),
+        include_str!("../../../../python/vramd_torch/__init__.py"),
     ),
     (
         "vramd_torch/_lib.py",
-        include_str!("../../python/vramd_torch/_lib.py"),
+        include_str!("../../../../python/vramd_torch/_lib.py"),
     ),
     (
         "vramd_torch/_full.py",
-        include_str!("../../python/vramd_torch/_full.py"),
+        include_str!("../../../../python/vramd_torch/_full.py"),
     ),
     (
         "vramd_torch/_pool.py",
-        include_str!("../../python/vramd_torch/_pool.py"),
+        include_str!("../../../../python/vramd_torch/_pool.py"),
     ),
     (
         "vramd_torch/_hook.py",
-        include_str!("../../python/vramd_torch/_hook.py"),
+        include_str!("../../../../python/vramd_torch/_hook.py"),
     ),
 ];
 

@@ -226,3 +226,24 @@ pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(1));
     }
 }
+
+/// libvram.so next to the vramd binary, built here if `cargo test` has not built it.
+pub fn library() -> Option<PathBuf> {
+    static BUILT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = BUILT.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = Path::new(VRAMD).parent()?;
+    let lib = dir.join("libvram.so");
+    if !lib.is_file() {
+        let mut cargo = Command::new(env!("CARGO"));
+        cargo.args(["build", "-p", "vram-ffi", "--lib"]);
+        if dir.file_name().is_some_and(|n| n == "release") {
+            cargo.arg("--release");
+        }
+        cargo.env("CARGO_TARGET_DIR", dir.parent()?);
+        assert!(
+            cargo.status().expect("cargo runs").success(),
+            "building libvram.so failed"
+        );
+    }
+    lib.is_file().then_some(lib)
+}

@@ -1,0 +1,18 @@
+"""A stand-in `torch` for tests: just what `vramd_torch.install(mode="pool")` touches before CUDA
+starts."""
+import types, sys
+cuda = types.ModuleType("torch.cuda")
+memory = types.ModuleType("torch.cuda.memory")
+cuda.memory = memory
+cuda.is_initialized = lambda: False
+def _lazy_init():
+    pass
+cuda._lazy_init = _lazy_init
+class CUDAGraph:
+    def capture_begin(self):
+        pass
+    def capture_end(self):
+        pass
+cuda.CUDAGraph = CUDAGraph
+sys.modules["torch.cuda"] = cuda
+sys.modules["torch.cuda.memory"] = memory

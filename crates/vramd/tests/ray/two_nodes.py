@@ -1,0 +1,284 @@
+"""Driven by tests/ray.rs: a two-node Ray cluster on loopback, each node with its own vramd
+daemon (host backend), and vramd.ray's tasks and actors on it. Prints one `ok: ...` line per
+check and figures as `measured: ...`; any failed check raises (non-zero exit).
+
+argv: HEAD_SOCKET WORKER_SOCKET HEAD_RESOURCES WORKER_RESOURCES WORKER_DAEMON_PID TMPDIR
+"""
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cluster import Cluster  # noqa: E402
+
+import vramd  # noqa: E402
+import vramd.ray as vr  # noqa: E402
+
+HEAD, WORKER, HEAD_RES, WORKER_RES, WORKER_DAEMON, TMP = sys.argv[1:7]
+GiB, MiB = 1 << 30, 1 << 20
+T0 = time.time()
+
+
+class Tee:
+    """A standard stream, kept as well: Ray prints its autoscaler's warnings to the driver's."""
+
+    def __init__(self, inner):
+        self.inner, self.seen = inner, []
+
+    def write(self, text):
+        self.seen.append(text)
+        return self.inner.write(text)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def text(self):
+        return "".join(self.seen)
+
+
+sys.stdout, sys.stderr = Tee(sys.stdout), Tee(sys.stderr)
+
+
+def printed():
+    return sys.stdout.text() + sys.stderr.text()
+
+
+def say(kind, msg):
+    print(f"{kind}: {msg} [{time.time() - T0:.1f} s]", flush=True)
+
+
+def tenants(sock):
+    return {t["name"]: t for t in vramd.status(sock)["tenants"]}
+
+
+def held(sock):
+    return sum(d["held"] for d in vramd.status(sock)["devices"])
+
+
+def wait_for(cond, limit_s, step=0.005):
+    """Seconds until `cond()` held, or None after `limit_s`."""
+    start = time.time()
+    while time.time() - start < limit_s:
+        if cond():
+            return time.time() - start
+        time.sleep(step)
+    return None
+
+
+def expect_error(ref, ray, *words, limit_s=60):
+    start = time.time()
+    try:
+        ray.get(ref, timeout=limit_s)
+    except ray.exceptions.GetTimeoutError:
+        raise AssertionError(f"no answer within {limit_s} s: a hang") from None
+    except Exception as e:
+        text = str(e)
+        missing = [w for w in words if w not in text]
+        assert not missing, f"{missing} not in: {text}"
+        return text, time.time() - start
+    raise AssertionError("the task succeeded; an error was expected")
+
+
+def main():
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    cluster = Cluster(TMP)
+    try:
+        cluster.start_head({"VRAMD_SOCKET": HEAD})
+        cluster.start_worker({"VRAMD_SOCKET": WORKER})
+        ray.init(address=cluster.address, logging_level="WARNING")
+        nodes = cluster.wait_nodes(ray, 2)
+        say("measured", "two Ray nodes up")
+        # Each node offers what its daemon reported (`vramd ray-resources`, through the script).
+        by_mem = {n["Resources"].get(vr.RESOURCE): n["NodeID"] for n in nodes}
+        assert set(by_mem) == {json.loads(HEAD_RES)[vr.RESOURCE], json.loads(WORKER_RES)[vr.RESOURCE]}, by_mem
+        head_node = by_mem[json.loads(HEAD_RES)[vr.RESOURCE]]
+        worker_node = by_mem[json.loads(WORKER_RES)[vr.RESOURCE]]
+        on = lambda node: NodeAffinitySchedulingStrategy(node, soft=False)
+        sock_of = {HEAD: "head", WORKER: "worker"}
+
+        @vr.remote(memory="2GiB", limit="2560MiB", num_cpus=0)
+        class Holder:
+            def __init__(self):
+                self.blocks = []
+
+            def where(self):
+                return sock_of[os.environ["VRAMD_SOCKET"]], os.getpid(), vramd.current().name
+
+            def take(self, size):
+                t = vramd.current()
+                try:
+                    p = t.alloc(size)
+                except vramd.VramdError as e:
+                    return f"refused: {e}"
+                ctypes.memset(p, 0x5A, min(size, 64 * MiB))
+                self.blocks.append(p)
+                return "ok"
+
+        # Placement by the memory each daemon reported: the head offers 3 GiB, the worker 2.
+        a1, a2 = Holder.remote(), Holder.remote()
+        w1, w2 = ray.get([a1.where.remote(), a2.where.remote()], timeout=120)
+        assert {w1[0], w2[0]} == {"head", "worker"}, (w1, w2)
+        small = vr.options(memory="1GiB", limit="1GiB")
+        a3 = Holder.options(**small).remote()
+        w3 = ray.get(a3.where.remote(), timeout=120)
+        assert w3[0] == "head", w3
+        a4 = Holder.options(**small).remote()
+        pending = not ray.wait([a4.where.remote()], timeout=3)[0]
+        assert pending, "a fourth actor found room where none is left"
+        say("ok", f"Ray placed 2+2+1 GiB of actors over 3+2 GiB nodes: {w1[0]}, {w2[0]}, {w3[0]}; the fourth waits")
+
+        head_t, worker_t = tenants(HEAD), tenants(WORKER)
+        first_head = a1 if w1[0] == "head" else a2
+        first_worker = a2 if first_head is a1 else a1
+        wh = w1 if first_head is a1 else w2
+        ww = w2 if first_head is a1 else w1
+        assert set(head_t) == {wh[2], w3[2]}, head_t
+        assert set(worker_t) == {ww[2]}, worker_t
+        assert head_t[wh[2]]["guarantee"] == 2 * GiB and head_t[wh[2]]["limit"] == 2560 * MiB
+        assert head_t[w3[2]]["guarantee"] == GiB and head_t[w3[2]]["limit"] == GiB
+        say("ok", f"each daemon shows its node's actors as tenants with their guarantee and limit: {sorted(head_t)} / {sorted(worker_t)}")
+
+        # Limits: an actor past its limit gets a clean out-of-memory error; the others go on.
+        assert ray.get(first_head.take.remote(1792 * MiB)) == "ok"
+        over = ray.get(first_head.take.remote(GiB))
+        assert over.startswith("refused: vramd: tenant `") and "limit 2.5 GiB" in over, over
+        assert ray.get(first_worker.take.remote(GiB)) == "ok"
+        assert ray.get(a3.take.remote(512 * MiB)) == "ok"
+        assert ray.get(first_head.take.remote(256 * MiB)) == "ok", "the refused actor goes on"
+        say("ok", f"over its limit: {over}")
+        assert tenants(HEAD)[wh[2]]["held"] == 2 * GiB
+
+        # ray.kill: the memory is back with the node's daemon within 1 s.
+        start = time.time()
+        ray.kill(first_head)
+        gone = wait_for(lambda: wh[2] not in tenants(HEAD), 5)
+        assert gone is not None and gone < 1.0, f"ray.kill: tenant still there after {gone} s"
+        say("measured", f"ray.kill to the tenant's memory back with the head's daemon: {gone * 1000:.0f} ms")
+        # The fourth actor now finds room on the head.
+        w4 = ray.get(a4.where.remote(), timeout=120)
+        assert w4[0] == "head", w4
+        say("ok", "the waiting actor was placed once the killed one's memory was free")
+
+        # SIGKILL of an actor's process.
+        os.kill(ww[1], signal.SIGKILL)
+        gone = wait_for(lambda: ww[2] not in tenants(WORKER), 5)
+        assert gone is not None and gone < 1.0, f"SIGKILL: tenant still there after {gone} s"
+        say("measured", f"SIGKILL to the tenant's memory back with the worker's daemon: {gone * 1000:.0f} ms")
+
+        for a in (a3, a4):
+            ray.kill(a)
+        empty = wait_for(lambda: held(HEAD) == 0 and held(WORKER) == 0 and not tenants(HEAD) and not tenants(WORKER), 5)
+        assert empty is not None and empty < 1.0, (tenants(HEAD), tenants(WORKER))
+        say("ok", "all actors gone: both daemons hold nothing")
+
+        # Ten short tasks in a row on the head: workers reused, nothing carried from one to the next.
+        @vr.remote(memory="256MiB", limit="512MiB")
+        def short(i):
+            t = vramd.current()
+            s = t.stats()
+            others = sorted(vramd.status(os.environ["VRAMD_SOCKET"])["tenants"], key=lambda x: x["name"])
+            p = t.alloc(192 * MiB)
+            ctypes.memset(p, i, 192 * MiB)
+            t.free(p)
+            return {
+                "pid": os.getpid(), "name": s["tenant"], "limit": s["limit"],
+                "guarantee": s["guarantee"], "mapped_at_start": s["stats"]["core"]["held"],
+                "tenants_at_start": [(x["name"], x["held"]) for x in others],
+            }
+
+        runs = []
+        for i in range(10):
+            r = ray.get(short.options(scheduling_strategy=on(head_node)).remote(i), timeout=120)
+            left = wait_for(lambda: not tenants(HEAD), 1)
+            assert left is not None, f"task {i}'s tenant outlived it: {tenants(HEAD)}"
+            runs.append(r)
+        pids = [r["pid"] for r in runs]
+        names = [r["name"] for r in runs]
+        assert len(set(pids)) < len(pids), f"no worker was reused: {pids}"
+        assert len(set(names)) == 10 and all(n.startswith("ray-task-") for n in names), names
+        for r in runs:
+            assert r["tenants_at_start"] == [(r["name"], 0)], r
+            assert r["mapped_at_start"] == 0 and r["guarantee"] == 256 * MiB and r["limit"] == 512 * MiB, r
+        say("ok", f"ten tasks on {len(set(pids))} worker process(es), ten tenants, each starting with nothing and alone on the daemon")
+
+        # PyTorch's integration in a worker, as under `vramd run --torch-mode pool`: libvram.so
+        # preloaded into the worker, the allocator installed when torch is imported (a stand-in
+        # torch, tests/fake_torch: no GPU here), mem_get_info answering the tenant's view.
+        fake = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fake_torch")
+
+        @vr.remote(memory="256MiB", limit="512MiB", torch_mode="pool", preload=True,
+                   runtime_env={"env_vars": {"PYTHONPATH": f"{fake}:{os.environ['PYTHONPATH']}"}})
+        def with_torch():
+            import torch
+            import vramd_torch
+
+            torch.cuda.empty_cache = lambda: None  # the stand-in keeps no cache to empty
+            return vramd_torch.installed(), torch.cuda.mem_get_info(), vramd_torch._lib.lib().vram_interposing()
+
+        mode, (free, total), interposing = ray.get(with_torch.options(scheduling_strategy=on(head_node)).remote(), timeout=120)
+        assert (mode, total, interposing) == ("pool", 512 * MiB, 1), (mode, free, total, interposing)
+        assert wait_for(lambda: not tenants(HEAD), 1) is not None, tenants(HEAD)
+        say("ok", f"a task with torch_mode='pool': allocator {mode}, libvram.so interposing, mem_get_info ({free}, {total})")
+
+        # A task that ends holding memory fails with vramd's reason; the worker it leaves is not
+        # reused: the next task there finds it gone and runs on a fresh one.
+        @vr.remote(memory="256MiB", limit="512MiB")
+        def leak():
+            vramd.current().alloc(64 * MiB)
+            return os.getpid()
+
+        text, _ = expect_error(
+            leak.options(scheduling_strategy=on(head_node)).remote(), ray,
+            "cannot end while its memory is in use: 64 MiB allocated and not freed",
+        )
+        r = ray.get(short.options(scheduling_strategy=on(head_node)).remote(0), timeout=120)
+        assert r["tenants_at_start"] == [(r["name"], 0)] and r["mapped_at_start"] == 0, r
+        assert wait_for(lambda: not tenants(HEAD), 1) is not None, tenants(HEAD)
+        say("ok", f"a task that kept memory failed ({text.splitlines()[-1]}); the next started with nothing")
+
+        # Bad input: more than any node has. Ray says it cannot schedule it; nothing reaches vramd.
+        big = short.options(**vr.options(memory="64GiB")).remote(0)
+        warning = "No available node types can fulfill resource request"
+        took = wait_for(lambda: warning in printed(), 90, step=0.2)
+        assert took is not None, "Ray printed no warning about the 64 GiB request"
+        assert not ray.wait([big], timeout=0)[0]
+        ray.cancel(big, force=True)
+        assert not tenants(HEAD) and not tenants(WORKER)
+        line = next(l for l in printed().splitlines() if warning in l)
+        say("ok", f"a 64 GiB request stayed unscheduled; Ray warned after {took:.0f} s: {line.strip()}")
+
+        # Fits Ray's books but not the daemon's: memory taken outside Ray. vramd's message.
+        outside = vramd.connect(name="outside-ray", guarantee="2GiB", socket=HEAD)
+        text, took = expect_error(
+            short.options(**vr.options(memory="2GiB"), scheduling_strategy=on(head_node)).remote(0),
+            ray, "vramd:", "2 GiB",
+        )
+        outside.close()
+        say("ok", f"admission refused by the head's daemon in {took:.1f} s: {text.splitlines()[-1]}")
+
+        # The worker node's daemon is down: a clear error in the task, not a hang.
+        os.kill(int(WORKER_DAEMON), signal.SIGKILL)
+        text, took = expect_error(
+            short.options(scheduling_strategy=on(worker_node)).remote(0), ray, "vramd:",
+        )
+        say("ok", f"daemon down: the task failed in {took:.1f} s: {text.splitlines()[-1]}")
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise
+    finally:
+        ray.shutdown()
+        cluster.stop()
+    say("ok", "done")
+
+
+main()

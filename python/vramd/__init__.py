@@ -1,0 +1,247 @@
+"""vramd from Python: this process as a tenant of its node's daemon, the daemon's status, and
+shared buffers, over libvram.so (ctypes; no build step, no PyTorch needed).
+
+    import vramd
+    with vramd.connect(name="trainer", guarantee="4GiB", limit="8GiB") as t:
+        p = t.alloc(64 << 20)        # device memory (host memory on the host backend)
+        ...
+        t.free(p)
+    vramd.status()["tenants"]        # what `vramd status --json` shows
+
+A process is one tenant at a time; `Tenant.close` (or leaving the `with` block) ends it and gives
+everything back, and the process may then connect as another. PyTorch: `vramd_torch.install()`
+(see that package). Ray: `vramd.ray`. Sizes are bytes (int) or strings such as "20GiB"
+(`parse_size`).
+"""
+
+import ctypes
+import re
+
+from . import _lib
+from ._lib import load
+
+__all__ = [
+    "VramdError",
+    "Tenant",
+    "SharedBuffer",
+    "connect",
+    "current",
+    "load",
+    "parse_size",
+    "status",
+]
+
+
+class VramdError(RuntimeError):
+    """A call libvram.so refused, with its reason (tenant, limit, what it holds...)."""
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+
+
+def parse_size(v):
+    """Bytes from an int or a string such as "20GiB", "512MiB", "1.5GiB", "4GB" (the forms the
+    daemon's flags and configuration take)."""
+    if isinstance(v, int) and not isinstance(v, bool):
+        if v < 0:
+            raise ValueError(f"vramd: a size cannot be negative ({v})")
+        return v
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(v))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"vramd: `{v}` is not a size (such as 20GiB, 512MiB or a number of bytes)")
+    num, mult = m.group(1), _UNITS[m.group(2).lower()]
+    if num.isdigit():
+        return int(num) * mult
+    try:
+        return round(float(num) * mult)
+    except ValueError:
+        raise ValueError(f"vramd: `{v}` is not a size") from None
+
+
+def _size_arg(v):
+    return None if v is None else str(parse_size(v)).encode()
+
+
+def status(socket=None, lib=None):
+    """The daemon's status as `vramd status --json` prints it (devices, tenants, shared buffers),
+    asked as a tool asks: this process does not become a tenant."""
+    l = load(lib)
+    return _lib.take_json(l.vram_status_json(_lib.text(socket)), "status")
+
+
+class _Closes:
+    """`with X(...) as x:` closes x at the end of the block."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class Tenant(_Closes):
+    """This process as a tenant. Made by `connect` (or `current`); one per process at a time."""
+
+    def __init__(self):
+        self._ended = False
+        self._gpu = self.stats()["gpu"]
+
+    def stats(self):
+        """{"tenant", "gpu", "limit", "guarantee", "stats": {...}}: the allocator's figures."""
+        return _lib.take_json(_lib.lib().vram_stats_json(), "vram_stats_json")
+
+    # The tenant's name, limit and guarantee (bytes) and daemon device, as its welcome said.
+    name = property(lambda self: self.stats()["tenant"])
+    limit = property(lambda self: self.stats()["limit"])
+    guarantee = property(lambda self: self.stats()["guarantee"])
+    gpu = property(lambda self: self.stats()["gpu"])
+
+    def alloc(self, size, stream=None):
+        """The address of a block of at least `size` bytes on the tenant's device; VramdError
+        (tenant, limit, what it holds) when refused."""
+        p = _lib.lib().vram_alloc(parse_size(size), self._gpu, stream)
+        _lib.check(p, "vram_alloc")
+        return p
+
+    def free(self, ptr, stream=None):
+        """Frees a block from `alloc` (a pointer it never gave is logged by libvram, not fatal)."""
+        _lib.lib().vram_free(ptr, 0, self._gpu, stream)
+
+    def mem_get_info(self):
+        """(free, total) as this tenant sees it: total is its limit, free what it may still take."""
+        free, total = ctypes.c_uint64(), ctypes.c_uint64()
+        _lib.check(
+            _lib.lib().vram_mem_get_info(ctypes.byref(free), ctypes.byref(total)) == 0,
+            "vram_mem_get_info",
+        )
+        return free.value, total.value
+
+    def trim(self):
+        """Gives every idle byte back to the daemon now; returns the bytes."""
+        return _lib.lib().vram_trim()
+
+    def close(self):
+        """Ends the tenant: everything goes back to the daemon. Refused (VramdError) while memory
+        is still allocated or a shared buffer is open, naming what is left."""
+        if self._ended:
+            return
+        _lib.check(_lib.lib().vram_disconnect() == 0, "vram_disconnect")
+        self._ended = True
+
+    def __repr__(self):
+        if self._ended:
+            return "<vramd.Tenant (ended)>"
+        s = self.stats()
+        return f"<vramd.Tenant {s['tenant']!r} gpu {s['gpu']} limit {s['limit']}>"
+
+
+def connect(name=None, guarantee=None, limit=None, priority=None, gpu=None, socket=None, lib=None):
+    """Makes this process a tenant of the daemon at `socket` now. Each argument left out takes
+    what libvram.so's first use would (VRAMD_SOCKET, VRAMD_TENANT, VRAMD_GUARANTEE, VRAMD_LIMIT,
+    VRAMD_PRIORITY, VRAMD_GPU, then the defaults). VramdError with the daemon's reason when it
+    does not admit the tenant (a guarantee it cannot give, a name in use, no daemon)."""
+    l = load(lib)
+    ok = l.vram_connect(
+        _lib.text(socket),
+        _lib.text(name),
+        _lib.text(priority),
+        _size_arg(guarantee),
+        _size_arg(limit),
+        -1 if gpu is None else int(gpu),
+    )
+    _lib.check(ok == 0, "vram_connect")
+    return Tenant()
+
+
+def current():
+    """The process's tenant, set up as at libvram.so's first use if it is none yet."""
+    return Tenant()
+
+
+class Pin:
+    """A published version pinned read-only: `ptr`, `version`, `checksum`, `size`; `view()` is a
+    read-only memoryview of it on the host backend (device memory elsewhere)."""
+
+    def __init__(self, buf, ptr, version, checksum, size):
+        self._buf, self.ptr, self.version, self.checksum, self.size = buf, ptr, version, checksum, size
+
+    def view(self):
+        return memoryview((ctypes.c_char * self.size).from_address(self.ptr)).toreadonly()
+
+    def release(self):
+        if self.ptr:
+            _lib.check(_lib.lib().vram_shared_release(self._buf._h, self.ptr) == 0, "vram_shared_release")
+            self.ptr = None
+
+
+class SharedBuffer(_Closes):
+    """A named shared buffer (one writer at a time under a lease, readers pinning published
+    versions; see docs/protocol.md). `create` or `open`, then `close` (or a `with` block)."""
+
+    def __init__(self, handle, name):
+        self._h, self.name = handle, name
+        self._draft = None
+
+    @classmethod
+    def create(cls, name, size, readers=None, writers=None):
+        """A buffer owned by this tenant, each version `size` bytes. `readers`/`writers`: lists of
+        "tenant:NAME", "class:NAME" or "*"."""
+        join = lambda xs: None if not xs else ",".join(xs).encode()
+        h = _lib.lib().vram_shared_create(name.encode(), parse_size(size), join(readers), join(writers))
+        _lib.check(h, "vram_shared_create")
+        return cls(h, name)
+
+    @classmethod
+    def open(cls, name):
+        h = _lib.lib().vram_shared_open(name.encode())
+        _lib.check(h, "vram_shared_open")
+        return cls(h, name)
+
+    def lease(self, ttl_ms=10_000):
+        _lib.check(_lib.lib().vram_shared_lease(self._h, ttl_ms) == 0, "vram_shared_lease")
+
+    def release_lease(self):
+        _lib.check(_lib.lib().vram_shared_release_lease(self._h) == 0, "vram_shared_release_lease")
+
+    def begin_write(self, base=0):
+        """Fresh memory for the next version, from version `base` (0 before the first publish):
+        (pointer, the new version's number)."""
+        v = ctypes.c_uint64()
+        p = _lib.lib().vram_shared_begin_write(self._h, base, ctypes.byref(v))
+        _lib.check(p, "vram_shared_begin_write")
+        return p, v.value
+
+    def publish(self):
+        """Publishes the draft; the daemon's checksum of it."""
+        c = ctypes.c_uint64()
+        _lib.check(_lib.lib().vram_shared_publish(self._h, ctypes.byref(c)) == 0, "vram_shared_publish")
+        return c.value
+
+    def pin(self):
+        v, c, n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        p = _lib.lib().vram_shared_pin(self._h, ctypes.byref(v), ctypes.byref(c), ctypes.byref(n))
+        _lib.check(p, "vram_shared_pin")
+        return Pin(self, p, v.value, c.value, n.value)
+
+    def verify(self, version):
+        r = _lib.lib().vram_shared_verify(self._h, version)
+        _lib.check(r >= 0, "vram_shared_verify")
+        return r == 1
+
+    def wait(self, than=0, timeout_s=1.0):
+        """The number of a version newer than `than`, or None after `timeout_s`."""
+        v = ctypes.c_uint64()
+        r = _lib.lib().vram_shared_wait(self._h, than, int(timeout_s * 1000), ctypes.byref(v))
+        _lib.check(r >= 0, "vram_shared_wait")
+        return v.value if r == 1 else None
+
+    def close(self):
+        if self._h:
+            _lib.lib().vram_shared_close(self._h)
+            self._h = None
