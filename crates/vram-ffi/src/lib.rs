@@ -266,25 +266,37 @@ extern "C" fn say_bye() {
 }
 
 /// A C string argument that may be NULL (then `None`).
-fn optional_text(s: *const c_char, what: &str) -> Result<Option<String>, String> {
+///
+/// # Safety
+///
+/// `s` is NULL or points to a NUL-terminated string that stays alive for the call.
+unsafe fn optional_text(s: *const c_char, what: &str) -> Result<Option<String>, String> {
     if s.is_null() {
         return Ok(None);
     }
-    // SAFETY: the caller passes NULL or a NUL-terminated string alive for this call (vram.h).
+    // SAFETY: not NULL, and NUL-terminated and alive for the call (this function's contract).
     let s = unsafe { CStr::from_ptr(s) }.to_str();
     s.map(|s| Some(s.to_string()).filter(|s| !s.is_empty()))
         .map_err(|_| format!("vramd: {what} is not UTF-8"))
 }
 
-fn optional_bytes(s: *const c_char, what: &str) -> Result<Option<Bytes>, String> {
-    optional_text(s, what)?
+/// # Safety
+///
+/// As [`optional_text`].
+unsafe fn optional_bytes(s: *const c_char, what: &str) -> Result<Option<Bytes>, String> {
+    // SAFETY: this function's contract is `optional_text`'s.
+    unsafe { optional_text(s, what) }?
         .map(|v| v.parse().map_err(|e| format!("vramd: {what} `{v}`: {e}")))
         .transpose()
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// Each string argument is NULL or a NUL-terminated string alive for the call.
 #[no_mangle]
-pub extern "C" fn vram_connect(
+pub unsafe extern "C" fn vram_connect(
     socket: *const c_char,
     name: *const c_char,
     priority: *const c_char,
@@ -294,16 +306,21 @@ pub extern "C" fn vram_connect(
 ) -> c_int {
     guarded(-1, || {
         let mut opts = options_from_env()?;
-        if let Some(n) = optional_text(name, "name")? {
+        // SAFETY (each `optional_*` call below): the arguments are NULL or NUL-terminated
+        // strings alive for this call (this function's contract).
+        if let Some(n) = unsafe { optional_text(name, "name") }? {
             opts.name = n;
         }
-        if let Some(p) = optional_text(priority, "priority")? {
+        // SAFETY: as above.
+        if let Some(p) = unsafe { optional_text(priority, "priority") }? {
             opts.class = Some(p);
         }
-        if let Some(g) = optional_bytes(guarantee, "guarantee")? {
+        // SAFETY: as above.
+        if let Some(g) = unsafe { optional_bytes(guarantee, "guarantee") }? {
             opts.guarantee = Some(g);
         }
-        if let Some(l) = optional_bytes(limit, "limit")? {
+        // SAFETY: as above.
+        if let Some(l) = unsafe { optional_bytes(limit, "limit") }? {
             opts.limit = Some(l);
         }
         if gpu >= 0 {
@@ -311,7 +328,8 @@ pub extern "C" fn vram_connect(
         }
         // An invitation is for the first tenant `vramd run` registered, not for one asked here.
         opts.join = None;
-        let socket = optional_text(socket, "socket")?.map(std::path::PathBuf::from);
+        // SAFETY: as above.
+        let socket = unsafe { optional_text(socket, "socket") }?.map(std::path::PathBuf::from);
         let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
             let name = t
@@ -329,10 +347,15 @@ pub extern "C" fn vram_connect(
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// `socket` is NULL or a NUL-terminated string alive for the call.
 #[no_mangle]
-pub extern "C" fn vram_status_json(socket: *const c_char) -> *mut c_char {
+pub unsafe extern "C" fn vram_status_json(socket: *const c_char) -> *mut c_char {
     guarded(std::ptr::null_mut(), || {
-        let socket = optional_text(socket, "socket")?.map(std::path::PathBuf::from);
+        // SAFETY: NULL or NUL-terminated and alive for the call (this function's contract).
+        let socket = unsafe { optional_text(socket, "socket") }?.map(std::path::PathBuf::from);
         let report = vram_client::Observer::connect(socket.as_deref())
             .and_then(|o| o.status())
             .map_err(|e| format!("vramd: {e}"))?;

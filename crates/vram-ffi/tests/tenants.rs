@@ -38,14 +38,17 @@ fn a_process_ends_one_tenant_and_becomes_another() {
     };
     let connect = |name: &str, limit: &str| {
         let (name, limit) = (text(name), text(limit));
-        vram::vram_connect(
-            socket.as_ptr(),
-            name.as_ptr(),
-            std::ptr::null(),
-            std::ptr::null(),
-            limit.as_ptr(),
-            -1,
-        )
+        // SAFETY: NUL-terminated strings alive for the call, or NULL.
+        unsafe {
+            vram::vram_connect(
+                socket.as_ptr(),
+                name.as_ptr(),
+                std::ptr::null(),
+                std::ptr::null(),
+                limit.as_ptr(),
+                -1,
+            )
+        }
     };
     let stream = std::ptr::null_mut();
 
