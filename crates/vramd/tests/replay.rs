@@ -334,8 +334,8 @@ fn settings_may_be_given_one_per_flag_or_comma_separated() {
     write_snapshot(&trace, 20);
     let path = trace.to_str().unwrap();
     // Handles of at most 4 MiB, cut evenly: far more of them than by default.
-    let apart = &replay_json(&["--set", "max_handle=4MiB", "--set", "edge_handle=0", path])[0];
-    let together = &replay_json(&["--set", "max_handle=4MiB,edge_handle=0", path])[0];
+    let apart = &replay_json(&["--set", "max_handle=4MiB", "--set", "min_grow=2MiB", path])[0];
+    let together = &replay_json(&["--set", "max_handle=4MiB,min_grow=2MiB", path])[0];
     let default = &replay_json(&[path])[0];
     for key in ["peak_held", "grants", "maps"] {
         assert_eq!(apart[key], together[key], "{key}");

@@ -169,7 +169,8 @@ fn diagnose() {
         return;
     };
     let mut rows = Vec::new();
-    for name in TRACES {
+    for name in trace_names() {
+        let name = name.as_str();
         let trace = scaled(load(&dir, name));
         let config = settings_from_env();
         let mut a = Allocator::new(config.clone(), ModelBacking::new());
@@ -330,7 +331,8 @@ fn sweep() {
     };
     let config = settings_from_env();
     let mut worst: (f64, f64) = (0.0, 0.0);
-    for name in TRACES {
+    for name in trace_names() {
+        let name = name.as_str();
         let trace = load(&dir, name);
         let r = replay_priced(name, &trace, &config);
         worst = (
@@ -410,4 +412,11 @@ fn robustness() {
         "mean fragmentation over traces and scales {:.2} %",
         means.iter().sum::<f64>() / means.len() as f64
     );
+}
+
+/// The traces to replay: `VRAMD_TRACE_NAMES` (comma-separated), else the four.
+fn trace_names() -> Vec<String> {
+    std::env::var("VRAMD_TRACE_NAMES").map_or(TRACES.iter().map(|s| s.to_string()).collect(), |v| {
+        v.split(',').map(str::to_string).collect()
+    })
 }
