@@ -4,6 +4,7 @@ pub mod bench;
 mod child;
 pub mod demo;
 mod registration;
+mod pytorch_figures;
 pub mod replay;
 pub mod run;
 pub mod serve;
