@@ -82,7 +82,9 @@ impl AllocConfig {
             ("keep_fraction", changed.keep_fraction),
         ] {
             if !(f.is_finite() && f >= 0.0) {
-                return Err(format!("`{setting}`: {name} must be a fraction of at least 0"));
+                return Err(format!(
+                    "`{setting}`: {name} must be a fraction of at least 0"
+                ));
             }
         }
         *self = AllocConfig {

@@ -93,14 +93,14 @@ impl<B: Backing> Allocator<B> {
         step: Step,
     ) -> Result<(), AllocError> {
         let gran = self.config.granularity.get();
-        let site = self
-            .heaps
-            .get(kind)
-            .growth_site(len, gran, stream)
-            .ok_or(AllocError::TooLarge {
-                requested: Bytes(len),
-                va: self.config.va_bytes,
-            })?;
+        let site =
+            self.heaps
+                .get(kind)
+                .growth_site(len, gran, stream)
+                .ok_or(AllocError::TooLarge {
+                    requested: Bytes(len),
+                    va: self.config.va_bytes,
+                })?;
         // Below the cap, grant: the slack lets later blocks wrap around into old holes instead of
         // every growth reusing handles. At the cap, reuse wholly free handles first.
         let at_cap = self.stats.held.get() + site.need > self.growth_cap(len);
@@ -187,7 +187,11 @@ impl<B: Backing> Allocator<B> {
         let room = site.gap.len;
         let mut candidates: Vec<FreeHandle> = Vec::new();
         for (from, heap) in self.heaps.iter() {
-            let skip = if from == kind { site.uses } else { [None, None] };
+            let skip = if from == kind {
+                site.uses
+            } else {
+                [None, None]
+            };
             for (va, len) in heap.free_handles(gran, skip) {
                 // The small heap takes only what it needs: what it holds serves small blocks only.
                 if len <= room && (kind != HeapKind::Small || len <= site.need) {

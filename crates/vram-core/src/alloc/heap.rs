@@ -88,7 +88,11 @@ impl Heap {
         for (&g, &glen) in &self.gaps {
             let left = self.free.ending_at(g);
             let right = self.free.get(g + glen).map(|r| (g + glen, r));
-            for ((start, r), at_gap_end) in left.map(|l| (l, false)).into_iter().chain(right.map(|r| (r, true))) {
+            for ((start, r), at_gap_end) in left
+                .map(|l| (l, false))
+                .into_iter()
+                .chain(right.map(|r| (r, true)))
+            {
                 let need = round(len.saturating_sub(r.len));
                 if !usable(r.owner) || need > glen {
                     continue;
@@ -96,7 +100,10 @@ impl Heap {
                 consider(Site {
                     uses: [Some(start), None],
                     need,
-                    gap: Gap { start: g, len: glen },
+                    gap: Gap {
+                        start: g,
+                        len: glen,
+                    },
                     at_gap_end,
                     owner: r.owner,
                     seq: r.seq,
@@ -104,11 +111,18 @@ impl Heap {
             }
             if let (Some((ls, l)), Some((rs, r))) = (left, right) {
                 if joinable(&l) && joinable(&r) && l.len + glen + r.len >= len {
-                    let owner = if l.owner == Owner::Any { r.owner } else { l.owner };
+                    let owner = if l.owner == Owner::Any {
+                        r.owner
+                    } else {
+                        l.owner
+                    };
                     consider(Site {
                         uses: [Some(ls), Some(rs)],
                         need: glen,
-                        gap: Gap { start: g, len: glen },
+                        gap: Gap {
+                            start: g,
+                            len: glen,
+                        },
                         at_gap_end: false,
                         owner,
                         seq: l.seq.max(r.seq),
@@ -122,7 +136,10 @@ impl Heap {
             Some(Site {
                 uses: [None, None],
                 need,
-                gap: Gap { start: g, len: glen },
+                gap: Gap {
+                    start: g,
+                    len: glen,
+                },
                 at_gap_end: false,
                 owner: Owner::Any,
                 seq: 0,

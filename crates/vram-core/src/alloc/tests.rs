@@ -522,7 +522,10 @@ fn growths_at_a_new_peak_double_their_step_within_the_cap_and_others_add_their_n
     // Without room under the cap every block but those that fit in a previous step's rest grows
     // the heap; with it, steps of 2, 4, 8, ... MiB take far fewer requests.
     assert!(plain >= 30, "{plain}");
-    assert!(stepped * 3 <= plain, "{stepped} grant requests against {plain}");
+    assert!(
+        stepped * 3 <= plain,
+        "{stepped} grant requests against {plain}"
+    );
     // What the steps add ahead of need stays under the cap: a quarter above the peak in use.
     assert_eq!(plain_peak, Bytes::mib(180));
     assert!(peak.get() <= Bytes::mib(180).get() * 5 / 4, "{peak}");
@@ -659,7 +662,12 @@ fn one_stream_records_no_fence_until_memory_is_needed_elsewhere() {
         let y = a.alloc(Bytes::mib(1), StreamId(1), &fences).unwrap();
         a.free_deferred(y.offset, StreamId(1), &fences).unwrap();
     }
-    assert_eq!(fences.recorded(1), 2, "{} frees since the last fence", SEAL_EVERY - 1);
+    assert_eq!(
+        fences.recorded(1),
+        2,
+        "{} frees since the last fence",
+        SEAL_EVERY - 1
+    );
     let y = a.alloc(Bytes::mib(1), StreamId(1), &fences).unwrap();
     a.free_deferred(y.offset, StreamId(1), &fences).unwrap();
     assert_eq!(
@@ -860,7 +868,11 @@ fn settings_are_set_from_text_and_unknown_ones_and_device_facts_refused() {
     };
     let mut set = facts.clone();
     set.set("min_grow=8MiB").unwrap();
-    assert_eq!(set.granularity, Bytes::mib(4), "setting keeps the device's facts");
+    assert_eq!(
+        set.granularity,
+        Bytes::mib(4),
+        "setting keeps the device's facts"
+    );
 }
 
 #[test]
@@ -881,7 +893,10 @@ fn large_grants_have_small_handles_at_both_ends_and_large_ones_in_the_middle() {
     let big = split(1430);
     assert_eq!(big.iter().sum::<u64>(), mib(1430));
     assert_eq!(&big[..3], &[mib(16), mib(32), mib(64)]);
-    assert!(big.iter().all(|&h| h % mib(2) == 0 && h <= mib(64)), "{big:?}");
+    assert!(
+        big.iter().all(|&h| h % mib(2) == 0 && h <= mib(64)),
+        "{big:?}"
+    );
     assert_eq!(big.len(), 25, "{big:?}");
 }
 

@@ -3,8 +3,8 @@
 pub mod bench;
 mod child;
 pub mod demo;
-mod registration;
 mod pytorch_figures;
+mod registration;
 pub mod replay;
 pub mod run;
 pub mod serve;

@@ -74,6 +74,9 @@ mod tests {
         let partial = parse(README, "lstm_lm_train");
         assert!(partial.default.is_some() && partial.expandable.is_none());
         assert_eq!(parse(README, "unknown"), PytorchFigures::default());
-        assert_eq!(parse("no table here", "resnet50_train"), PytorchFigures::default());
+        assert_eq!(
+            parse("no table here", "resnet50_train"),
+            PytorchFigures::default()
+        );
     }
 }
