@@ -71,13 +71,22 @@ class Nvml:
     """The device's used memory, sampled on a thread while a run lasts."""
 
     def __init__(self, index=0):
-        import pynvml
-        pynvml.nvmlInit()
-        self.nvml = pynvml
-        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.index = index
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except ImportError:
+            # NVML through nvidia-smi (slower samples, the same figure) where pynvml is missing.
+            self.nvml = None
 
     def used(self):
-        return self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+        if self.nvml is not None:
+            return self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+        out = subprocess.run(["nvidia-smi", "-i", str(self.index), "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        return int(out.stdout.strip()) << 20
 
     def peak_during(self, proc):
         peak = [self.used()]
