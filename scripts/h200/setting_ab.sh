@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: the build's default allocator settings against `--set SETTING` (e.g.
-# move_handles=true), interleaved on one machine: the in-process replay three times each, the
+# max_handle=32MiB), interleaved on one machine: the in-process replay three times each, the
 # tenant's real path (`--through-daemon --realtime`) once each, then PyTorch full-mode peaks on the
 # default (BERT batch 64 deterministic, BERT batch 16, ResNet-50; plain and expandable once each
 # beside it). About 6 minutes. PEAKS=0 leaves the training runs out.

@@ -9,10 +9,6 @@ step replay_cuda_through_daemon 150 .gpu/bin/vramd replay --backend cuda --throu
 # At the traces' own pace (about 14 s), as a tenant's grants come.
 step replay_cuda_through_daemon_realtime 60 .gpu/bin/vramd replay --backend cuda --through-daemon \
   --realtime --json .gpu/traces/*.gz
-# The defaults before the sixth session (2 MiB growth steps, large grants cut into 64 MiB handles),
-# for comparison.
-step replay_cuda_old_defaults 120 .gpu/bin/vramd replay --backend cuda \
-  --set min_grow=2MiB --set edge_handle=0 .gpu/traces/*.gz
 if [ -x .gpu/bench/alloc_pair ]; then
   step alloc_pair 60 .gpu/bench/alloc_pair --bench --warm-up-time 1 --measurement-time 4
 fi

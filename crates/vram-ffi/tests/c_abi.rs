@@ -121,11 +121,11 @@ fn allocator_settings_come_from_vramd_alloc_and_a_bad_one_is_a_clear_error() {
         assert!(r.status.success());
         String::from_utf8_lossy(&r.stdout).into_owned()
     };
-    assert_eq!(run("min_grow=16MiB,seal_every=2"), "allocated\n");
+    assert_eq!(run("min_grow=16MiB,grow_slack=0.02"), "allocated\n");
     let bad = run("min_grwo=16MiB");
     assert!(
         bad.starts_with("refused: vramd: VRAMD_ALLOC: `min_grwo` is not an allocator setting"),
         "{bad}"
     );
-    assert!(run("seal_every=0").contains("seal_every must be at least 1"));
+    assert!(run("grow_slack=-1").contains("grow_slack must be a fraction of at least 0"));
 }

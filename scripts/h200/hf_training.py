@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""GPT-2-small and a Llama-style model trained from config with transformers (random weights,
+nothing downloaded), under PyTorch's default allocator, expandable segments and vramd's full mode,
+in paired rounds on one GPU: peak device memory as NVML sees it, and throughput.
+
+Each run is a child process: variable sequence length 512-1024 (the same seeded draw in every
+run), batch 8, bf16 autocast, AdamW. Full mode runs under `vramd run --torch-mode full` against a
+daemon this script starts (CUDA backend). NVML's figure is the device's used memory sampled every
+5 ms during the run, less what was used just before it started (the daemon, when up, included),
+so the daemon's handles count for full mode as the process's own memory counts for PyTorch.
+Throughput is tokens per second over the steps after the warm-up. Modes alternate in each round,
+and the first mode rotates between rounds; medians over rounds.
+
+Usage: python3 scripts/h200/hf_training.py --vramd .gpu/bin/vramd --out $OUT/hf [--rounds 3]
+       [--steps 60] [--warmup 10] [--models gpt2 llama]
+Writes OUT/results.json (every run) and OUT/summary.md (the medians and the two checks of
+issue 24: full's peak <= expandable's, full's throughput >= 0.98 of default's and expandable's).
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+MODES = ("default", "expandable", "full")
+
+
+def worker(model_name, steps, warmup, seed):
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    if model_name == "gpt2":
+        config = transformers.GPT2Config(n_positions=1024)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+            num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024)
+        model = transformers.LlamaForCausalLM(config)
+    dev = torch.device("cuda")
+    model.to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    rng = random.Random(seed)
+    lengths = [rng.randint(512, 1024) for _ in range(steps)]
+    g = torch.Generator().manual_seed(seed)
+    tokens, t_timed = 0, 0.0
+    for i, length in enumerate(lengths):
+        ids = torch.randint(0, config.vocab_size, (8, length), generator=g).to(dev)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        if i >= warmup:
+            t_timed += time.perf_counter() - t
+            tokens += 8 * length
+    print("RESULT " + json.dumps({"tokens_per_s": tokens / t_timed, "loss": float(loss)}),
+          flush=True)
+
+
+class Nvml:
+    """The device's used memory, sampled on a thread while a run lasts."""
+
+    def __init__(self, index=0):
+        self.index = index
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        except ImportError:
+            # NVML through nvidia-smi (slower samples, the same figure) where pynvml is missing.
+            self.nvml = None
+
+    def used(self):
+        if self.nvml is not None:
+            return self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+        out = subprocess.run(["nvidia-smi", "-i", str(self.index), "--query-gpu=memory.used",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        return int(out.stdout.strip()) << 20
+
+    def peak_during(self, proc):
+        peak = [self.used()]
+
+        def sample():
+            while proc.poll() is None:
+                peak[0] = max(peak[0], self.used())
+                time.sleep(0.005)
+        t = threading.Thread(target=sample)
+        t.start()
+        out, err = proc.communicate()
+        t.join()
+        return peak[0], out, err
+
+
+def daemon_up(vramd, folder):
+    sock = os.path.join(folder, "vramd.sock")
+    with open(os.path.join(folder, "vramd.toml"), "w") as f:
+        f.write('capacity = "120 GiB"\n')
+    log = open(os.path.join(folder, "vramd.log"), "w")
+    d = subprocess.Popen([vramd, "serve", "--backend", "cuda", "--socket", sock,
+                          "--config", os.path.join(folder, "vramd.toml")], stdout=log, stderr=log)
+    for _ in range(200):
+        if os.path.exists(sock):
+            break
+        time.sleep(0.05)
+    return d, sock
+
+
+def run(o, nvml, mode, model, sock, tmp):
+    env = dict(os.environ)
+    env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    if mode == "expandable":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", model,
+           "--steps", str(o.steps), "--warmup", str(o.warmup)]
+    if mode == "full":
+        cmd = [o.vramd, "run", "--socket", sock, "--torch-mode", "full", "--"] + cmd
+    time.sleep(1)
+    base = nvml.used()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=tmp)
+    peak, out, err = nvml.peak_during(proc)
+    res = {"mode": mode, "model": model, "exit": proc.returncode, "nvml_peak_bytes": peak - base}
+    for line in out.splitlines():
+        if line.startswith("RESULT "):
+            res.update(json.loads(line[7:]))
+    if "tokens_per_s" not in res:
+        res["stderr"] = err[-3000:]
+    return res
+
+
+def summary(results, models):
+    lines = ["| model | mode | runs | NVML peak (median) | tokens/s (median) |",
+             "|---|---|---|---|---|"]
+    checks = []
+    for model in models:
+        med = {}
+        for mode in MODES:
+            ok = [r for r in results if r["model"] == model and r["mode"] == mode
+                  and "tokens_per_s" in r]
+            if not ok:
+                lines.append(f"| {model} | {mode} | 0 | failed | failed |")
+                continue
+            peak = statistics.median(r["nvml_peak_bytes"] for r in ok)
+            tps = statistics.median(r["tokens_per_s"] for r in ok)
+            med[mode] = (peak, tps)
+            lines.append(f"| {model} | {mode} | {len(ok)} | {peak / 2**30:.2f} GiB | {tps:,.0f} |")
+        if len(med) == 3:
+            checks.append(f"- {model}: full's peak {med['full'][0] / 2**30:.2f} GiB against "
+                          f"expandable's {med['expandable'][0] / 2**30:.2f} GiB: "
+                          f"{'holds' if med['full'][0] <= med['expandable'][0] else 'MISSED'}; "
+                          f"throughput {med['full'][1] / med['default'][1]:.3f} of default's, "
+                          f"{med['full'][1] / med['expandable'][1]:.3f} of expandable's: "
+                          f"{'holds' if min(med['full'][1] / med['default'][1], med['full'][1] / med['expandable'][1]) >= 0.98 else 'MISSED'}")
+    return "\n".join(lines + [""] + checks) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worker")
+    p.add_argument("--vramd", default=".gpu/bin/vramd")
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hf"))
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
+    o = p.parse_args()
+    if o.worker:
+        return worker(o.worker, o.steps, o.warmup, o.seed)
+    os.makedirs(o.out, exist_ok=True)
+    o.vramd = os.path.abspath(o.vramd)
+    nvml = Nvml()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="hf-training-") as tmp:
+        daemon, sock = daemon_up(o.vramd, tmp)
+        try:
+            for rnd in range(o.rounds):
+                for model in o.models:
+                    order = MODES[rnd % 3:] + MODES[:rnd % 3]
+                    for mode in order:
+                        r = run(o, nvml, mode, model, sock, tmp)
+                        r["round"] = rnd
+                        results.append(r)
+                        print(json.dumps(r)[:300], flush=True)
+                        with open(os.path.join(o.out, "results.json"), "w") as f:
+                            json.dump(results, f, indent=1)
+        finally:
+            daemon.terminate()
+            daemon.wait(15)
+            os.replace(os.path.join(tmp, "vramd.log"), os.path.join(o.out, "vramd.log"))
+    text = summary(results, o.models)
+    with open(os.path.join(o.out, "summary.md"), "w") as f:
+        f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# One device call: GPT-2-small and a Llama-style model trained from config under PyTorch's
+# default allocator, expandable segments and vramd's full mode, paired rounds (see
+# scripts/h200/hf_training.py). Needs torch and transformers; NVML through pynvml, else
+# nvidia-smi. Nothing is downloaded. ROUNDS (3) and STEPS (60) as the environment says.
+set -u
+. "$(dirname "$0")/lib.sh"
+step hf_training 560 python3 scripts/h200/hf_training.py --vramd .gpu/bin/vramd --out "$R/hf" \
+  --rounds "${ROUNDS:-3}" --steps "${STEPS:-60}"
+cat "$R/hf/summary.md" 2>/dev/null
