@@ -907,6 +907,21 @@ impl Slot {
             .collect();
         (device, tenants)
     }
+    /// The connections of tenant `name` (its own, and the registering one of a tenant a
+    /// process joined) and what it holds now (grants and charges); none if it is not connected.
+    pub fn connections_of(&self, name: &str) -> (Vec<u64>, Bytes) {
+        let s = self.lock();
+        let Some(id) = s.broker.id_of(name) else {
+            return (Vec::new(), Bytes::ZERO);
+        };
+        let mut conns: Vec<u64> = s.conn_of.get(&id).copied().into_iter().collect();
+        conns.extend(s.members.get(&id).and_then(|(c, _)| *c));
+        let held = s
+            .broker
+            .tenant(id)
+            .map_or(Bytes::ZERO, |t| t.held.saturating_add(t.charged));
+        (conns, held)
+    }
 }
 
 /// Settles an adopted tenant's books against what it says it holds: grants it no longer holds
