@@ -176,7 +176,13 @@ pub(super) fn withdraw(daemon: &Daemon, uid: u32, name: &str) -> Result<Reply, E
     declared.remove(name);
     drop(declared);
 
-    let (conns, held) = slot.connections_of(name);
+    let Some((id, conns, held, pending)) = slot.connections_of(name) else {
+        tracing::info!(tenant = name, gpu, admin_uid = uid, "tenant withdrawn (not connected)");
+        return Ok(Reply::Withdrawn {
+            released: vram_core::Bytes::ZERO,
+            connections: 0,
+        });
+    };
     let peers: Vec<_> = {
         let all = daemon.conns.lock().expect("conns");
         conns.iter().filter_map(|c| all.get(c).cloned()).collect()
@@ -184,8 +190,11 @@ pub(super) fn withdraw(daemon: &Daemon, uid: u32, name: &str) -> Result<Reply, E
     for p in &peers {
         p.disconnect();
     }
+    // Answered once the tenant is gone from the books (a connection closing just before is
+    // waited for too), unless it is an adopted tenant with no connection to close, whose books
+    // go when its process does.
     let deadline = Instant::now() + WITHDRAW_WAIT;
-    while slot.connections_of(name).0.iter().any(|c| conns.contains(c)) {
+    while !pending && slot.connections_of(name).is_some_and(|t| t.0 == id) {
         if Instant::now() > deadline {
             return Err(error(
                 ErrorCode::Device,

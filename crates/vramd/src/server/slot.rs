@@ -907,20 +907,20 @@ impl Slot {
             .collect();
         (device, tenants)
     }
-    /// The connections of tenant `name` (its own, and the registering one of a tenant a
-    /// process joined) and what it holds now (grants and charges); none if it is not connected.
-    pub fn connections_of(&self, name: &str) -> (Vec<u64>, Bytes) {
+    /// Tenant `name` as a withdraw needs it: its id, its connections (its own, and the
+    /// registering one of a tenant a process joined), what it holds now (grants and charges),
+    /// and whether it is an adopted tenant whose process has not reconnected (no connection to
+    /// close). `None`: no tenant of that name.
+    pub fn connections_of(&self, name: &str) -> Option<(TenantId, Vec<u64>, Bytes, bool)> {
         let s = self.lock();
-        let Some(id) = s.broker.id_of(name) else {
-            return (Vec::new(), Bytes::ZERO);
-        };
+        let id = s.broker.id_of(name)?;
         let mut conns: Vec<u64> = s.conn_of.get(&id).copied().into_iter().collect();
         conns.extend(s.members.get(&id).and_then(|(c, _)| *c));
         let held = s
             .broker
             .tenant(id)
             .map_or(Bytes::ZERO, |t| t.held.saturating_add(t.charged));
-        (conns, held)
+        Some((id, conns, held, s.pending.contains_key(&id)))
     }
 }
 
