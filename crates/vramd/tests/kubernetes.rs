@@ -125,10 +125,19 @@ impl Node {
             .prefix("vramd-k8s-")
             .tempdir()
             .unwrap();
-        let api = StandIn::start();
+        Node::start_in(daemon, dir, StandIn::start())
+    }
+
+    /// The plugin started on `dir` (its checkpoint, CDI specs and sockets) against `api`.
+    fn start_in(daemon: &Daemon, dir: tempfile::TempDir, api: StandIn) -> Node {
         let kubeconfig = dir.path().join("kubeconfig");
         api.write_kubeconfig(&kubeconfig).unwrap();
-        let log = std::fs::File::create(dir.path().join("plugin.log")).unwrap();
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(dir.path().join("plugin.log"))
+            .unwrap();
+        let _ = std::fs::remove_file(dir.path().join("plugins_registry/vramd.io-reg.sock"));
         let plugin = Command::new(plugin_binary())
             .env("KUBECONFIG", &kubeconfig)
             .env("NODE_NAME", NODE)
@@ -154,6 +163,21 @@ impl Node {
         let up = wait_until(Duration::from_secs(20), || node.registry_socket().exists());
         assert!(up, "the plugin did not come up:\n{}", node.log());
         node
+    }
+
+    /// SIGKILL, then the plugin started again on the same directories, against `daemon`.
+    fn restart(mut self, daemon: &Daemon) -> Node {
+        let _ = self.plugin.kill();
+        let _ = self.plugin.wait();
+        // Taken out so that this Node's drop leaves them to the new one.
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
+        let api = std::mem::replace(&mut self.api, StandIn::start());
+        drop(self);
+        Node::start_in(daemon, dir, api)
+    }
+
+    fn dra_socket(&self) -> PathBuf {
+        self.dir.path().join("plugins/vramd.io/dra.sock")
     }
 
     fn registry_socket(&self) -> PathBuf {
@@ -454,7 +478,7 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
     let daemon = Daemon::start("capacity = \"8 GiB\"\npriority_reserve = \"0\"\n");
     let node = Node::start(&daemon);
     let rt = runtime();
-    let endpoint = node.dir.path().join("plugins/vramd.io/dra.sock");
+    let endpoint = node.dra_socket();
     assert!(wait_until(Duration::from_secs(10), || endpoint.exists()));
     let mut dra = rt.block_on(async { DraPluginClient::new(dial(endpoint.clone()).await) });
     let prepare = |dra: &mut DraPluginClient<Channel>, name: &str, uid: &str| -> String {
@@ -526,4 +550,81 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
     let e = prepare(&mut dra, "late", "u-late");
     assert!(e.contains("cannot reach vramd"), "{e}");
     assert!(node.cdi_specs().is_empty(), "{:?}", node.cdi_specs());
+}
+
+#[test]
+fn a_plugin_restart_or_a_daemon_restart_loses_no_claim_and_doubles_none() {
+    let daemon = Daemon::start("capacity = \"8 GiB\"\npriority_reserve = \"0\"\n");
+    let node = Node::start(&daemon);
+    let rt = runtime();
+    node.api
+        .put_claim(claim("a", UID_A, "gpu-0", "512Mi", json!({})));
+    let prepare = |endpoint: PathBuf| {
+        rt.block_on(async {
+            let mut dra = DraPluginClient::new(dial(endpoint).await);
+            dra.node_prepare_resources(NodePrepareResourcesRequest {
+                claims: vec![claim_ref("a", UID_A)],
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .claims[UID_A]
+                .clone()
+        })
+    };
+    let first = prepare(node.dra_socket());
+    assert_eq!(first.error, "");
+
+    // The plugin is killed and started again: the kubelet's retry gets the same answer.
+    let node = node.restart(&daemon);
+    assert!(wait_until(Duration::from_secs(10), || node.dra_socket().exists()));
+    assert_eq!(prepare(node.dra_socket()), first);
+    assert_eq!(daemon.status().devices[0].reserved, Bytes::mib(512));
+
+    // A declaration of the plugin's that no prepared claim names (it stopped between declaring
+    // and its checkpoint) is withdrawn when it starts; a daemon without the prepared claim's
+    // declaration (restarted) gets it again.
+    let fresh = Daemon::start("capacity = \"8 GiB\"\npriority_reserve = \"0\"\n");
+    let orphan = vram_proto::Declaration {
+        name: "k8s-ffffffff-0000-4000-8000-00000000000f".into(),
+        gpu: 0,
+        class: "normal".into(),
+        guarantee: Bytes::gib(1),
+        limit: None,
+        owners: vec![],
+    };
+    vram_client::Observer::connect(Some(&fresh.socket))
+        .unwrap()
+        .declare(&orphan)
+        .unwrap();
+    let node = node.restart(&fresh);
+    let declared = || {
+        vram_client::Observer::connect(Some(&fresh.socket))
+            .unwrap()
+            .declarations()
+            .unwrap()
+    };
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            let d = declared();
+            d.len() == 1 && d[0].name == format!("k8s-{UID_A}")
+        }),
+        "{:?}\n{}",
+        declared(),
+        node.log()
+    );
+    assert_eq!(fresh.status().devices[0].reserved, Bytes::mib(512));
+    let done = rt
+        .block_on(async {
+            let mut dra = DraPluginClient::new(dial(node.dra_socket()).await);
+            dra.node_unprepare_resources(NodeUnprepareResourcesRequest {
+                claims: vec![claim_ref("a", UID_A)],
+            })
+            .await
+        })
+        .unwrap()
+        .into_inner();
+    assert_eq!(done.claims[UID_A].error, "");
+    assert!(declared().is_empty());
+    assert!(node.cdi_specs().is_empty());
 }
