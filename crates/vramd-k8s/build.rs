@@ -2,7 +2,10 @@
 //! so that building needs no `protoc` on the machine.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let files = ["proto/pluginregistration/v1/api.proto", "proto/dra/v1/api.proto"];
+    let files = [
+        "proto/pluginregistration/v1/api.proto",
+        "proto/dra/v1/api.proto",
+    ];
     for f in files {
         println!("cargo:rerun-if-changed={f}");
     }

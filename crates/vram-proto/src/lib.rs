@@ -15,8 +15,8 @@ mod status;
 pub use conn::{payload_len, Conn, Received, DEFAULT_FRAME_TIMEOUT};
 pub use frame::{FrameHeader, HEADER_LEN, MAGIC};
 pub use message::{
-    Budget, Declaration, DeviceDesc, Envelope, ErrorCode, ErrorReply, ExitStatus, GrantId, Hello, Reply,
-    Request, Resume, Role, Welcome,
+    Budget, Declaration, DeviceDesc, Envelope, ErrorCode, ErrorReply, ExitStatus, GrantId, Hello,
+    Reply, Request, Resume, Role, Welcome,
 };
 pub use shared::{
     LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,

@@ -123,7 +123,10 @@ pub fn write(layout: &Layout, uid: &str, spec: &Spec) -> std::io::Result<()> {
     std::fs::create_dir_all(&layout.cdi_dir)?;
     let path = spec_path(layout, uid);
     let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(spec).expect("a spec serializes"))?;
+    std::fs::write(
+        &tmp,
+        serde_json::to_vec_pretty(spec).expect("a spec serializes"),
+    )?;
     std::fs::rename(&tmp, &path)
 }
 

@@ -68,9 +68,7 @@ pub enum ClaimError {
     NotAllocated { claim: String },
     #[error("claim {claim} has no device of driver {driver} in its allocation")]
     NoDevice { claim: String, driver: String },
-    #[error(
-        "claim {claim}'s device {pool}/{device} is in another pool than this node's ({node})"
-    )]
+    #[error("claim {claim}'s device {pool}/{device} is in another pool than this node's ({node})")]
     OtherNode {
         claim: String,
         pool: String,
@@ -204,7 +202,9 @@ fn config_for<'a>(
         };
         let m: MemoryConfig =
             serde_json::from_value(raw.clone()).map_err(|e| bad(format!("{e} in {raw}")))?;
-        if m.api_version.as_deref().is_some_and(|v| v != CONFIG_API_VERSION)
+        if m.api_version
+            .as_deref()
+            .is_some_and(|v| v != CONFIG_API_VERSION)
             || m.kind.as_deref().is_some_and(|k| k != CONFIG_KIND)
         {
             return Err(bad(format!(
@@ -273,9 +273,17 @@ mod tests {
             serde_json::json!([{"request": "mem", "driver": "vramd.io", "pool": pool,
                 "device": "gpu-0", "consumedCapacity": {"memory": "4Gi"}}])
         };
-        let e = allocated(&claim(one("node-b"), serde_json::json!([])), "vramd.io", "node-a");
+        let e = allocated(
+            &claim(one("node-b"), serde_json::json!([])),
+            "vramd.io",
+            "node-a",
+        );
         assert!(matches!(e, Err(ClaimError::OtherNode { .. })), "{e:?}");
-        let e = allocated(&claim(one("node-a"), serde_json::json!([])), "x.io", "node-a");
+        let e = allocated(
+            &claim(one("node-a"), serde_json::json!([])),
+            "x.io",
+            "node-a",
+        );
         assert!(matches!(e, Err(ClaimError::NoDevice { .. })), "{e:?}");
         let two = serde_json::json!([
             {"request": "a", "driver": "vramd.io", "pool": "node-a", "device": "gpu-0"},

@@ -11,9 +11,8 @@ use tonic::{Request, Response, Status};
 use crate::plugin::{ClaimRef, Plugin};
 use crate::proto::dra::{
     dra_plugin_server::{DraPlugin, DraPluginServer},
-    Device, NodePrepareResourceResponse, NodePrepareResourcesRequest,
-    NodePrepareResourcesResponse, NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest,
-    NodeUnprepareResourcesResponse,
+    Device, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodePrepareResourcesResponse,
+    NodeUnprepareResourceResponse, NodeUnprepareResourcesRequest, NodeUnprepareResourcesResponse,
 };
 use crate::proto::registration::{
     registration_server::{Registration, RegistrationServer},

@@ -14,8 +14,11 @@ use vramd_k8s::plugin::{Identity, Plugin};
 use vramd_k8s::slices::{self, RequestPolicy};
 
 #[derive(Debug, Parser)]
-#[command(version, about = "vramd's Kubernetes DRA kubelet plugin: GPU memory as consumable \
-    capacity, each claim a tenant of the node's vramd")]
+#[command(
+    version,
+    about = "vramd's Kubernetes DRA kubelet plugin: GPU memory as consumable \
+    capacity, each claim a tenant of the node's vramd"
+)]
 struct Args {
     /// The DRA driver's name (DeviceClass selectors and claims name it).
     #[arg(long, default_value = "vramd.io")]

@@ -101,14 +101,15 @@ impl Plugin {
     /// made again, should the daemon have restarted since).
     pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
         if c.uid.is_empty() || c.name.is_empty() || c.namespace.is_empty() {
-            return Err(format!("the kubelet named claim {c} without a namespace, name or uid"));
+            return Err(format!(
+                "the kubelet named claim {c} without a namespace, name or uid"
+            ));
         }
         let mut cp = self.checkpoint.lock().await;
         if let Some(p) = cp.get(&c.uid).cloned() {
-            self.daemon
-                .declare(&p.declaration)
-                .await
-                .map_err(|e| format!("claim {c} was prepared, but declaring it again failed: {e}"))?;
+            self.daemon.declare(&p.declaration).await.map_err(|e| {
+                format!("claim {c} was prepared, but declaring it again failed: {e}")
+            })?;
             if cdi::read(&self.layout, &c.uid).is_none() {
                 self.write_spec(&c.uid, &p.declaration).await?;
             }
@@ -141,7 +142,11 @@ impl Plugin {
             .await
             .map_err(|e| format!("claim {c}: {e}"))?;
         let Some(dev) = status.devices.iter().find(|d| d.index == gpu) else {
-            let served: Vec<String> = status.devices.iter().map(|d| device_name(d.index)).collect();
+            let served: Vec<String> = status
+                .devices
+                .iter()
+                .map(|d| device_name(d.index))
+                .collect();
             return Err(format!(
                 "claim {c} is allocated {}, which the daemon on this node does not serve (it \
                  serves {served:?})",
@@ -269,11 +274,13 @@ impl Plugin {
             if !declared.contains(&p.declaration) {
                 match self.daemon.declare(&p.declaration).await {
                     Ok(_) => tracing::info!(
-                        claim = uid, tenant = p.declaration.name,
+                        claim = uid,
+                        tenant = p.declaration.name,
                         "prepared claim declared again (the daemon did not have it)"
                     ),
                     Err(e) => tracing::error!(
-                        claim = uid, tenant = p.declaration.name,
+                        claim = uid,
+                        tenant = p.declaration.name,
                         "prepared claim cannot be declared again: {e}"
                     ),
                 }
@@ -295,5 +302,4 @@ impl Plugin {
         }
         Ok(())
     }
-
 }

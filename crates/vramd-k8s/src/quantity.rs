@@ -78,8 +78,15 @@ pub fn parse(q: &str) -> Result<Bytes, QuantityError> {
 /// `b` as a quantity: in the largest binary unit that divides it exactly (`16Gi`, `1536Mi`).
 pub fn format(b: Bytes) -> String {
     let n = b.get();
-    for (shift, unit) in [(60, "Ei"), (50, "Pi"), (40, "Ti"), (30, "Gi"), (20, "Mi"), (10, "Ki")] {
-        if n != 0 && n % (1u64 << shift) == 0 {
+    for (shift, unit) in [
+        (60, "Ei"),
+        (50, "Pi"),
+        (40, "Ti"),
+        (30, "Gi"),
+        (20, "Mi"),
+        (10, "Ki"),
+    ] {
+        if n != 0 && n.is_multiple_of(1u64 << shift) {
             return format!("{}{unit}", n >> shift);
         }
     }
@@ -99,7 +106,14 @@ mod tests {
         assert_eq!(parse("1e9").unwrap(), Bytes(1_000_000_000));
         assert_eq!(parse("1024").unwrap(), Bytes(1024));
         assert_eq!(parse("0.5").unwrap(), Bytes(1), "rounded up");
-        for bad in ["", "Gi", "12 parsecs", "100m", "99999999999999999999Ei", "1e40"] {
+        for bad in [
+            "",
+            "Gi",
+            "12 parsecs",
+            "100m",
+            "99999999999999999999Ei",
+            "1e40",
+        ] {
             assert!(parse(bad).is_err(), "{bad}");
         }
     }

@@ -51,7 +51,11 @@ fn status(code: StatusCode, reason: &str, message: String) -> Response {
 }
 
 fn not_found(what: &str) -> Response {
-    status(StatusCode::NOT_FOUND, "NotFound", format!("{what} not found"))
+    status(
+        StatusCode::NOT_FOUND,
+        "NotFound",
+        format!("{what} not found"),
+    )
 }
 
 async fn list_slices(
@@ -87,37 +91,37 @@ async fn list_slices(
 }
 
 /// The body as a ResourceSlice the API server would take, or the error it would answer.
-fn checked_slice(body: &Value) -> Result<String, Response> {
+fn checked_slice(body: &Value) -> Result<String, Box<Response>> {
     let slice: ResourceSlice = serde_json::from_value(body.clone()).map_err(|e| {
-        status(
+        Box::new(status(
             StatusCode::BAD_REQUEST,
             "BadRequest",
             format!("not a ResourceSlice: {e}"),
-        )
+        ))
     })?;
     if body["apiVersion"] != "resource.k8s.io/v1" || body["kind"] != "ResourceSlice" {
-        return Err(status(
+        return Err(Box::new(status(
             StatusCode::BAD_REQUEST,
             "BadRequest",
             format!(
                 "apiVersion {} kind {}: not resource.k8s.io/v1 ResourceSlice",
                 body["apiVersion"], body["kind"]
             ),
-        ));
+        )));
     }
     slice.metadata.name.ok_or_else(|| {
-        status(
+        Box::new(status(
             StatusCode::UNPROCESSABLE_ENTITY,
             "Invalid",
             "metadata.name: Required value".into(),
-        )
+        ))
     })
 }
 
 async fn create_slice(State(s): State<Shared>, Json(mut body): Json<Value>) -> Response {
     let name = match checked_slice(&body) {
         Ok(n) => n,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let mut st = lock(&s);
     if st.slices.contains_key(&name) {
@@ -148,7 +152,7 @@ async fn replace_slice(
                 format!("the name in the body ({n}) is not the one in the path ({name})"),
             )
         }
-        Err(r) => return r,
+        Err(r) => return *r,
     }
     let mut st = lock(&s);
     let Some(current) = st.slices.get(&name).cloned() else {
@@ -262,7 +266,10 @@ impl StandIn {
 
     /// Stores `claim` (a ResourceClaim as JSON) as the API server would return it.
     pub fn put_claim(&self, claim: Value) {
-        let ns = claim["metadata"]["namespace"].as_str().unwrap_or("").to_string();
+        let ns = claim["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
         let name = claim["metadata"]["name"].as_str().unwrap_or("").to_string();
         lock(&self.store).claims.insert((ns, name), claim);
     }

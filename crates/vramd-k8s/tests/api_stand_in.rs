@@ -70,20 +70,35 @@ fn the_node_slice_is_created_kept_and_replaced_as_the_daemon_changes() {
             step: Bytes::mib(64),
         };
         let one = status(vec![device(0, Bytes::gib(16))]);
-        assert_eq!(publish(&client, &id, &one, policy).await.unwrap(), Published::Created);
-        assert_eq!(publish(&client, &id, &one, policy).await.unwrap(), Published::Unchanged);
+        assert_eq!(
+            publish(&client, &id, &one, policy).await.unwrap(),
+            Published::Created
+        );
+        assert_eq!(
+            publish(&client, &id, &one, policy).await.unwrap(),
+            Published::Unchanged
+        );
         let s = &api.slices()[0];
         assert_eq!(s.metadata.name.as_deref(), Some(slice_name(&id).as_str()));
         assert_eq!(s.spec.pool.generation, 1);
         let d = &s.spec.devices.as_ref().unwrap()[0];
         let memory = &d.capacity.as_ref().unwrap()["memory"];
         assert_eq!(memory.value.0, "16Gi");
-        let range = memory.request_policy.as_ref().unwrap().valid_range.as_ref().unwrap();
+        let range = memory
+            .request_policy
+            .as_ref()
+            .unwrap()
+            .valid_range
+            .as_ref()
+            .unwrap();
         assert_eq!(range.step.as_ref().unwrap().0, "64Mi");
 
         // A second GPU: the slice is replaced, the pool's generation goes up.
         let two = status(vec![device(0, Bytes::gib(16)), device(1, Bytes::gib(8))]);
-        assert_eq!(publish(&client, &id, &two, policy).await.unwrap(), Published::Updated);
+        assert_eq!(
+            publish(&client, &id, &two, policy).await.unwrap(),
+            Published::Updated
+        );
         let s = &api.slices()[0];
         assert_eq!(s.spec.pool.generation, 2);
         assert_eq!(s.spec.devices.as_ref().unwrap().len(), 2);
@@ -94,22 +109,35 @@ fn the_node_slice_is_created_kept_and_replaced_as_the_daemon_changes() {
             node: "node-b".into(),
         };
         publish(&client, &other, &one, policy).await.unwrap();
-        let mut stale = api.slices().into_iter().find(|s| s.spec.node_name.as_deref() == Some("node-a")).unwrap();
+        let mut stale = api
+            .slices()
+            .into_iter()
+            .find(|s| s.spec.node_name.as_deref() == Some("node-a"))
+            .unwrap();
         stale.metadata.name = Some("node-a-old".into());
         stale.metadata.resource_version = None;
         kube::Api::<k8s_openapi::api::resource::v1::ResourceSlice>::all(client.clone())
             .create(&Default::default(), &stale)
             .await
             .unwrap();
-        assert_eq!(publish(&client, &id, &two, policy).await.unwrap(), Published::Unchanged);
-        let mut names: Vec<String> = api.slices().into_iter().filter_map(|s| s.metadata.name).collect();
+        assert_eq!(
+            publish(&client, &id, &two, policy).await.unwrap(),
+            Published::Unchanged
+        );
+        let mut names: Vec<String> = api
+            .slices()
+            .into_iter()
+            .filter_map(|s| s.metadata.name)
+            .collect();
         names.sort();
         assert_eq!(names, vec![slice_name(&id), slice_name(&other)]);
     });
     let reqs = api.requests();
     assert!(
-        reqs.iter().any(|r| r.starts_with("GET /apis/resource.k8s.io/v1/resourceslices?")
-            && r.contains("fieldSelector")),
+        reqs.iter().any(
+            |r| r.starts_with("GET /apis/resource.k8s.io/v1/resourceslices?")
+                && r.contains("fieldSelector")
+        ),
         "{reqs:?}"
     );
     assert!(reqs.iter().any(|r| r.starts_with("PUT ")), "{reqs:?}");

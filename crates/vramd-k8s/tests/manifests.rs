@@ -46,8 +46,14 @@ fn normalized(v: Value) -> Value {
 }
 
 fn round_trip<T: DeserializeOwned + Serialize>(doc: &Value, file: &Path) {
-    let typed: T = serde_json::from_value(doc.clone())
-        .unwrap_or_else(|e| panic!("{}: {} {}: {e}", file.display(), doc["apiVersion"], doc["kind"]));
+    let typed: T = serde_json::from_value(doc.clone()).unwrap_or_else(|e| {
+        panic!(
+            "{}: {} {}: {e}",
+            file.display(),
+            doc["apiVersion"],
+            doc["kind"]
+        )
+    });
     let back = normalized(serde_json::to_value(&typed).unwrap());
     assert_eq!(
         back,
@@ -118,7 +124,10 @@ fn the_helm_chart_parses_and_its_templates_use_only_values_it_defines() {
         serde_saphyr::from_str(&std::fs::read_to_string(chart.join("values.yaml")).unwrap())
             .unwrap();
     let mut used = 0;
-    for e in std::fs::read_dir(chart.join("templates")).unwrap().flatten() {
+    for e in std::fs::read_dir(chart.join("templates"))
+        .unwrap()
+        .flatten()
+    {
         let text = std::fs::read_to_string(e.path()).unwrap();
         for (i, _) in text.match_indices(".Values.") {
             let path: String = text[i + ".Values.".len()..]

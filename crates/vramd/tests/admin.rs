@@ -35,15 +35,28 @@ fn runtime_declarations_reserve_survive_a_reload_and_withdraw_takes_their_memory
     let d = Daemon::start(config);
     let admin = Observer::connect(Some(&d.socket)).unwrap();
     assert!(admin.declare(&declaration("job", Bytes::gib(6))).unwrap());
-    assert!(!admin.declare(&declaration("job", Bytes::gib(6))).unwrap(), "the same again");
+    assert!(
+        !admin.declare(&declaration("job", Bytes::gib(6))).unwrap(),
+        "the same again"
+    );
     assert_eq!(d.status().devices[0].reserved, Bytes::gib(6));
 
-    let (c, message) = code(admin.declare(&declaration("late", Bytes::gib(3))).unwrap_err());
+    let (c, message) = code(
+        admin
+            .declare(&declaration("late", Bytes::gib(3)))
+            .unwrap_err(),
+    );
     assert_eq!(c, ErrorCode::Admission);
-    assert!(message.contains("3 GiB") && message.contains("capacity 8 GiB"), "{message}");
+    assert!(
+        message.contains("3 GiB") && message.contains("capacity 8 GiB"),
+        "{message}"
+    );
     let mut elsewhere = declaration("x", Bytes::ZERO);
     elsewhere.gpu = 3;
-    assert_eq!(code(admin.declare(&elsewhere).unwrap_err()).0, ErrorCode::Admission);
+    assert_eq!(
+        code(admin.declare(&elsewhere).unwrap_err()).0,
+        ErrorCode::Admission
+    );
 
     // A reload of the configuration keeps the runtime declaration.
     std::fs::write(d.dir.path().join("vramd.toml"), config).unwrap();
@@ -52,8 +65,13 @@ fn runtime_declarations_reserve_survive_a_reload_and_withdraw_takes_their_memory
         rustix::process::Signal::HUP,
     )
     .unwrap();
-    assert!(wait_until(Duration::from_secs(5), || d.log().contains("configuration reloaded")));
-    assert_eq!(admin.declarations().unwrap(), vec![declaration("job", Bytes::gib(6))]);
+    assert!(wait_until(Duration::from_secs(5), || d
+        .log()
+        .contains("configuration reloaded")));
+    assert_eq!(
+        admin.declarations().unwrap(),
+        vec![declaration("job", Bytes::gib(6))]
+    );
     assert_eq!(d.status().devices[0].reserved, Bytes::gib(6));
 
     // A process connects as the declared tenant and takes memory; withdraw closes it.
@@ -70,7 +88,11 @@ fn runtime_declarations_reserve_survive_a_reload_and_withdraw_takes_their_memory
     t.kill();
     d.wait_for_no_tenants();
     let dev = &d.status().devices[0];
-    assert_eq!((dev.held, dev.reserved), (Bytes::ZERO, Bytes::ZERO), "{dev:?}");
+    assert_eq!(
+        (dev.held, dev.reserved),
+        (Bytes::ZERO, Bytes::ZERO),
+        "{dev:?}"
+    );
 
     let (c, message) = code(admin.withdraw("job").unwrap_err());
     assert_eq!(c, ErrorCode::NotFound, "{message}");
@@ -83,6 +105,9 @@ fn only_admin_uids_may_declare() {
     let (c, message) = code(o.declare(&declaration("job", Bytes::gib(1))).unwrap_err());
     assert_eq!(c, ErrorCode::PermissionDenied);
     assert!(message.contains("admin_uids [4242]"), "{message}");
-    assert_eq!(code(o.declarations().unwrap_err()).0, ErrorCode::PermissionDenied);
+    assert_eq!(
+        code(o.declarations().unwrap_err()).0,
+        ErrorCode::PermissionDenied
+    );
     assert_eq!(d.status().devices[0].reserved, Bytes::ZERO);
 }

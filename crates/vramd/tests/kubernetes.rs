@@ -223,7 +223,13 @@ async fn dial(path: PathBuf) -> Channel {
 
 /// A ResourceClaim as the API server returns it once the scheduler allocated it: `memory` of
 /// device `device` on this node, with `params` as the claim's opaque configuration.
-fn claim(name: &str, uid: &str, device: &str, memory: &str, params: serde_json::Value) -> serde_json::Value {
+fn claim(
+    name: &str,
+    uid: &str,
+    device: &str,
+    memory: &str,
+    params: serde_json::Value,
+) -> serde_json::Value {
     json!({
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -285,7 +291,10 @@ impl Container {
             let (k, v) = e.split_once('=').unwrap();
             cmd.env(k, resolve(v));
         }
-        assert!(edits.device_nodes.is_empty(), "the host backend has no device nodes");
+        assert!(
+            edits.device_nodes.is_empty(),
+            "the host backend has no device nodes"
+        );
         let mut child = cmd
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -364,11 +373,15 @@ fn the_kubelet_prepares_two_claims_their_pods_are_tenants_and_unprepare_takes_ev
     let policy = memory.request_policy.as_ref().unwrap();
     assert_eq!(policy.default.as_ref().unwrap().0, "1Gi");
     let attrs = devices[0].attributes.as_ref().unwrap();
-    assert_eq!(attrs["uuid"].string.as_deref(), Some(daemon.status().devices[0].uuid.as_str()));
+    assert_eq!(
+        attrs["uuid"].string.as_deref(),
+        Some(daemon.status().devices[0].uuid.as_str())
+    );
     assert!(attrs.contains_key("productName") && attrs.contains_key("vramdVersion"));
 
     // Two claims on the one GPU: A was given 512 MiB (its limit), B 1 GiB with a limit of 2 GiB.
-    node.api.put_claim(claim("a", UID_A, "gpu-0", "512Mi", json!({})));
+    node.api
+        .put_claim(claim("a", UID_A, "gpu-0", "512Mi", json!({})));
     node.api.put_claim(claim(
         "b",
         UID_B,
@@ -392,7 +405,10 @@ fn the_kubelet_prepares_two_claims_their_pods_are_tenants_and_unprepare_takes_ev
         assert_eq!(r.devices[0].pool_name, NODE);
         assert_eq!(r.devices[0].device_name, "gpu-0");
         assert_eq!(r.devices[0].request_names, vec!["gpu-memory".to_string()]);
-        assert_eq!(r.devices[0].cdi_device_ids, vec![format!("vramd.io/claim={uid}")]);
+        assert_eq!(
+            r.devices[0].cdi_device_ids,
+            vec![format!("vramd.io/claim={uid}")]
+        );
     }
     // Both guarantees are reserved before any process connects.
     assert_eq!(daemon.status().devices[0].reserved, Bytes::mib(1536));
@@ -409,7 +425,10 @@ fn the_kubelet_prepares_two_claims_their_pods_are_tenants_and_unprepare_takes_ev
 
     // The runtime starts one container per claim from the specs.
     let spec = |uid: &str| -> Spec {
-        let path = node.dir.path().join(format!("cdi/vramd.io-claim_{uid}.json"));
+        let path = node
+            .dir
+            .path()
+            .join(format!("cdi/vramd.io-claim_{uid}.json"));
         serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap()
     };
     let spec_a = spec(UID_A);
@@ -441,7 +460,10 @@ fn the_kubelet_prepares_two_claims_their_pods_are_tenants_and_unprepare_takes_ev
     assert_eq!((ta.guarantee, ta.limit), (Bytes::mib(512), Bytes::mib(512)));
     assert_eq!((tb.guarantee, tb.limit), (Bytes::gib(1), Bytes::gib(2)));
     assert_eq!(tb.class, "high");
-    assert!(ta.held >= Bytes::mib(384) && ta.held <= Bytes::mib(512), "{ta:?}");
+    assert!(
+        ta.held >= Bytes::mib(384) && ta.held <= Bytes::mib(512),
+        "{ta:?}"
+    );
     assert!(tb.held >= Bytes::mib(1536), "{tb:?}");
 
     // The pods end; the kubelet unprepares: nothing is held or reserved for either.
@@ -493,8 +515,16 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
     };
     let nothing_left = |what: &str| {
         let d = &daemon.status().devices[0];
-        assert_eq!((d.held, d.reserved), (Bytes::ZERO, Bytes::ZERO), "{what}: {d:?}");
-        assert!(node.cdi_specs().is_empty(), "{what}: {:?}", node.cdi_specs());
+        assert_eq!(
+            (d.held, d.reserved),
+            (Bytes::ZERO, Bytes::ZERO),
+            "{what}: {d:?}"
+        );
+        assert!(
+            node.cdi_specs().is_empty(),
+            "{what}: {:?}",
+            node.cdi_specs()
+        );
     };
 
     node.api
@@ -509,8 +539,13 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
     assert!(e.contains("16 GiB") && e.contains("8 GiB"), "{e}");
     nothing_left("a claim larger than the device");
 
-    node.api
-        .put_claim(claim("low", "u-low", "gpu-0", "1Gi", json!({"limit": "512Mi"})));
+    node.api.put_claim(claim(
+        "low",
+        "u-low",
+        "gpu-0",
+        "1Gi",
+        json!({"limit": "512Mi"}),
+    ));
     let e = prepare(&mut dra, "low", "u-low");
     assert!(e.contains("limit 512 MiB"), "{e}");
     nothing_left("a limit below what the claim was given");
@@ -577,7 +612,9 @@ fn a_plugin_restart_or_a_daemon_restart_loses_no_claim_and_doubles_none() {
 
     // The plugin is killed and started again: the kubelet's retry gets the same answer.
     let node = node.restart(&daemon);
-    assert!(wait_until(Duration::from_secs(10), || node.dra_socket().exists()));
+    assert!(wait_until(Duration::from_secs(10), || node
+        .dra_socket()
+        .exists()));
     assert_eq!(prepare(node.dra_socket()), first);
     assert_eq!(daemon.status().devices[0].reserved, Bytes::mib(512));
 

@@ -41,7 +41,11 @@ pub(super) fn with_runtime(
 ) -> (Policy, Vec<String>) {
     let mut changes = Vec::new();
     for d in declared.values().filter(|d| d.gpu as usize == gpu) {
-        if policy.tenants.insert(d.name.clone(), declared_tenant(d)).is_some() {
+        if policy
+            .tenants
+            .insert(d.name.clone(), declared_tenant(d))
+            .is_some()
+        {
             changes.push(format!(
                 "tenant `{}` is declared at run time: the configuration's [tenants.{}] waits \
                  until it is withdrawn",
@@ -177,7 +181,12 @@ pub(super) fn withdraw(daemon: &Daemon, uid: u32, name: &str) -> Result<Reply, E
     drop(declared);
 
     let Some((id, conns, held, pending)) = slot.connections_of(name) else {
-        tracing::info!(tenant = name, gpu, admin_uid = uid, "tenant withdrawn (not connected)");
+        tracing::info!(
+            tenant = name,
+            gpu,
+            admin_uid = uid,
+            "tenant withdrawn (not connected)"
+        );
         return Ok(Reply::Withdrawn {
             released: vram_core::Bytes::ZERO,
             connections: 0,
@@ -224,4 +233,3 @@ pub(super) fn list(daemon: &Daemon, uid: u32) -> Result<Reply, ErrorReply> {
         daemon.declared.lock().values().cloned().collect(),
     ))
 }
-

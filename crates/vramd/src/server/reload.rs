@@ -48,7 +48,8 @@ impl Daemon {
             .iter()
             .enumerate()
             .map(|(gpu, s)| {
-                let (p, notes) = super::admin::with_runtime(&declared, gpu, policy(s.desc().capacity));
+                let (p, notes) =
+                    super::admin::with_runtime(&declared, gpu, policy(s.desc().capacity));
                 kept.extend(notes.into_iter().map(|n| format!("gpu {gpu}: {n}")));
                 p
             })
