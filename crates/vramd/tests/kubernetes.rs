@@ -18,7 +18,9 @@ use tonic::transport::{Channel, Endpoint, Uri};
 use vram_core::Bytes;
 use vramd_k8s::cdi::Spec;
 use vramd_k8s::proto::dra::dra_plugin_client::DraPluginClient;
-use vramd_k8s::proto::dra::{Claim, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest};
+use vramd_k8s::proto::dra::{
+    Claim, NodePrepareResourceResponse, NodePrepareResourcesRequest, NodeUnprepareResourcesRequest,
+};
 use vramd_k8s::proto::registration::registration_client::RegistrationClient;
 use vramd_k8s::proto::registration::{InfoRequest, RegistrationStatus};
 use vramd_k8s::stand_in::StandIn;
@@ -327,6 +329,45 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// The kubelet's DRA calls for one claim at a time, on the plugin's endpoint.
+struct Kubelet {
+    rt: tokio::runtime::Runtime,
+    dra: DraPluginClient<Channel>,
+}
+
+impl Kubelet {
+    fn dial(endpoint: &Path) -> Kubelet {
+        let rt = runtime();
+        let dra = rt.block_on(async { DraPluginClient::new(dial(endpoint.to_path_buf()).await) });
+        Kubelet { rt, dra }
+    }
+
+    fn prepare(&mut self, name: &str, uid: &str) -> NodePrepareResourceResponse {
+        let request = NodePrepareResourcesRequest {
+            claims: vec![claim_ref(name, uid)],
+        };
+        let mut r = self
+            .rt
+            .block_on(self.dra.node_prepare_resources(request))
+            .unwrap()
+            .into_inner();
+        r.claims.remove(uid).expect("an answer for the claim")
+    }
+
+    /// The claim's error, empty when it was unprepared.
+    fn unprepare(&mut self, name: &str, uid: &str) -> String {
+        let request = NodeUnprepareResourcesRequest {
+            claims: vec![claim_ref(name, uid)],
+        };
+        let mut r = self
+            .rt
+            .block_on(self.dra.node_unprepare_resources(request))
+            .unwrap()
+            .into_inner();
+        r.claims.remove(uid).expect("an answer for the claim").error
+    }
+}
+
 const UID_A: &str = "0a1b2c3d-0000-4000-8000-00000000000a";
 const UID_B: &str = "0a1b2c3d-0000-4000-8000-00000000000b";
 
@@ -499,20 +540,9 @@ fn the_kubelet_prepares_two_claims_their_pods_are_tenants_and_unprepare_takes_ev
 fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behind() {
     let daemon = Daemon::start("capacity = \"8 GiB\"\npriority_reserve = \"0\"\n");
     let node = Node::start(&daemon);
-    let rt = runtime();
     let endpoint = node.dra_socket();
     assert!(wait_until(Duration::from_secs(10), || endpoint.exists()));
-    let mut dra = rt.block_on(async { DraPluginClient::new(dial(endpoint.clone()).await) });
-    let prepare = |dra: &mut DraPluginClient<Channel>, name: &str, uid: &str| -> String {
-        rt.block_on(dra.node_prepare_resources(NodePrepareResourcesRequest {
-            claims: vec![claim_ref(name, uid)],
-        }))
-        .unwrap()
-        .into_inner()
-        .claims[uid]
-            .error
-            .clone()
-    };
+    let mut kubelet = Kubelet::dial(&endpoint);
     let nothing_left = |what: &str| {
         let d = &daemon.status().devices[0];
         assert_eq!(
@@ -529,13 +559,13 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
 
     node.api
         .put_claim(claim("far", "u-far", "gpu-7", "1Gi", json!({})));
-    let e = prepare(&mut dra, "far", "u-far");
+    let e = kubelet.prepare("far", "u-far").error;
     assert!(e.contains("gpu-7") && e.contains("does not serve"), "{e}");
     nothing_left("a GPU the daemon does not serve");
 
     node.api
         .put_claim(claim("big", "u-big", "gpu-0", "16Gi", json!({})));
-    let e = prepare(&mut dra, "big", "u-big");
+    let e = kubelet.prepare("big", "u-big").error;
     assert!(e.contains("16 GiB") && e.contains("8 GiB"), "{e}");
     nothing_left("a claim larger than the device");
 
@@ -546,7 +576,7 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
         "1Gi",
         json!({"limit": "512Mi"}),
     ));
-    let e = prepare(&mut dra, "low", "u-low");
+    let e = kubelet.prepare("low", "u-low").error;
     assert!(e.contains("limit 512 MiB"), "{e}");
     nothing_left("a limit below what the claim was given");
 
@@ -555,34 +585,24 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
         .put_claim(claim("six", "u-six", "gpu-0", "6Gi", json!({})));
     node.api
         .put_claim(claim("more", "u-more", "gpu-0", "6Gi", json!({})));
-    assert_eq!(prepare(&mut dra, "six", "u-six"), "");
-    let e = prepare(&mut dra, "more", "u-more");
+    assert_eq!(kubelet.prepare("six", "u-six").error, "");
+    let e = kubelet.prepare("more", "u-more").error;
     assert!(e.contains("6 GiB") && e.contains("capacity 8 GiB"), "{e}");
     assert_eq!(daemon.status().devices[0].reserved, Bytes::gib(6));
-    let unprepare = |dra: &mut DraPluginClient<Channel>, name: &str, uid: &str| -> String {
-        rt.block_on(dra.node_unprepare_resources(NodeUnprepareResourcesRequest {
-            claims: vec![claim_ref(name, uid)],
-        }))
-        .unwrap()
-        .into_inner()
-        .claims[uid]
-            .error
-            .clone()
-    };
-    assert_eq!(unprepare(&mut dra, "six", "u-six"), "");
+    assert_eq!(kubelet.unprepare("six", "u-six"), "");
     nothing_left("after unprepare");
 
-    let e = unprepare(&mut dra, "ghost", "u-ghost");
+    let e = kubelet.unprepare("ghost", "u-ghost");
     assert!(e.contains("not prepared on this node"), "{e}");
 
-    let e = prepare(&mut dra, "missing", "u-missing");
+    let e = kubelet.prepare("missing", "u-missing").error;
     assert!(e.contains("cannot read claim team/missing"), "{e}");
 
     // The daemon goes down: a prepare says so, and nothing is left over once it is back.
     daemon.stop();
     node.api
         .put_claim(claim("late", "u-late", "gpu-0", "1Gi", json!({})));
-    let e = prepare(&mut dra, "late", "u-late");
+    let e = kubelet.prepare("late", "u-late").error;
     assert!(e.contains("cannot reach vramd"), "{e}");
     assert!(node.cdi_specs().is_empty(), "{:?}", node.cdi_specs());
 }
@@ -591,22 +611,9 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
 fn a_plugin_restart_or_a_daemon_restart_loses_no_claim_and_doubles_none() {
     let daemon = Daemon::start("capacity = \"8 GiB\"\npriority_reserve = \"0\"\n");
     let node = Node::start(&daemon);
-    let rt = runtime();
     node.api
         .put_claim(claim("a", UID_A, "gpu-0", "512Mi", json!({})));
-    let prepare = |endpoint: PathBuf| {
-        rt.block_on(async {
-            let mut dra = DraPluginClient::new(dial(endpoint).await);
-            dra.node_prepare_resources(NodePrepareResourcesRequest {
-                claims: vec![claim_ref("a", UID_A)],
-            })
-            .await
-            .unwrap()
-            .into_inner()
-            .claims[UID_A]
-                .clone()
-        })
-    };
+    let prepare = |endpoint: PathBuf| Kubelet::dial(&endpoint).prepare("a", UID_A);
     let first = prepare(node.dra_socket());
     assert_eq!(first.error, "");
 
@@ -651,17 +658,7 @@ fn a_plugin_restart_or_a_daemon_restart_loses_no_claim_and_doubles_none() {
         node.log()
     );
     assert_eq!(fresh.status().devices[0].reserved, Bytes::mib(512));
-    let done = rt
-        .block_on(async {
-            let mut dra = DraPluginClient::new(dial(node.dra_socket()).await);
-            dra.node_unprepare_resources(NodeUnprepareResourcesRequest {
-                claims: vec![claim_ref("a", UID_A)],
-            })
-            .await
-        })
-        .unwrap()
-        .into_inner();
-    assert_eq!(done.claims[UID_A].error, "");
+    assert_eq!(Kubelet::dial(&node.dra_socket()).unprepare("a", UID_A), "");
     assert!(declared().is_empty());
     assert!(node.cdi_specs().is_empty());
 }
