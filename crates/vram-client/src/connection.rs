@@ -427,6 +427,37 @@ impl Observer {
     pub fn status(&self) -> Result<StatusReport, ClientError> {
         status_call(&self.shared)
     }
+
+    /// Admin: declares a tenant at run time (see `Request::Declare`); whether anything changed.
+    pub fn declare(&self, d: &vram_proto::Declaration) -> Result<bool, ClientError> {
+        match self.shared.call(&Request::Declare(d.clone()))?.msg {
+            Reply::Declared { changed } => Ok(changed),
+            other => Err(unexpected("Declare", &other)),
+        }
+    }
+
+    /// Admin: withdraws a tenant declared at run time; what its connections held, now back,
+    /// and how many were closed.
+    pub fn withdraw(&self, name: &str) -> Result<(Bytes, u32), ClientError> {
+        let request = Request::Withdraw {
+            name: name.to_string(),
+        };
+        match self.shared.call(&request)?.msg {
+            Reply::Withdrawn {
+                released,
+                connections,
+            } => Ok((released, connections)),
+            other => Err(unexpected("Withdraw", &other)),
+        }
+    }
+
+    /// Admin: the tenants declared at run time.
+    pub fn declarations(&self) -> Result<Vec<vram_proto::Declaration>, ClientError> {
+        match self.shared.call(&Request::Declarations)?.msg {
+            Reply::Declarations(d) => Ok(d),
+            other => Err(unexpected("Declarations", &other)),
+        }
+    }
 }
 
 impl Drop for Observer {

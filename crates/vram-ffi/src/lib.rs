@@ -90,7 +90,7 @@ fn env_bytes(name: &str) -> Result<Option<Bytes>, String> {
 }
 
 fn options_from_env() -> Result<TenantOptions, String> {
-    let gpu = match std::env::var("VRAMD_GPU") {
+    let gpu = match std::env::var(vram_proto::GPU_ENV) {
         Ok(v) if !v.is_empty() => Some(
             v.parse::<u32>()
                 .map_err(|e| format!("VRAMD_GPU `{v}`: {e}"))?,
@@ -98,7 +98,7 @@ fn options_from_env() -> Result<TenantOptions, String> {
         _ => None,
     };
     Ok(TenantOptions {
-        name: std::env::var("VRAMD_TENANT")
+        name: std::env::var(vram_proto::TENANT_ENV)
             .ok()
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| format!("pid-{}", std::process::id())),

@@ -15,8 +15,8 @@ mod status;
 pub use conn::{payload_len, Conn, Received, DEFAULT_FRAME_TIMEOUT};
 pub use frame::{FrameHeader, HEADER_LEN, MAGIC};
 pub use message::{
-    Budget, DeviceDesc, Envelope, ErrorCode, ErrorReply, ExitStatus, GrantId, Hello, Reply,
-    Request, Resume, Role, Welcome,
+    Budget, Declaration, DeviceDesc, Envelope, ErrorCode, ErrorReply, ExitStatus, GrantId, Hello,
+    Reply, Request, Resume, Role, Welcome,
 };
 pub use shared::{
     Corruption, LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,
@@ -43,6 +43,13 @@ pub const SOCKET_ENV: &str = "VRAMD_SOCKET";
 /// The environment variable through which `vramd run` hands the program the invitation to join
 /// the tenant it registered (`Role::Join`).
 pub const JOIN_ENV: &str = "VRAMD_JOIN";
+
+/// The environment variable that names the tenant libvram.so connects as.
+pub const TENANT_ENV: &str = "VRAMD_TENANT";
+
+/// The environment variable that names the daemon's device, by index, libvram.so takes memory
+/// on.
+pub const GPU_ENV: &str = "VRAMD_GPU";
 
 /// Errors of the protocol layer.
 #[derive(Debug, thiserror::Error)]

@@ -115,6 +115,35 @@ pub enum Request {
     /// is done with vramd): what it still holds then is released as at any close, but the end is
     /// logged as finished, not as a crash. Answered with `Ack`; the client need not wait for it.
     Bye,
+    /// Admin: declares a tenant at run time, as a `[tenants.NAME]` of the configuration would:
+    /// its guarantee is reserved on its device from now on, refused if it does not fit. Declaring
+    /// the same again changes nothing. Only uids named in the daemon's `admin_uids`. Answered
+    /// with `Declared`.
+    Declare(Declaration),
+    /// Admin: takes back a tenant declared with `Declare`: its guarantee is released and its
+    /// connections are closed, their memory reclaimed as on a crash. Answered with `Withdrawn`.
+    Withdraw {
+        name: String,
+    },
+    /// Admin: the tenants declared with `Declare` and not withdrawn. Answered with
+    /// `Declarations`.
+    Declarations,
+}
+
+/// A tenant declared at run time (`Request::Declare`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Declaration {
+    pub name: String,
+    /// The device, by index.
+    pub gpu: u32,
+    /// Its priority class, as named in the daemon's configuration.
+    pub class: String,
+    /// Memory reserved for it whether or not it is connected.
+    pub guarantee: Bytes,
+    /// The most it may hold (`None`: the whole device).
+    pub limit: Option<Bytes>,
+    /// The uids that may connect as it (empty: any uid the daemon allows).
+    pub owners: Vec<u32>,
 }
 
 /// How a tenant's program ended.
@@ -251,4 +280,17 @@ pub enum Reply {
     Invitation {
         token: String,
     },
+    /// Answer to `Declare`: whether the declaration was new or changed (`false`: it was in force
+    /// already, exactly so).
+    Declared {
+        changed: bool,
+    },
+    /// Answer to `Withdraw`: what the tenant's closed connections held, now back, and how many
+    /// connections were closed.
+    Withdrawn {
+        released: Bytes,
+        connections: u32,
+    },
+    /// Answer to `Declarations`.
+    Declarations(Vec<Declaration>),
 }

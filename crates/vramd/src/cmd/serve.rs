@@ -127,6 +127,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     })?;
     server.configure_shared(&config.shared);
     server.configure_connections(config.connections);
+    server.configure_admins(config.admin_uids.clone());
     // From here a failed start drops `server`, which removes the socket it made.
     let detail = crate::metrics::Detail {
         tenants: config.metrics_tenants,

@@ -14,6 +14,7 @@ impl Config {
             reclaim_timeout: self.reclaim_timeout(),
             connections: self.connections,
             shared: self.shared.clone(),
+            admin_uids: self.admin_uids.clone(),
         }
     }
 

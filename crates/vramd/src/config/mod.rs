@@ -70,6 +70,10 @@ pub struct Config {
     /// every uid not listed.
     #[serde(default)]
     pub users: BTreeMap<String, vram_core::broker::UserLimits>,
+    /// Uids allowed to make admin calls (declare and withdraw tenants at run time). Unset:
+    /// root and the daemon's own uid. They must be allowed to connect too (`allowed_uids`).
+    #[serde(default)]
+    pub admin_uids: Option<Vec<u32>>,
 }
 
 /// The handle pool: memory created (and exported) ahead of demand.

@@ -9,6 +9,7 @@
 //! (reclaim) are never waited for (`peer::Peer::offer`).
 
 mod accept;
+mod admin;
 pub mod driver;
 mod exit;
 mod fit;
@@ -75,6 +76,8 @@ pub struct Settings {
     /// How long a grant waits for other tenants to give back idle memory.
     pub reclaim_timeout: Duration,
     pub connections: ConnectionsConfig,
+    /// Uids allowed to make admin calls (declare and withdraw tenants).
+    pub admin_uids: Vec<u32>,
 }
 
 /// State shared by every connection.
@@ -96,6 +99,8 @@ pub struct Daemon {
     /// The driver's figures, where there is a driver to ask, and each device's last reading.
     pub(crate) driver_check: Option<reconcile::DriverCheck>,
     pub(crate) shared: shared::SharedServer,
+    /// Tenants declared at run time by admin calls.
+    pub(crate) declared: admin::Declarations,
 }
 
 impl Daemon {
@@ -275,6 +280,7 @@ impl Server {
                 .unwrap_or_else(|| vec![0, rustix::process::getuid().as_raw()]),
             reclaim_timeout: opts.reclaim_timeout,
             connections: ConnectionsConfig::default(),
+            admin_uids: default_admins(),
         };
         let daemon = Arc::new(Daemon {
             slots,
@@ -289,6 +295,7 @@ impl Server {
             next_ask: AtomicU64::new(1),
             metrics: OnceLock::new(),
             shared: shared::SharedServer::default(),
+            declared: admin::Declarations::default(),
             driver_check: opts
                 .probe
                 .map(|p| reconcile::DriverCheck::new(p, opts.devices.len(), opts.probe_period)),
@@ -317,6 +324,13 @@ impl Server {
     pub fn configure_connections(&self, connections: ConnectionsConfig) {
         let mut s = (*self.daemon.settings()).clone();
         s.connections = connections;
+        self.daemon.set_settings(s);
+    }
+
+    /// Sets the uids allowed to make admin calls (`None`: root and the daemon's own uid).
+    pub fn configure_admins(&self, admin_uids: Option<Vec<u32>>) {
+        let mut s = (*self.daemon.settings()).clone();
+        s.admin_uids = admin_uids.unwrap_or_else(default_admins);
         self.daemon.set_settings(s);
     }
 
@@ -390,4 +404,14 @@ fn start_keeper(
                 sweep_kept(&daemon);
             }
         })
+}
+
+/// Who may make admin calls when the configuration names no one: root and the daemon's own uid.
+fn default_admins() -> Vec<u32> {
+    let me = rustix::process::getuid().as_raw();
+    if me == 0 {
+        vec![0]
+    } else {
+        vec![0, me]
+    }
 }

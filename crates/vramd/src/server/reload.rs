@@ -18,6 +18,8 @@ pub struct Reload {
     pub reclaim_timeout: Duration,
     pub connections: ConnectionsConfig,
     pub shared: SharedConfig,
+    /// `None`: root and the daemon's own uid.
+    pub admin_uids: Option<Vec<u32>>,
 }
 
 /// Why a reload was refused; nothing of it was put in force.
@@ -38,10 +40,19 @@ impl Daemon {
         r: Reload,
         policy: impl Fn(Bytes) -> Policy,
     ) -> Result<Vec<String>, ReloadError> {
+        // Held to the end, so that no runtime declaration comes or goes meanwhile.
+        let declared = self.declared.lock();
+        let mut kept = Vec::new();
         let policies: Vec<Policy> = self
             .slots
             .iter()
-            .map(|s| policy(s.desc().capacity))
+            .enumerate()
+            .map(|(gpu, s)| {
+                let (p, notes) =
+                    super::admin::with_runtime(&declared, gpu, policy(s.desc().capacity));
+                kept.extend(notes.into_iter().map(|n| format!("gpu {gpu}: {n}")));
+                p
+            })
             .collect();
         let per_gpu = replace_all(&self.slots, &policies, 0)?;
         let mut changes: Vec<String> = per_gpu
@@ -56,7 +67,15 @@ impl Daemon {
                 .unwrap_or_else(|| vec![0, rustix::process::getuid().as_raw()]),
             reclaim_timeout: r.reclaim_timeout,
             connections: r.connections,
+            admin_uids: r.admin_uids.unwrap_or_else(super::default_admins),
         };
+        changes.extend(kept);
+        if old.admin_uids != new.admin_uids {
+            changes.push(format!(
+                "admin_uids {:?} → {:?}",
+                old.admin_uids, new.admin_uids
+            ));
+        }
         if old.allowed_uids != new.allowed_uids {
             changes.push(format!(
                 "allowed_uids {:?} → {:?} (connections open stay)",

@@ -174,6 +174,9 @@ impl Session {
                 log_exit(name, slot, status);
                 Reply::Ack
             }),
+            Request::Declare(d) => super::admin::declare(&self.daemon, self.uid, d),
+            Request::Withdraw { name } => super::admin::withdraw(&self.daemon, self.uid, &name),
+            Request::Declarations => super::admin::list(&self.daemon, self.uid),
             Request::ReclaimDone { ask, returned } => self.registered().map(|_| {
                 let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
                 tracing::info!(tenant = name, ask, %returned, "reclaim answered");

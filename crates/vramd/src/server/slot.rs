@@ -1131,6 +1131,21 @@ impl Slot {
             .collect();
         (device, tenants)
     }
+    /// Tenant `name` as a withdraw needs it: its id, its connections (its own, and the
+    /// registering one of a tenant a process joined), what it holds now (grants and charges),
+    /// and whether it is an adopted tenant whose process has not reconnected (no connection to
+    /// close). `None`: no tenant of that name.
+    pub fn connections_of(&self, name: &str) -> Option<(TenantId, Vec<u64>, Bytes, bool)> {
+        let s = self.lock();
+        let id = s.broker.id_of(name)?;
+        let mut conns: Vec<u64> = s.conn_of.get(&id).copied().into_iter().collect();
+        conns.extend(s.members.get(&id).and_then(|(c, _)| *c));
+        let held = s
+            .broker
+            .tenant(id)
+            .map_or(Bytes::ZERO, |t| t.held.saturating_add(t.charged));
+        Some((id, conns, held, s.pending.contains_key(&id)))
+    }
 }
 
 /// Settles an adopted tenant's books against what it says it holds: grants it no longer holds

@@ -1,0 +1,305 @@
+//! Preparing and unpreparing claims: the kubelet's two calls, independent of gRPC. One claim at
+//! a time (a lock over the checkpoint), so a retry racing its original sees what it did.
+
+use std::sync::Arc;
+
+use k8s_openapi::api::resource::v1::ResourceClaim;
+use kube::Api;
+use tokio::sync::Mutex;
+use vram_core::Bytes;
+use vram_proto::Declaration;
+
+use crate::cdi::{self, Layout};
+use crate::checkpoint::{Checkpoint, Prepared};
+use crate::claim;
+use crate::daemon::DaemonLink;
+
+/// The prefix of the tenants this plugin declares: `k8s-` and the claim's uid.
+pub const TENANT_PREFIX: &str = "k8s-";
+
+/// The daemon's device of index `i`, as the plugin names it in its ResourceSlice.
+pub fn device_name(i: u32) -> String {
+    format!("gpu-{i}")
+}
+
+/// The daemon's device index a device name of the slice stands for.
+pub fn device_index(name: &str) -> Option<u32> {
+    name.strip_prefix("gpu-")?.parse().ok()
+}
+
+/// The tenant claim `uid` is served as.
+pub fn tenant_name(uid: &str) -> String {
+    format!("{TENANT_PREFIX}{uid}")
+}
+
+/// What the plugin is, on this node.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub driver: String,
+    pub node: String,
+}
+
+/// A claim as the kubelet names it.
+#[derive(Debug, Clone)]
+pub struct ClaimRef {
+    pub namespace: String,
+    pub uid: String,
+    pub name: String,
+}
+
+impl std::fmt::Display for ClaimRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{} (uid {})", self.namespace, self.name, self.uid)
+    }
+}
+
+/// A device the kubelet must give the claim's containers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PreparedDevice {
+    pub requests: Vec<String>,
+    pub pool: String,
+    pub device: String,
+    pub cdi_device_ids: Vec<String>,
+}
+
+pub struct Plugin {
+    pub id: Identity,
+    pub layout: Layout,
+    pub daemon: DaemonLink,
+    kube: kube::Client,
+    checkpoint: Mutex<Checkpoint>,
+}
+
+fn devices_of(p: &Prepared) -> Vec<PreparedDevice> {
+    vec![PreparedDevice {
+        requests: p.requests.clone(),
+        pool: p.pool.clone(),
+        device: p.device.clone(),
+        cdi_device_ids: p.cdi_device_ids.clone(),
+    }]
+}
+
+impl Plugin {
+    pub fn new(
+        id: Identity,
+        layout: Layout,
+        daemon: DaemonLink,
+        kube: kube::Client,
+        checkpoint: &std::path::Path,
+    ) -> anyhow::Result<Arc<Plugin>> {
+        Ok(Arc::new(Plugin {
+            id,
+            layout,
+            daemon,
+            kube,
+            checkpoint: Mutex::new(Checkpoint::load(checkpoint)?),
+        }))
+    }
+
+    /// Prepares `c`: the daemon holds its tenant's guarantee and its CDI spec is written when
+    /// this returns the devices. A claim prepared before is answered as then (its declaration
+    /// made again, should the daemon have restarted since).
+    pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
+        if c.uid.is_empty() || c.name.is_empty() || c.namespace.is_empty() {
+            return Err(format!(
+                "the kubelet named claim {c} without a namespace, name or uid"
+            ));
+        }
+        let mut cp = self.checkpoint.lock().await;
+        if let Some(p) = cp.get(&c.uid).cloned() {
+            self.daemon.declare(&p.declaration).await.map_err(|e| {
+                format!("claim {c} was prepared, but declaring it again failed: {e}")
+            })?;
+            if cdi::read(&self.layout, &c.uid).is_none() {
+                self.write_spec(&c.uid, &p.declaration).await?;
+            }
+            return Ok(devices_of(&p));
+        }
+        let rc = Api::<ResourceClaim>::namespaced(self.kube.clone(), &c.namespace)
+            .get(&c.name)
+            .await
+            .map_err(|e| format!("cannot read claim {c} from the API server: {e}"))?;
+        let uid = rc.metadata.uid.as_deref().unwrap_or("");
+        if uid != c.uid {
+            return Err(format!(
+                "claim {}/{} in the API server has uid {uid}, not {} as the kubelet asked: it was \
+                 deleted and made again",
+                c.namespace, c.name, c.uid
+            ));
+        }
+        let a = claim::allocated(&rc, &self.id.driver, &self.id.node)
+            .map_err(|e| format!("claim {c}: {e}"))?;
+        let gpu = device_index(&a.device).ok_or_else(|| {
+            format!(
+                "claim {c} is allocated device {}, which is not a device this plugin publishes \
+                 (gpu-N)",
+                a.device
+            )
+        })?;
+        let status = self
+            .daemon
+            .status()
+            .await
+            .map_err(|e| format!("claim {c}: {e}"))?;
+        let Some(dev) = status.devices.iter().find(|d| d.index == gpu) else {
+            let served: Vec<String> = status
+                .devices
+                .iter()
+                .map(|d| device_name(d.index))
+                .collect();
+            return Err(format!(
+                "claim {c} is allocated {}, which the daemon on this node does not serve (it \
+                 serves {served:?})",
+                a.device
+            ));
+        };
+        let guarantee = a.consumed.unwrap_or(dev.capacity);
+        if guarantee == Bytes::ZERO || guarantee > dev.capacity {
+            return Err(format!(
+                "claim {c} was given {guarantee} of {}, whose capacity is {}",
+                a.device, dev.capacity
+            ));
+        }
+        let limit = a
+            .config
+            .limit()
+            .map_err(|e| format!("claim {c}: {e}"))?
+            .unwrap_or(guarantee);
+        if limit < guarantee || limit > dev.capacity {
+            return Err(format!(
+                "claim {c}: its limit {limit} must lie between what it was given ({guarantee}) \
+                 and {}'s capacity ({})",
+                a.device, dev.capacity
+            ));
+        }
+        let declaration = Declaration {
+            name: tenant_name(&c.uid),
+            gpu,
+            class: a
+                .config
+                .priority_class
+                .clone()
+                .unwrap_or_else(|| vram_core::broker::Policy::DEFAULT_CLASS.to_string()),
+            guarantee,
+            limit: Some(limit),
+            owners: a.config.uids.clone(),
+        };
+        self.daemon
+            .declare(&declaration)
+            .await
+            .map_err(|e| format!("claim {c}: {e}"))?;
+        let prepared = Prepared {
+            namespace: c.namespace.clone(),
+            name: c.name.clone(),
+            pool: a.pool,
+            device: a.device,
+            requests: a.requests,
+            declaration: declaration.clone(),
+            cdi_device_ids: vec![cdi::device_id(&c.uid)],
+        };
+        let written = match self.write_spec(&c.uid, &declaration).await {
+            Ok(()) => cp
+                .insert(&c.uid, prepared.clone())
+                .map_err(|e| format!("claim {c}: cannot write the checkpoint: {e}")),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = written {
+            // Nothing stays behind for a claim the kubelet is told failed.
+            let _ = cdi::remove(&self.layout, &c.uid);
+            let _ = self.daemon.withdraw(&declaration.name).await;
+            return Err(e);
+        }
+        tracing::info!(
+            claim = %c, tenant = declaration.name, gpu, guarantee = %guarantee, limit = %limit,
+            class = declaration.class, "claim prepared"
+        );
+        Ok(devices_of(&prepared))
+    }
+
+    async fn write_spec(&self, uid: &str, d: &Declaration) -> Result<(), String> {
+        let status = self.daemon.status().await.map_err(|e| e.to_string())?;
+        let dev = status
+            .devices
+            .iter()
+            .find(|x| x.index == d.gpu)
+            .ok_or_else(|| format!("the daemon no longer serves {}", device_name(d.gpu)))?;
+        let nodes = cdi::device_nodes(&dev.backend, &dev.uuid)?;
+        let spec = cdi::spec(&self.layout, uid, &d.name, d.gpu, &nodes);
+        cdi::write(&self.layout, uid, &spec).map_err(|e| {
+            format!(
+                "cannot write the CDI spec in {}: {e}",
+                self.layout.cdi_dir.display()
+            )
+        })
+    }
+
+    /// Unprepares `c`: its tenant withdrawn (what its processes still held reclaimed) and its
+    /// CDI spec removed. A claim unprepared lately is done already; one never prepared here is
+    /// an error.
+    pub async fn unprepare(&self, c: &ClaimRef) -> Result<(), String> {
+        let mut cp = self.checkpoint.lock().await;
+        let name = match cp.get(&c.uid) {
+            Some(p) => p.declaration.name.clone(),
+            None if cp.was_unprepared(&c.uid) => return Ok(()),
+            None => tenant_name(&c.uid),
+        };
+        let known = cp.get(&c.uid).is_some();
+        match self.daemon.withdraw(&name).await {
+            Ok((released, connections)) => tracing::info!(
+                claim = %c, tenant = name, released = %released, connections,
+                "claim unprepared: its tenant is withdrawn"
+            ),
+            // The daemon restarted and the declaration was not made again: nothing to take.
+            Err(e) if e.is_not_found() && known => {}
+            Err(e) if e.is_not_found() => {
+                return Err(format!(
+                    "claim {c} is not prepared on this node: nothing to unprepare"
+                ))
+            }
+            Err(e) => return Err(format!("claim {c}: {e}")),
+        }
+        cdi::remove(&self.layout, &c.uid)
+            .map_err(|e| format!("claim {c}: cannot remove its CDI spec: {e}"))?;
+        cp.remove(&c.uid)
+            .map_err(|e| format!("claim {c}: cannot write the checkpoint: {e}"))
+    }
+
+    /// Brings the daemon in line with the checkpoint: a prepared claim's declaration the daemon
+    /// lacks (it restarted) is made again; a declaration of this plugin's that no prepared claim
+    /// names (the plugin stopped between declaring and its checkpoint) is withdrawn.
+    pub async fn reconcile(&self) -> Result<(), crate::daemon::DaemonError> {
+        let cp = self.checkpoint.lock().await;
+        let declared = self.daemon.declarations().await?;
+        for (uid, p) in cp.prepared() {
+            if !declared.contains(&p.declaration) {
+                match self.daemon.declare(&p.declaration).await {
+                    Ok(_) => tracing::info!(
+                        claim = uid,
+                        tenant = p.declaration.name,
+                        "prepared claim declared again (the daemon did not have it)"
+                    ),
+                    Err(e) => tracing::error!(
+                        claim = uid,
+                        tenant = p.declaration.name,
+                        "prepared claim cannot be declared again: {e}"
+                    ),
+                }
+            }
+        }
+        for d in declared {
+            let Some(uid) = d.name.strip_prefix(TENANT_PREFIX) else {
+                continue;
+            };
+            if cp.get(uid).is_none() {
+                match self.daemon.withdraw(&d.name).await {
+                    Ok((released, _)) => tracing::warn!(
+                        tenant = d.name, released = %released,
+                        "withdrew a declaration no prepared claim names"
+                    ),
+                    Err(e) => tracing::error!(tenant = d.name, "cannot withdraw: {e}"),
+                }
+            }
+        }
+        Ok(())
+    }
+}
