@@ -306,8 +306,8 @@ pub unsafe extern "C" fn vram_connect(
 ) -> c_int {
     guarded(-1, || {
         let mut opts = options_from_env()?;
-        // SAFETY (each `optional_*` call below): the arguments are NULL or NUL-terminated
-        // strings alive for this call (this function's contract).
+        // SAFETY: the arguments are NULL or NUL-terminated strings alive for this call (this
+        // function's contract).
         if let Some(n) = unsafe { optional_text(name, "name") }? {
             opts.name = n;
         }

@@ -29,6 +29,8 @@ fn device(index: u32, capacity: Bytes) -> DeviceStatus {
         outside_processes: Vec::new(),
         deficit: Bytes::ZERO,
         at_risk: Vec::new(),
+        kept: Bytes::ZERO,
+        kept_offline: Vec::new(),
     }
 }
 

@@ -126,6 +126,35 @@ impl Drop for SlowSlot {
     }
 }
 
+/// A process's groups: `primary` (the kernel's word on the socket, `SO_PEERCRED`; `None`: the
+/// real gid `/proc/PID/status` gives) first, then its supplementary groups as `/proc/PID/status`
+/// lists them (none if it cannot be read; a connected process's pid is its own while this is
+/// read).
+pub fn groups_of(pid: u32, primary: Option<u32>) -> Vec<u32> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(|v| {
+                v.split_whitespace()
+                    .filter_map(|g| g.parse::<u32>().ok())
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    let mut gids: Vec<u32> = primary
+        .or_else(|| field("Gid:").first().copied())
+        .into_iter()
+        .collect();
+    for g in field("Groups:") {
+        if !gids.contains(&g) {
+            gids.push(g);
+        }
+    }
+    gids
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::net::UnixStream;
@@ -182,33 +211,4 @@ mod tests {
         drop(held);
         assert!(peer.slow_slot(3).is_some());
     }
-}
-
-/// A process's groups: `primary` (the kernel's word on the socket, `SO_PEERCRED`; `None`: the
-/// real gid `/proc/PID/status` gives) first, then its supplementary groups as `/proc/PID/status`
-/// lists them (none if it cannot be read; a connected process's pid is its own while this is
-/// read).
-pub fn groups_of(pid: u32, primary: Option<u32>) -> Vec<u32> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .map(|v| {
-                v.split_whitespace()
-                    .filter_map(|g| g.parse::<u32>().ok())
-                    .collect::<Vec<_>>()
-            })
-            .unwrap_or_default()
-    };
-    let mut gids: Vec<u32> = primary
-        .or_else(|| field("Gid:").first().copied())
-        .into_iter()
-        .collect();
-    for g in field("Groups:") {
-        if !gids.contains(&g) {
-            gids.push(g);
-        }
-    }
-    gids
 }

@@ -846,6 +846,10 @@ impl<'a> Peer<'a> {
                 }
             }
             Reply::Pong => {}
+            // The scripts make no admin calls; a reply to one would be a reply to nothing asked.
+            Reply::Declared { .. } | Reply::Withdrawn { .. } | Reply::Declarations(_) => {
+                return Err(format!("an admin reply nobody asked for: {:?}", r.msg));
+            }
         }
         if let Some(limit) = live.limit {
             if live.held + live.charged_floor > limit.get() as u128 {
