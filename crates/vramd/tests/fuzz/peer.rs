@@ -95,7 +95,9 @@ enum Pending {
 struct Live {
     conn: Conn,
     /// Grants received and not given back by a `Return` of this peer's, with their descriptors.
-    grants: Vec<(GrantId, Bytes, OwnedFd)>,
+    /// Granted and not yet given back: id, size, and the descriptor, closed once a return of it
+    /// is sent (a tenant that still reaches what it returns keeps it booked).
+    grants: Vec<(GrantId, Bytes, Option<OwnedFd>)>,
     /// Granted less returned, by the replies (exact whatever requests they answer).
     held: u128,
     /// Charged less uncharged, by the replies known to answer a `Charge` or `Uncharge`: at most
@@ -350,6 +352,8 @@ impl<'a> Peer<'a> {
             Op::Mutated { req, edits } => {
                 self.live()?;
                 let (r, _) = self.resolve(req);
+                // Mutated or not, a return the daemon may read goes out with its grants let go.
+                self.let_go(&r);
                 let mut payload = encode(self.id(), &r);
                 for e in edits {
                     edit(&mut payload, e);
@@ -443,6 +447,7 @@ impl<'a> Peer<'a> {
     fn with_fds(&mut self, req: &Req, attach: &[FdKind], announce: u16) -> Result<(), String> {
         self.live()?;
         let (r, p) = self.resolve(req);
+        self.let_go(&r);
         let id = self.id();
         let payload = encode(id, &r);
         let mut header = FrameHeader::new(0, payload.len());
@@ -458,8 +463,9 @@ impl<'a> Peer<'a> {
                 FdKind::Socket => self.sockets.0.as_fd(),
                 FdKind::Grant => live
                     .grants
-                    .first()
-                    .map_or(self.file.as_fd(), |g| g.2.as_fd()),
+                    .iter()
+                    .find_map(|g| g.2.as_ref())
+                    .map_or(self.file.as_fd(), |fd| fd.as_fd()),
                 FdKind::Itself => live.conn.stream().as_fd(),
             })
             .collect();
@@ -604,7 +610,17 @@ impl<'a> Peer<'a> {
     }
 
     /// Sends a well-formed request; its id.
+    /// Closes the descriptors of the grants `r` returns, as a tenant does before it returns them.
+    fn let_go(&mut self, r: &Request) {
+        if let (Request::Return { grants }, Some(live)) = (r, self.conn.as_mut()) {
+            for g in live.grants.iter_mut().filter(|g| grants.contains(&g.0)) {
+                g.2 = None;
+            }
+        }
+    }
+
     fn send(&mut self, r: &Request, p: Pending) -> Result<u64, String> {
+        self.let_go(r);
         let id = self.id();
         self.note(format!("> {id:x} {r:?}"));
         let live = self.conn.as_mut().expect("connected");
@@ -736,13 +752,14 @@ impl<'a> Peer<'a> {
             }
             Reply::Granted { grant, size } => {
                 live.held += size.get() as u128;
-                live.grants.push((grant, size, fds.next().expect("one fd")));
+                live.grants
+                    .push((grant, size, Some(fds.next().expect("one fd"))));
                 remember(&mut world.seen().grants, grant);
             }
             Reply::GrantedMany { grants } => {
                 for ((grant, size), fd) in grants.into_iter().zip(fds) {
                     live.held += size.get() as u128;
-                    live.grants.push((grant, size, fd));
+                    live.grants.push((grant, size, Some(fd)));
                     remember(&mut world.seen().grants, grant);
                 }
             }

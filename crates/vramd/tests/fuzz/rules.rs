@@ -50,10 +50,12 @@ pub const DECLARED: [Declared; 3] = [
 ];
 
 /// The configuration: short deadlines (so that stalled frames and silent peers are cut off within
-/// a round), a short reclaim wait, a small pool, the scrub on.
+/// a round), a short reclaim wait, a small pool, the scrub on. No uid may make admin calls: the
+/// peers are tenants, and random bytes that decode as an admin call must be refused.
 pub fn config(uid: u32) -> String {
     let mut c = format!(
         "allowed_uids = [{uid}]\n\
+         admin_uids = []\n\
          capacity = \"{}\"\n\
          priority_reserve = \"2 MiB\"\n\
          reclaim_timeout_ms = 5\n\
