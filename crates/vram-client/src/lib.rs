@@ -7,6 +7,8 @@
 //! [`Client::open_shared`] reach shared buffers: one writer at a time under a lease, readers
 //! pinning published versions read-only.
 
+#![forbid(unsafe_code)]
+
 pub mod alloc;
 mod connection;
 mod error;

@@ -33,21 +33,29 @@ fn connection() -> Result<(Arc<Client>, &'static Client), String> {
     Ok((client, borrowed))
 }
 
-fn text(s: *const c_char, what: &str) -> Result<String, String> {
+/// # Safety
+///
+/// `s` is NULL or a NUL-terminated string alive for the call.
+unsafe fn text(s: *const c_char, what: &str) -> Result<String, String> {
     if s.is_null() {
         return Err(format!("vramd: {what} is NULL"));
     }
-    // SAFETY: the caller passes a NUL-terminated string (see vram.h), alive for this call.
+    // SAFETY: not NULL, so NUL-terminated and alive for the call (this function's contract).
     let s = unsafe { CStr::from_ptr(s) };
     Ok(s.to_string_lossy().into_owned())
 }
 
 /// `"tenant:NAME,class:NAME,*"` into principals; NULL or empty is nobody.
-fn principals(list: *const c_char) -> Result<Vec<Principal>, String> {
+///
+/// # Safety
+///
+/// As [`text`].
+unsafe fn principals(list: *const c_char) -> Result<Vec<Principal>, String> {
     if list.is_null() {
         return Ok(Vec::new());
     }
-    text(list, "access list")?
+    // SAFETY: this function's contract is `text`'s.
+    unsafe { text(list, "access list") }?
         .split(',')
         .map(str::trim)
         .filter(|p| !p.is_empty())
@@ -62,18 +70,26 @@ fn principals(list: *const c_char) -> Result<Vec<Principal>, String> {
         .collect()
 }
 
-fn handle<'a>(h: *mut VramShared) -> Result<&'a mut VramShared, String> {
+/// The handle behind `h`, for the length of one C call.
+///
+/// # Safety
+///
+/// `h` is NULL or a handle from `vram_shared_create`/`vram_shared_open` not yet closed, and no
+/// other thread uses it while the returned reference lives (the caller's C call).
+unsafe fn handle<'a>(h: *mut VramShared) -> Result<&'a mut VramShared, String> {
     if h.is_null() {
         return Err("vramd: NULL vram_shared_t".into());
     }
-    // SAFETY: a non-null `h` comes from vram_shared_create/open and is not yet closed (vram.h);
-    // the caller does not use one handle from two threads at once.
+    // SAFETY: not NULL, so a live handle used by this thread alone (this function's contract).
     Ok(unsafe { &mut *h })
 }
 
-fn put(out: *mut u64, value: u64) {
+/// # Safety
+///
+/// `out` is NULL or points to a writable `uint64_t`.
+unsafe fn put(out: *mut u64, value: u64) {
     if !out.is_null() {
-        // SAFETY: a non-null out-pointer points to a writable uint64_t (vram.h).
+        // SAFETY: not NULL, so writable (this function's contract).
         unsafe { out.write(value) };
     }
 }
@@ -97,8 +113,14 @@ fn err(e: impl std::fmt::Display) -> String {
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_create(
+pub unsafe extern "C" fn vram_shared_create(
     name: *const c_char,
     size: u64,
     readers: *const c_char,
@@ -106,29 +128,45 @@ pub extern "C" fn vram_shared_create(
 ) -> *mut VramShared {
     guarded(std::ptr::null_mut(), || {
         let (owned, client) = connection()?;
-        let acl = Acl {
-            readers: principals(readers)?,
-            writers: principals(writers)?,
-        };
-        let name = text(name, "name")?;
+        // SAFETY: the access lists and the name are NULL or NUL-terminated strings alive for
+        // the call (this function's contract).
+        let (readers, writers) = unsafe { (principals(readers)?, principals(writers)?) };
+        let acl = Acl { readers, writers };
+        // SAFETY: as above.
+        let name = unsafe { text(name, "name") }?;
         let buffer = client.create_shared(&name, Bytes(size), acl).map_err(err)?;
         Ok(opened(buffer, owned))
     })
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_open(name: *const c_char) -> *mut VramShared {
+pub unsafe extern "C" fn vram_shared_open(name: *const c_char) -> *mut VramShared {
     guarded(std::ptr::null_mut(), || {
         let (owned, client) = connection()?;
-        let buffer = client.open_shared(&text(name, "name")?).map_err(err)?;
+        // SAFETY: `name` is NULL or a NUL-terminated string alive for the call (this function's
+        // contract).
+        let name = unsafe { text(name, "name") }?;
+        let buffer = client.open_shared(&name).map_err(err)?;
         Ok(opened(buffer, owned))
     })
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_close(h: *mut VramShared) {
+pub unsafe extern "C" fn vram_shared_close(h: *mut VramShared) {
     guarded((), || {
         if h.is_null() {
             return Ok(());
@@ -141,10 +179,17 @@ pub extern "C" fn vram_shared_close(h: *mut VramShared) {
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_lease(h: *mut VramShared, ttl_ms: u32) -> c_int {
+pub unsafe extern "C" fn vram_shared_lease(h: *mut VramShared, ttl_ms: u32) -> c_int {
     guarded(-1, || {
-        let s = handle(h)?;
+        // SAFETY: `h` is NULL or a live handle of this thread (this function\'s contract).
+        let s = unsafe { handle(h) }?;
         if s.lease.is_none() {
             let ttl = Duration::from_millis(u64::from(ttl_ms));
             s.lease = Some(s.buffer.lease(ttl).map_err(err)?);
@@ -154,10 +199,17 @@ pub extern "C" fn vram_shared_lease(h: *mut VramShared, ttl_ms: u32) -> c_int {
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_release_lease(h: *mut VramShared) -> c_int {
+pub unsafe extern "C" fn vram_shared_release_lease(h: *mut VramShared) -> c_int {
     guarded(-1, || {
-        let s = handle(h)?;
+        // SAFETY: `h` is NULL or a live handle of this thread (this function\'s contract).
+        let s = unsafe { handle(h) }?;
         s.draft = None;
         match s.lease.take() {
             Some(l) => l.release().map_err(err).map(|()| 0),
@@ -167,21 +219,29 @@ pub extern "C" fn vram_shared_release_lease(h: *mut VramShared) -> c_int {
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_begin_write(
+pub unsafe extern "C" fn vram_shared_begin_write(
     h: *mut VramShared,
     base: u64,
     version: *mut u64,
 ) -> *mut c_void {
     guarded(std::ptr::null_mut(), || {
-        let s = handle(h)?;
+        // SAFETY: `h` is NULL or a live handle of this thread (this function\'s contract).
+        let s = unsafe { handle(h) }?;
         let lease = s
             .lease
             .as_ref()
             .ok_or("vramd: begin_write without the lease (call vram_shared_lease first)")?;
         let base = (base != 0).then_some(Version(base));
         let draft = lease.begin_write(base).map_err(err)?;
-        put(version, draft.version().0);
+        // SAFETY: `version` is NULL or writable (this function\'s contract).
+        unsafe { put(version, draft.version().0) };
         let ptr = draft.ptr() as *mut c_void;
         s.draft = Some(draft);
         Ok(ptr)
@@ -189,33 +249,51 @@ pub extern "C" fn vram_shared_begin_write(
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_publish(h: *mut VramShared, checksum: *mut u64) -> c_int {
+pub unsafe extern "C" fn vram_shared_publish(h: *mut VramShared, checksum: *mut u64) -> c_int {
     guarded(-1, || {
-        let s = handle(h)?;
+        // SAFETY: `h` is NULL or a live handle of this thread (this function\'s contract).
+        let s = unsafe { handle(h) }?;
         let draft = s
             .draft
             .take()
             .ok_or("vramd: nothing to publish (call vram_shared_begin_write first)")?;
-        put(checksum, draft.publish().map_err(err)?);
+        // SAFETY: `checksum` is NULL or writable (this function\'s contract).
+        unsafe { put(checksum, draft.publish().map_err(err)?) };
         Ok(0)
     })
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_pin(
+pub unsafe extern "C" fn vram_shared_pin(
     h: *mut VramShared,
     version: *mut u64,
     checksum: *mut u64,
     size: *mut u64,
 ) -> *const c_void {
     guarded(std::ptr::null(), || {
-        let s = handle(h)?;
+        // SAFETY: `h` is NULL or a live handle of this thread (this function\'s contract).
+        let s = unsafe { handle(h) }?;
         let pinned = s.buffer.pin().map_err(err)?;
-        put(version, pinned.version().0);
-        put(checksum, pinned.checksum());
-        put(size, pinned.size().get());
+        // SAFETY: `version` is NULL or writable (this function\'s contract).
+        unsafe { put(version, pinned.version().0) };
+        // SAFETY: `checksum` is NULL or writable (this function\'s contract).
+        unsafe { put(checksum, pinned.checksum()) };
+        // SAFETY: `size` is NULL or writable (this function\'s contract).
+        unsafe { put(size, pinned.size().get()) };
         let ptr = pinned.ptr() as *const c_void;
         s.pins.push(pinned);
         Ok(ptr)
@@ -223,10 +301,17 @@ pub extern "C" fn vram_shared_pin(
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_release(h: *mut VramShared, ptr: *const c_void) -> c_int {
+pub unsafe extern "C" fn vram_shared_release(h: *mut VramShared, ptr: *const c_void) -> c_int {
     guarded(-1, || {
-        let s = handle(h)?;
+        // SAFETY: `h` is NULL or a live handle of this thread (this function\'s contract).
+        let s = unsafe { handle(h) }?;
         let at = s
             .pins
             .iter()
@@ -238,30 +323,45 @@ pub extern "C" fn vram_shared_release(h: *mut VramShared, ptr: *const c_void) ->
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_verify(h: *mut VramShared, version: u64) -> c_int {
+pub unsafe extern "C" fn vram_shared_verify(h: *mut VramShared, version: u64) -> c_int {
     guarded(-1, || {
-        let s = handle(h)?;
+        // SAFETY: `h` is NULL or a live handle of this thread (this function\'s contract).
+        let s = unsafe { handle(h) }?;
         let ok = s.buffer.verify(Version(version)).map_err(err)?;
         Ok(c_int::from(ok))
     })
 }
 
 /// See `include/vram.h`.
+///
+/// # Safety
+///
+/// The pointers are NULL or as `include/vram.h` says: strings NUL-terminated and alive for the
+/// call, a handle from `vram_shared_create`/`vram_shared_open` not yet closed and used by one
+/// thread at a time, out-pointers writable.
 #[no_mangle]
-pub extern "C" fn vram_shared_wait(
+pub unsafe extern "C" fn vram_shared_wait(
     h: *mut VramShared,
     than: u64,
     timeout_ms: u32,
     version: *mut u64,
 ) -> c_int {
     guarded(-1, || {
-        let s = handle(h)?;
+        // SAFETY: `h` is NULL or a live handle of this thread (this function\'s contract).
+        let s = unsafe { handle(h) }?;
         let than = (than != 0).then_some(Version(than));
         let timeout = Duration::from_millis(u64::from(timeout_ms));
         match s.buffer.wait_newer(than, timeout).map_err(err)? {
             Some(v) => {
-                put(version, v.0);
+                // SAFETY: `version` is NULL or writable (this function\'s contract).
+                unsafe { put(version, v.0) };
                 Ok(1)
             }
             None => Ok(0),

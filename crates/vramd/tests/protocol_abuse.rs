@@ -320,7 +320,9 @@ fn a_resume_claiming_an_id_not_yet_given_takes_nobody_elses_memory() {
         "the thief's memory holds another tenant's data"
     );
 
-    // The victim's grants are still its own, and go back whole.
+    // The victim's grants are still its own, and go back whole (let go first: memory given back
+    // while still reached stays booked).
+    drop(memory);
     victim
         .send(
             6,
