@@ -38,6 +38,27 @@ fn first_answer_as(
         .unwrap_or_else(|e| panic!("{e}: {line} {}", String::from_utf8_lossy(&out.stderr)))
 }
 
+/// `vramd tenant ARGS` as uid nobody, left running once it is welcomed (its input open).
+fn welcomed_as_nobody(d: &Daemon, args: &[&str]) -> std::process::Child {
+    let mut child = Command::new(VRAMD)
+        .args(["tenant", "--socket"])
+        .arg(&d.socket)
+        .args(args)
+        .uid(NOBODY)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.contains("\"welcome\""), "{line}");
+    child
+}
+
 #[test]
 fn declared_names_classes_and_per_uid_counts_follow_the_configuration() {
     if !rustix::process::getuid().is_root() {
@@ -74,22 +95,7 @@ fn declared_names_classes_and_per_uid_counts_follow_the_configuration() {
     );
 
     // Its own tenant in the default class is admitted, and the kernel's uid is the one booked.
-    let mut mine = Command::new(VRAMD)
-        .args(["tenant", "--socket"])
-        .arg(&d.socket)
-        .args(["--name", "mine"])
-        .uid(NOBODY)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(mine.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert!(line.contains("\"welcome\""), "{line}");
+    let mut mine = welcomed_as_nobody(&d, &["--name", "mine"]);
     let s = d.status();
     let t = s.tenants.iter().find(|t| t.name == "mine").unwrap();
     assert_eq!(t.uid, NOBODY);
@@ -159,22 +165,7 @@ fn a_reload_disconnects_the_tenants_its_rules_no_longer_admit() {
     };
     let d = Daemon::start(&config(&NOBODY.to_string()));
     std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut climber = Command::new(VRAMD)
-        .args(["tenant", "--socket"])
-        .arg(&d.socket)
-        .args(["--name", "climber", "--class", "high"])
-        .uid(NOBODY)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(climber.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert!(line.contains("\"welcome\""), "{line}");
+    let mut climber = welcomed_as_nobody(&d, &["--name", "climber", "--class", "high"]);
     std::fs::write(d.dir.path().join("vramd.toml"), config("")).unwrap();
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(d.pid() as i32).unwrap(),
