@@ -88,7 +88,7 @@ fn runtime() -> &'static Runtime {
 
 fn pool_mode() -> bool {
     static POOL: OnceLock<bool> = OnceLock::new();
-    *POOL.get_or_init(|| std::env::var("VRAMD_TORCH_MODE").is_ok_and(|m| m == "pool"))
+    *POOL.get_or_init(|| std::env::var(vram_proto::env::TORCH_MODE).is_ok_and(|m| m == "pool"))
 }
 
 /// The calling thread's current CUDA device, if the runtime answers.

@@ -93,7 +93,7 @@ fn options_from_env() -> Result<TenantOptions, String> {
     let gpu = match std::env::var(vram_proto::GPU_ENV) {
         Ok(v) if !v.is_empty() => Some(
             v.parse::<u32>()
-                .map_err(|e| format!("VRAMD_GPU `{v}`: {e}"))?,
+                .map_err(|e| format!("{} `{v}`: {e}", vram_proto::env::GPU))?,
         ),
         _ => None,
     };
@@ -102,11 +102,11 @@ fn options_from_env() -> Result<TenantOptions, String> {
             .ok()
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| format!("pid-{}", std::process::id())),
-        class: std::env::var("VRAMD_PRIORITY")
+        class: std::env::var(vram_proto::env::CLASS)
             .ok()
             .filter(|s| !s.is_empty()),
-        guarantee: env_bytes("VRAMD_GUARANTEE")?,
-        limit: env_bytes("VRAMD_LIMIT")?,
+        guarantee: env_bytes(vram_proto::env::GUARANTEE)?,
+        limit: env_bytes(vram_proto::env::LIMIT)?,
         gpu,
         join: std::env::var(vram_proto::JOIN_ENV)
             .ok()
@@ -144,7 +144,7 @@ fn first(client: Arc<Client>) -> Result<Tenant, String> {
         granularity: w.device.granularity,
         ..AllocConfig::default()
     };
-    if let Ok(v) = std::env::var("VRAMD_ALLOC") {
+    if let Ok(v) = std::env::var(vram_proto::env::ALLOC) {
         config
             .set_all(&v)
             .map_err(|e| format!("vramd: VRAMD_ALLOC: {e}"))?;

@@ -37,19 +37,8 @@ pub const MAX_FDS: usize = 16;
 /// Where the daemon listens unless told otherwise (`VRAMD_SOCKET` or `--socket`).
 pub const DEFAULT_SOCKET: &str = "/run/vramd/vramd.sock";
 
-/// The environment variable that names the daemon's socket.
-pub const SOCKET_ENV: &str = "VRAMD_SOCKET";
-
-/// The environment variable through which `vramd run` hands the program the invitation to join
-/// the tenant it registered (`Role::Join`).
-pub const JOIN_ENV: &str = "VRAMD_JOIN";
-
-/// The environment variable that names the tenant libvram.so connects as.
-pub const TENANT_ENV: &str = "VRAMD_TENANT";
-
-/// The environment variable that names the daemon's device, by index, libvram.so takes memory
-/// on.
-pub const GPU_ENV: &str = "VRAMD_GPU";
+pub mod env;
+pub use env::{GPU as GPU_ENV, JOIN as JOIN_ENV, SOCKET as SOCKET_ENV, TENANT as TENANT_ENV};
 
 /// Errors of the protocol layer.
 #[derive(Debug, thiserror::Error)]

@@ -133,7 +133,7 @@ const FORWARDED: [i32; 4] = [
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let lib = find_library()?;
-    if let Ok(settings) = std::env::var("VRAMD_ALLOC") {
+    if let Ok(settings) = std::env::var(vram_proto::env::ALLOC) {
         vram_core::alloc::AllocConfig::default()
             .set_all(&settings)
             .map_err(|e| anyhow::anyhow!("VRAMD_ALLOC `{settings}`: {e}"))?;
@@ -159,9 +159,9 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
     let mut cmd = Command::new(&args.command[0]);
     cmd.args(&args.command[1..])
-        .env("VRAMD_SOCKET", args.socket.path())
-        .env("VRAMD_LIB", &lib)
-        .env("VRAMD_TORCH_MODE", args.torch_mode.as_str())
+        .env(vram_proto::env::SOCKET, args.socket.path())
+        .env(vram_proto::env::LIB, &lib)
+        .env(vram_proto::env::TORCH_MODE, args.torch_mode.as_str())
         .env("PYTHONPATH", python_path(python.path()))
         // libvram.so's dlsym, cuGetProcAddress and driver allocation calls go before the
         // driver's (and, in pool mode, its cudaMalloc / cudaFree before the CUDA runtime's).
@@ -206,7 +206,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
 
 /// `VRAMD_LIB`, else libvram.so next to this executable.
 fn find_library() -> anyhow::Result<PathBuf> {
-    if let Some(p) = std::env::var_os("VRAMD_LIB").filter(|p| !p.is_empty()) {
+    if let Some(p) = std::env::var_os(vram_proto::env::LIB).filter(|p| !p.is_empty()) {
         let p = PathBuf::from(p);
         if !p.is_file() {
             bail!("VRAMD_LIB is {}, which is not a file", p.display());

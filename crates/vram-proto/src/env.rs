@@ -1,0 +1,91 @@
+//! The environment a tenant process is set up from: one table, read by libvram.so and
+//! `vram-client` and written by `vramd run`, the Kubernetes plugin's CDI spec and `vramd.ray`, so
+//! that the writer and the reader name each variable the same way. Every variable is optional;
+//! flags, the C ABI's `vram_connect` and `TenantOptions` say the same things in code.
+
+/// One variable and what it sets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Variable {
+    pub name: &'static str,
+    pub sets: &'static str,
+}
+
+/// The daemon's socket (default [`crate::DEFAULT_SOCKET`]).
+pub const SOCKET: &str = "VRAMD_SOCKET";
+/// The tenant's name (default `pid-<pid>`).
+pub const TENANT: &str = "VRAMD_TENANT";
+/// The tenant's class (a priority class of the daemon's configuration).
+pub const CLASS: &str = "VRAMD_PRIORITY";
+/// The guarantee the tenant asks for (a size: `20GiB`).
+pub const GUARANTEE: &str = "VRAMD_GUARANTEE";
+/// The limit the tenant asks for (a size).
+pub const LIMIT: &str = "VRAMD_LIMIT";
+/// Which of the daemon's devices, by index (default 0).
+pub const GPU: &str = "VRAMD_GPU";
+/// The invitation to join a tenant `vramd run` registered (`Role::Join`).
+pub const JOIN: &str = "VRAMD_JOIN";
+/// The tenant allocator's settings, comma-separated `NAME=VALUE` pairs.
+pub const ALLOC: &str = "VRAMD_ALLOC";
+/// `full` or `pool`: how PyTorch takes vramd's allocator (`vramd run --torch-mode`).
+pub const TORCH_MODE: &str = "VRAMD_TORCH_MODE";
+/// Where libvram.so is (default: beside the `vramd` executable).
+pub const LIB: &str = "VRAMD_LIB";
+
+/// Every variable above, for documentation and checks.
+pub const ALL: [Variable; 10] = [
+    Variable {
+        name: SOCKET,
+        sets: "the daemon's socket",
+    },
+    Variable {
+        name: TENANT,
+        sets: "the tenant's name",
+    },
+    Variable {
+        name: CLASS,
+        sets: "the tenant's class",
+    },
+    Variable {
+        name: GUARANTEE,
+        sets: "the guarantee asked for",
+    },
+    Variable {
+        name: LIMIT,
+        sets: "the limit asked for",
+    },
+    Variable {
+        name: GPU,
+        sets: "the daemon's device, by index",
+    },
+    Variable {
+        name: JOIN,
+        sets: "the invitation to join a registered tenant",
+    },
+    Variable {
+        name: ALLOC,
+        sets: "the tenant allocator's settings",
+    },
+    Variable {
+        name: TORCH_MODE,
+        sets: "how PyTorch takes vramd's allocator",
+    },
+    Variable {
+        name: LIB,
+        sets: "where libvram.so is",
+    },
+];
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_operators_guide_names_every_variable() {
+        let guide = include_str!("../../../docs/operations.md");
+        for v in super::ALL {
+            assert!(
+                guide.contains(v.name),
+                "docs/operations.md does not name {}",
+                v.name
+            );
+        }
+    }
+}
