@@ -240,6 +240,36 @@ impl Conn {
         ProtoError::SendTimeout(self.send_timeout.unwrap_or_default())
     }
 
+    /// Ends reading for good: the peer can send nothing more, and what it sent that was not
+    /// read is dropped, with every descriptor it carried (queued here or still in the socket).
+    /// Descriptors in flight keep the files they name open, so a connection that is over lets
+    /// go of them before what they reach is counted free.
+    pub fn discard_incoming(&self) {
+        let _ = rustix::net::shutdown(&self.stream, rustix::net::Shutdown::Read);
+        let mut rx = self.rx.lock().unwrap_or_else(|p| p.into_inner());
+        rx.fds.clear();
+        rx.start = 0;
+        rx.end = 0;
+        let mut scratch = [0u8; 4096];
+        loop {
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+            let mut control = RecvAncillaryBuffer::new(&mut space);
+            let mut iov = [IoSliceMut::new(&mut scratch)];
+            let flags = RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT;
+            match rustix::net::recvmsg(&self.stream, &mut iov, &mut control, flags) {
+                Ok(m) => {
+                    // Dropped here, closed.
+                    control.drain().for_each(drop);
+                    if m.bytes == 0 {
+                        return;
+                    }
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                Err(_) => return,
+            }
+        }
+    }
+
     /// Whether a whole frame (or a header [`Conn::recv`] would refuse) is already buffered, so that
     /// `recv` answers without waiting on the socket. Blocks while another thread is in `recv`.
     pub fn has_frame(&self) -> bool {

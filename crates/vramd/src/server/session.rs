@@ -456,6 +456,9 @@ impl Session {
 
     fn finish(self) {
         self.peer.mark_closed();
+        // Descriptors the peer sent that were never read are references to memory too: gone
+        // before its memory is counted.
+        self.peer.conn.discard_incoming();
         self.daemon.shared.wake_waiters();
         self.daemon
             .conns

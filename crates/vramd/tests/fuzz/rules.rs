@@ -170,23 +170,25 @@ pub fn check_report(r: &StatusReport) -> Result<(), String> {
     Ok(())
 }
 
-/// What a report must show once every peer has gone: nobody, nothing held, nothing shared, every
-/// declared guarantee reserved again.
+/// What a report must show once every peer has gone: nobody, nothing held or kept, nothing
+/// shared, every declared guarantee reserved again.
 pub fn check_idle(r: &StatusReport) -> Result<(), String> {
     let dev = &r.devices[0];
     let guarantees: u64 = DECLARED.iter().map(|d| d.guarantee.get()).sum();
     if !r.tenants.is_empty()
         || r.daemon.tenants_left_out != 0
         || dev.held != Bytes::ZERO
+        || dev.kept != Bytes::ZERO
         || dev.reserved != Bytes(guarantees)
         || !r.shared.buffers.is_empty()
         || r.shared.buffers_left_out != 0
     {
         return Err(format!(
-            "books not back to zero with every connection closed: {} tenants, held {}, reserved \
-             {} (declared guarantees {}), {} shared buffers\nstatus: {r:#?}",
+            "books not back to zero with every connection closed: {} tenants, held {}, kept {}, \
+             reserved {} (declared guarantees {}), {} shared buffers\nstatus: {r:#?}",
             r.tenants.len(),
             dev.held,
+            dev.kept,
             dev.reserved,
             Bytes(guarantees),
             r.shared.buffers.len()
