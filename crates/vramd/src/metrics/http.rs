@@ -15,6 +15,7 @@ use axum::Router;
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::registry::Registry;
 use tokio::sync::oneshot;
+use vram_proto::StatusReport;
 
 use super::collector::{by_class, StatusCollector};
 use super::{Detail, HttpStatus};
@@ -131,47 +132,43 @@ async fn status(
     State(s): State<Arc<Scrape>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
 ) -> Response {
-    let report = match s.detail.status {
-        HttpStatus::Off => {
-            return (
-                StatusCode::NOT_FOUND,
-                "/status is off (http_status = \"off\"); `vramd status` on the socket has it\n",
-            )
-                .into_response()
-        }
-        HttpStatus::Local => {
-            let allowed = s.daemon.settings().allowed_uids.clone();
-            match super::peer_uid::local_uid(peer, s.port) {
-                Some(uid) if allowed.contains(&uid) => s.daemon.status(),
-                Some(uid) => {
-                    return (
-                        StatusCode::FORBIDDEN,
-                        format!(
-                            "uid {uid} is not in allowed_uids {allowed:?}: /status is for the \
-                             daemon's users (http_status = \"local\")\n"
-                        ),
-                    )
-                        .into_response()
-                }
-                None => {
-                    return (
-                        StatusCode::FORBIDDEN,
-                        format!(
-                            "{peer} is not a connection from this host that the kernel's socket \
-                             table names: /status is for the daemon's users on this host \
-                             (http_status = \"local\")\n"
-                        ),
-                    )
-                        .into_response()
-                }
-            }
-        }
-        HttpStatus::Any if s.detail.tenants => without_processes(s.daemon.status()),
-        HttpStatus::Any => by_class(without_processes(s.daemon.status())),
+    let report = match status_for(&s, peer) {
+        Ok(r) => r,
+        Err(refusal) => return refusal.into_response(),
     };
     match serde_json::to_string_pretty(&report) {
         Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
+    }
+}
+
+/// The report `peer` may read under `http_status`, or why it may not.
+fn status_for(s: &Scrape, peer: SocketAddr) -> Result<StatusReport, (StatusCode, String)> {
+    let forbidden = |why: String| {
+        Err((
+            StatusCode::FORBIDDEN,
+            format!(
+                "{why}: /status is for the daemon's users on this host (http_status = \"local\")\n"
+            ),
+        ))
+    };
+    match s.detail.status {
+        HttpStatus::Off => Err((
+            StatusCode::NOT_FOUND,
+            "/status is off (http_status = \"off\"); `vramd status` on the socket has it\n".into(),
+        )),
+        HttpStatus::Local => {
+            let allowed = s.daemon.settings().allowed_uids.clone();
+            match super::peer_uid::local_uid(peer, s.port) {
+                Some(uid) if allowed.contains(&uid) => Ok(s.daemon.status()),
+                Some(uid) => forbidden(format!("uid {uid} is not in allowed_uids {allowed:?}")),
+                None => forbidden(format!(
+                    "{peer} is not a connection from this host that the kernel's socket table names"
+                )),
+            }
+        }
+        HttpStatus::Any if s.detail.tenants => Ok(without_processes(s.daemon.status())),
+        HttpStatus::Any => Ok(by_class(without_processes(s.daemon.status()))),
     }
 }
 

@@ -100,10 +100,14 @@ impl Daemon {
         // Who may be which tenant is the configuration's to say at any time: a tenant it no
         // longer admits is disconnected, and its memory comes back as at a crash.
         for (gpu, slot) in self.slots.iter().enumerate() {
-            for (conn, name, rule) in slot.breaking_rules() {
-                if let Some(peer) = self.conns.lock().expect("conns").get(&conn) {
+            for (name, rule) in slot.breaking_rules() {
+                // Every connection of the tenant: its registration's and a joined program's.
+                let conns = slot.connections_of(&name).map(|t| t.1).unwrap_or_default();
+                let peers = self.conns.lock().expect("conns");
+                for peer in conns.iter().filter_map(|c| peers.get(c)) {
                     peer.disconnect();
                 }
+                drop(peers);
                 changes.push(format!(
                     "gpu {gpu}: tenant `{name}` disconnected, the new configuration does not \
                      admit it: {rule}"

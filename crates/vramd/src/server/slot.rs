@@ -908,17 +908,14 @@ impl Slot {
             .collect()
     }
 
-    /// The connections of tenants that the rules in force no longer admit (a new configuration
-    /// changed who may be which tenant), with the rule each breaks.
-    pub fn breaking_rules(&self) -> Vec<(u64, String, String)> {
+    /// The tenants that the rules in force no longer admit (a new configuration changed who may
+    /// be which tenant), by name, with the rule each breaks.
+    pub fn breaking_rules(&self) -> Vec<(String, String)> {
         let s = self.lock();
         s.broker
             .breaking_rules()
             .into_iter()
-            .filter_map(|(id, e)| {
-                let name = s.broker.tenant(id)?.name.clone();
-                Some((*s.conn_of.get(&id)?, name, e.to_string()))
-            })
+            .filter_map(|(id, e)| Some((s.broker.tenant(id)?.name.clone(), e.to_string())))
             .collect()
     }
 
