@@ -855,7 +855,13 @@ impl<'a> Peer<'a> {
                 if e.message.is_empty() || (e.code == ErrorCode::Refused && e.reason.is_none()) {
                     return Err(format!("an error reply that does not say why: {e:?}"));
                 }
-                if e.code == ErrorCode::Refused && r.id == 0 {
+                // Id 0 is also the id of a random payload that decodes as a request: only the
+                // accept's own reasons say the connection was refused.
+                let at_accept = matches!(
+                    e.reason.as_deref(),
+                    Some("too_many_connections" | "out_of_fds")
+                );
+                if e.code == ErrorCode::Refused && r.id == 0 && at_accept {
                     return Err(format!("refused at accept: {e:?}"));
                 }
                 if matches!(e.code, ErrorCode::Protocol | ErrorCode::PermissionDenied) {
