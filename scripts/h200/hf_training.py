@@ -6,8 +6,10 @@ in paired rounds on one GPU: peak device memory as NVML sees it, and throughput.
 Each run is a child process: variable sequence length 512-1024 (the same seeded draw in every
 run), batch 8, bf16 autocast, AdamW. Full mode runs under `vramd run --torch-mode full` against a
 daemon this script starts (CUDA backend). NVML's figure is the device's used memory sampled every
-5 ms during the run, less what was used just before it started (the daemon, when up, included),
-so the daemon's handles count for full mode as the process's own memory counts for PyTorch.
+5 ms during the run, less what was used just before it started. Each full-mode run has a daemon of
+its own, started before that baseline, so its context and first pool handles are left out (on a
+shared node they serve every tenant) while every handle it creates during the run counts, as the
+process's own memory counts for PyTorch; no handle cached by an earlier run is reused.
 Throughput is tokens per second over the steps after the warm-up. Modes alternate in each round,
 and the first mode rotates between rounds; medians over rounds.
 
@@ -116,26 +118,37 @@ def daemon_up(vramd, folder):
     return d, sock
 
 
-def run(o, nvml, mode, model, sock, tmp):
+def run(o, nvml, mode, model, tmp):
     env = dict(os.environ)
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if mode == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model,
            "--steps", str(o.steps), "--warmup", str(o.warmup)]
+    daemon = None
     if mode == "full":
+        folder = tempfile.mkdtemp(prefix="daemon-", dir=tmp)
+        daemon, sock = daemon_up(o.vramd, folder)
         cmd = [o.vramd, "run", "--socket", sock, "--torch-mode", "full", "--"] + cmd
     time.sleep(1)
     base = nvml.used()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=tmp)
-    peak, out, err = nvml.peak_during(proc)
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=env, cwd=tmp)
+        peak, out, err = nvml.peak_during(proc)
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(15)
     res = {"mode": mode, "model": model, "exit": proc.returncode, "nvml_peak_bytes": peak - base}
     for line in out.splitlines():
         if line.startswith("RESULT "):
             res.update(json.loads(line[7:]))
     if "tokens_per_s" not in res:
         res["stderr"] = err[-3000:]
+        if daemon is not None:
+            with open(os.path.join(folder, "vramd.log")) as f:
+                res["daemon_log"] = f.read()[-3000:]
     return res
 
 
@@ -183,22 +196,18 @@ def main():
     nvml = Nvml()
     results = []
     with tempfile.TemporaryDirectory(prefix="hf-training-") as tmp:
-        daemon, sock = daemon_up(o.vramd, tmp)
-        try:
-            for rnd in range(o.rounds):
-                for model in o.models:
-                    order = MODES[rnd % 3:] + MODES[:rnd % 3]
-                    for mode in order:
-                        r = run(o, nvml, mode, model, sock, tmp)
-                        r["round"] = rnd
-                        results.append(r)
-                        print(json.dumps(r)[:300], flush=True)
-                        with open(os.path.join(o.out, "results.json"), "w") as f:
-                            json.dump(results, f, indent=1)
-        finally:
-            daemon.terminate()
-            daemon.wait(15)
-            os.replace(os.path.join(tmp, "vramd.log"), os.path.join(o.out, "vramd.log"))
+        for rnd in range(o.rounds):
+            for model in o.models:
+                order = MODES[rnd % 3:] + MODES[:rnd % 3]
+                for mode in order:
+                    r = run(o, nvml, mode, model, tmp)
+                    r["round"] = rnd
+                    results.append(r)
+                    print(json.dumps(r)[:300], flush=True)
+                    with open(os.path.join(o.out, "results.json"), "w") as f:
+                        json.dump(results, f, indent=1)
+                    with open(os.path.join(o.out, "summary.md"), "w") as f:
+                        f.write(summary(results, o.models))
     text = summary(results, o.models)
     with open(os.path.join(o.out, "summary.md"), "w") as f:
         f.write(text)
