@@ -62,8 +62,12 @@ def worker_compat(args):
         free, total = torch.cuda.mem_get_info()
         s = lib_stats()
         assert total == s["limit"], f"total {total} != limit {s['limit']}"
-        assert free == s["limit"] - s["stats"]["core"]["held"], (free, s)
-        return {"free": free, "total": total}
+        # free is the daemon's budget for the tenant: its limit less everything counted against
+        # it (held from vramd, plus memory it created itself and its context where the daemon
+        # charges those), so at most the limit less what the allocator holds.
+        held = s["stats"]["core"]["held"]
+        assert free <= s["limit"] - held, (free, s)
+        return {"free": free, "total": total, "counted_beyond_held": s["limit"] - held - free}
 
     def stats_functions():
         torch.cuda.reset_peak_memory_stats()
