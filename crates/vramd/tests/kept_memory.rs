@@ -139,3 +139,70 @@ fn memory_kept_by_a_closed_tenant_counts_against_its_uids_limit() {
         .is_empty()));
     second.grant(Bytes::mib(2)).unwrap();
 }
+
+/// The descriptors of memfds this process has open now, each reopened (a kept copy of them).
+fn keep_open_memfds() -> Vec<std::fs::File> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| {
+            let path = e.ok()?.path();
+            let target = std::fs::read_link(&path).ok()?;
+            target
+                .to_string_lossy()
+                .starts_with("/memfd:")
+                .then(|| std::fs::File::open(&path).ok())?
+        })
+        .collect()
+}
+
+#[test]
+fn a_shared_version_a_reader_keeps_after_it_is_freed_stays_booked_to_the_owner() {
+    use vram_client::{Acl, Principal};
+    let d = Daemon::start(CONFIG);
+    let owner = tenant(&d, "owner", Bytes::mib(128));
+    let acl = Acl {
+        readers: vec![Principal::Anyone],
+        writers: vec![],
+    };
+    let buf = owner.create_shared("weights", Bytes::mib(32), acl).unwrap();
+    let lease = buf.lease(Duration::from_secs(30)).unwrap();
+    let first = lease.begin_write(None).unwrap();
+    first.fill(Bytes::ZERO, Bytes::mib(32), 1).unwrap();
+    let v1 = first.version();
+    first.publish().unwrap();
+
+    let reader = tenant(&d, "reader", Bytes::mib(64));
+    let theirs = reader.open_shared("weights").unwrap();
+    let pin = theirs.pin().unwrap();
+    // A reader that keeps the version's memory past its pin: a copy of its descriptor.
+    let kept = keep_open_memfds();
+    assert!(
+        !kept.is_empty(),
+        "the pinned version's descriptor is open here"
+    );
+    drop(pin);
+
+    // A new version frees the first one (current no more, pinned by nobody).
+    let second = lease.begin_write(Some(v1)).unwrap();
+    second.fill(Bytes::ZERO, Bytes::mib(32), 2).unwrap();
+    second.publish().unwrap();
+    assert!(
+        wait_until(Duration::from_secs(2), || kept_by(&d, "owner")
+            == Bytes::mib(32)),
+        "the freed version still reached by a reader is not booked: {:?}",
+        d.status().tenants
+    );
+    // The owner's limit counts it: 32 MiB live, 32 MiB kept, 64 MiB left of 128 MiB.
+    assert_eq!(
+        refusal_reason(owner.grant(Bytes::mib(66)).unwrap_err()),
+        "over_limit"
+    );
+    drop(kept);
+    assert!(
+        wait_until(Duration::from_secs(2), || kept_by(&d, "owner")
+            == Bytes::ZERO),
+        "the version's memory is not booked back once the reader let go"
+    );
+    owner.grant(Bytes::mib(66)).unwrap();
+    assert!(d.log().contains("still reached"), "{}", d.log());
+}

@@ -325,6 +325,11 @@ impl SharedBuffers {
     }
 
     /// Whether `version` of `id` is held (a draft, current, or pinned).
+    /// The tenant that owns buffer `id`.
+    pub fn owner(&self, id: BufferId) -> Option<TenantId> {
+        self.buffers.get(&id).map(|b| b.owner)
+    }
+
     pub fn holds(&self, id: BufferId, version: Version) -> bool {
         self.buffers
             .get(&id)

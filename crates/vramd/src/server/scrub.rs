@@ -32,6 +32,7 @@ fn expire_leases(daemon: &Daemon) {
             books.take(freed)
         });
         drop(memory);
+        slot.book_let_go();
     }
 }
 
@@ -93,7 +94,7 @@ fn run(daemon: &Daemon) {
                 }
                 !stopping(daemon)
             };
-            match checksum_memory(device.as_ref(), &memory.handle, PIECE, pace) {
+            match checksum_memory(device.as_ref(), memory.handle(), PIECE, pace) {
                 Ok(Some(actual)) => {
                     daemon.shared.scrub.versions.fetch_add(1, Ordering::Relaxed);
                     if actual != p.checksum {

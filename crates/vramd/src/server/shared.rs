@@ -29,13 +29,76 @@ use super::peer::Peer;
 use super::Daemon;
 use crate::config::SharedConfig;
 
-/// One version's memory: the daemon's handle, its export, and the fd readers get.
+/// One version's memory: the daemon's handle, its export, and the fd readers get. When the last
+/// reference goes, the daemon's own descriptors close first; if a process still reaches the
+/// memory then (a reader that kept its descriptor or mapping), the handle goes to the slot's
+/// [`LetGo`] and stays booked to the buffer's owner, as kept, until it is really gone.
 pub struct Memory {
-    pub(super) handle: Handle,
+    /// Always `Some` until the memory is dropped.
+    parts: Option<Parts>,
+    /// The buffer's owner (name, uid), whom a version still reached after it is freed stays
+    /// booked to.
+    owner: (String, u32),
+    let_go: Arc<LetGo>,
+}
+
+struct Parts {
+    handle: Handle,
     fd: OwnedFd,
     /// On the host backend the memfd reopened read-only, so a reader cannot map it writable at
     /// all; on cuda the same export (read-only access is set by the reader's mapping).
     reader_fd: OwnedFd,
+}
+
+impl Memory {
+    pub(super) fn handle(&self) -> &Handle {
+        &self.parts().handle
+    }
+
+    fn parts(&self) -> &Parts {
+        self.parts.as_ref().expect("taken only by drop")
+    }
+}
+
+impl Drop for Memory {
+    fn drop(&mut self) {
+        let Some(Parts {
+            handle,
+            fd,
+            reader_fd,
+        }) = self.parts.take()
+        else {
+            return;
+        };
+        // The daemon's own opens go first: whatever still reaches the memory is another process.
+        drop((fd, reader_fd));
+        if self.let_go.device.reached_elsewhere(&handle) == Some(true) {
+            let (name, uid) = std::mem::take(&mut self.owner);
+            let mut found = self.let_go.found.lock().unwrap_or_else(|p| p.into_inner());
+            found.push((name, uid, handle));
+        }
+    }
+}
+
+/// Shared-buffer versions freed while some process still reached their memory, by the buffer's
+/// owner (name, uid): the slot books them as kept ([`super::slot::Slot::book_let_go`]).
+pub struct LetGo {
+    device: Arc<dyn Device>,
+    found: Mutex<Vec<(String, u32, Handle)>>,
+}
+
+impl LetGo {
+    pub fn new(device: Arc<dyn Device>) -> LetGo {
+        LetGo {
+            device,
+            found: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// What was found since the last call.
+    pub fn take(&self) -> Vec<(String, u32, Handle)> {
+        std::mem::take(&mut *self.found.lock().unwrap_or_else(|p| p.into_inner()))
+    }
 }
 
 /// A slot's shared-buffer books and the memory of every version they hold.
@@ -290,8 +353,8 @@ enum FdOf {
 impl FdOf {
     fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         match self {
-            FdOf::Writer(m) => m.fd.as_fd(),
-            FdOf::Reader(m) => m.reader_fd.as_fd(),
+            FdOf::Writer(m) => m.parts().fd.as_fd(),
+            FdOf::Reader(m) => m.parts().reader_fd.as_fd(),
         }
     }
 }
@@ -322,6 +385,7 @@ impl Op<'_> {
             }
         });
         drop(memory);
+        self.daemon.slots[self.slot].book_let_go();
         result.map_err(|e| self.refused(e))
     }
 
@@ -381,7 +445,7 @@ impl Op<'_> {
                         Ok(((v, sum), Vec::new()))
                     })
                     .and_then(|(v, sum)| Ok((v, sum, self.memory(buffer, v)?)))?;
-                let size = memory.handle.size();
+                let size = memory.handle().size();
                 Ok((
                     SharedReply::Pinned {
                         version,
@@ -416,9 +480,13 @@ impl Op<'_> {
         let version = self.books(|b, c, now| c.begin_write(b, t, buffer, base, now))?;
         let slot = &self.daemon.slots[self.slot];
         let made = slot
-            .with_shared(|_, books| books.core.info(buffer).map(|i| i.size))
+            .with_shared(|broker, books| {
+                let size = books.core.info(buffer)?.size;
+                let owner = broker.tenant(books.core.owner(buffer)?)?;
+                Some((size, (owner.name.clone(), owner.uid)))
+            })
             .ok_or_else(|| device_error(format!("buffer #{} vanished", buffer.0)))
-            .and_then(|size| {
+            .and_then(|(size, owner)| {
                 // Never recycled memory: readers will see every byte of it.
                 let ready = slot
                     .pool()
@@ -428,9 +496,13 @@ impl Op<'_> {
                     })?;
                 let reader_fd = reader_fd(slot.device().as_ref(), &ready.fd)?;
                 Ok(Arc::new(Memory {
-                    handle: ready.handle,
-                    fd: ready.fd,
-                    reader_fd,
+                    parts: Some(Parts {
+                        handle: ready.handle,
+                        fd: ready.fd,
+                        reader_fd,
+                    }),
+                    owner,
+                    let_go: slot.let_go().clone(),
                 }))
             });
         let memory = match made {
@@ -440,7 +512,7 @@ impl Op<'_> {
                 return Err(e);
             }
         };
-        let size = memory.handle.size();
+        let size = memory.handle().size();
         let kept = slot.with_shared(|_, books| {
             let held = books.core.holds(buffer, version);
             if held {
@@ -469,14 +541,14 @@ impl Op<'_> {
         // From here on nobody gains write access to the version, whatever descriptor it holds.
         self.daemon.slots[self.slot]
             .device()
-            .seal_writes(&memory.handle)
+            .seal_writes(memory.handle())
             .map_err(|e| {
                 device_error(format!("cannot seal version {version} against writes: {e}"))
             })?;
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
-        let checksum = checksum_memory(device.as_ref(), &memory.handle, u64::MAX, |_| true)
+        let checksum = checksum_memory(device.as_ref(), memory.handle(), u64::MAX, |_| true)
             .map_err(|e| {
                 device_error(format!("cannot read version {version} to checksum it: {e}"))
             })?
@@ -511,7 +583,7 @@ impl Op<'_> {
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
-        let actual = checksum_memory(device.as_ref(), &memory.handle, u64::MAX, |_| true)
+        let actual = checksum_memory(device.as_ref(), memory.handle(), u64::MAX, |_| true)
             .map_err(|e| device_error(format!("cannot read version {version}: {e}")))?
             .expect("not cancelled");
         if actual != expected {

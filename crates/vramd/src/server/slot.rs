@@ -134,6 +134,8 @@ pub struct Slot {
     /// A view of the device that can read memory (shared-buffer checksums): on cuda the daemon
     /// has no context of its own, so one is opened the first time a buffer must be read.
     reader: OnceLock<Result<Arc<dyn Device>, String>>,
+    /// Shared-buffer versions freed while still reached, waiting to be booked as kept.
+    let_go: Arc<super::shared::LetGo>,
 }
 
 /// What a grant needs from the caller: a way to send reclaim requests to other tenants, and to
@@ -155,7 +157,7 @@ impl Slot {
         pool.set_room(broker.free());
         Ok(Slot {
             index,
-            device,
+            device: device.clone(),
             state: Mutex::new(State {
                 broker,
                 grants: HashMap::new(),
@@ -176,6 +178,7 @@ impl Slot {
             returned: Condvar::new(),
             pool,
             reader: OnceLock::new(),
+            let_go: Arc::new(super::shared::LetGo::new(device.clone())),
         })
     }
 
@@ -189,6 +192,43 @@ impl Slot {
 
     pub fn device(&self) -> &Arc<dyn Device> {
         &self.device
+    }
+
+    pub fn let_go(&self) -> &Arc<super::shared::LetGo> {
+        &self.let_go
+    }
+
+    /// Books the shared-buffer versions freed while some process still reached them as kept by
+    /// their buffer's owner (see [`super::shared::Memory`]); [`Slot::sweep_kept`] books them back
+    /// once they are gone.
+    pub fn book_let_go(&self) {
+        let found = self.let_go.take();
+        if found.is_empty() {
+            return;
+        }
+        let mut s = self.lock();
+        for (name, uid, handle) in found {
+            let bytes = handle.size();
+            tracing::info!(
+                gpu = self.index,
+                owner = %name,
+                %bytes,
+                "a freed shared-buffer version is still reached by some process: it stays \
+                 booked to the buffer's owner until it is gone"
+            );
+            let n = s.next_kept;
+            s.next_kept += 1;
+            s.kept.insert(
+                n,
+                Kept {
+                    name: name.clone(),
+                    uid,
+                    handle: Arc::new(handle),
+                },
+            );
+            s.broker.add_kept(&name, uid, bytes);
+        }
+        self.pool.set_room(s.broker.free());
     }
 
     /// The device, able to read memory back (see `reader`).
@@ -893,6 +933,7 @@ impl Slot {
         let wake = s.waiting > 0;
         drop(s);
         drop(shared);
+        self.book_let_go();
         if wake {
             self.returned.notify_all();
         }
@@ -946,6 +987,7 @@ impl Slot {
     /// Releases the kept handles no process reaches any more, and books them back; returns
     /// (tenant, uid, bytes) for each tenant whose kept memory came back.
     pub fn sweep_kept(&self) -> Vec<(String, u32, Bytes)> {
+        self.book_let_go();
         let candidates: Vec<(u64, Arc<Handle>)> = {
             let s = self.lock();
             s.kept.iter().map(|(n, k)| (*n, k.handle.clone())).collect()
