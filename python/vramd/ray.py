@@ -1,49 +1,88 @@
 """GPU memory as a Ray resource that Ray places by and vramd enforces (docs/ray.md).
 
 Each node's Ray is started with the memory its daemon can guarantee (`vramd ray-resources`
-prints the `--resources` JSON). A task or actor asks for memory; Ray places it on a node with
-that much left, and the worker that runs it becomes a tenant of that node's daemon, with the
-memory as its guarantee and `limit` as its limit, before the user's code runs:
+prints the `--resources` JSON). A task or actor asks for memory with `options`; Ray places it on
+a node with that much left, and the worker that runs it becomes a tenant of that node's daemon,
+with the memory as its guarantee and `limit` as its limit, before the user's code runs:
 
-    import vramd.ray
+    import ray, vramd.ray
 
-    @vramd.ray.remote(memory="20GiB", limit="24GiB")
+    @ray.remote(**vramd.ray.options(memory="20GiB", limit="24GiB"))
     def step(batch): ...                     # each call: its own tenant, ended when it returns
 
-    @vramd.ray.remote(memory="8GiB")
+    @ray.remote(**vramd.ray.options(memory="8GiB"))
     class Server: ...                        # the actor's tenant lives as long as the actor
 
     step.options(**vramd.ray.options(memory="30GiB")).remote(b)   # another ask for one call
 
-A task's tenant is named `ray-task-<task id>` and ends when the call returns (everything goes back
-to the daemon), so a worker Ray reuses for the next task carries nothing of the last one into it.
-An actor's tenant, `ray-actor-<actor id>`, ends with the actor's process (ray.kill, a crash):
-the daemon takes its memory back when the connection closes.
+How: `options` returns Ray's `resources` and a `runtime_env` whose `env_vars` carry the ask in
+libvram.so's own variables and name `setup_worker` as the worker's setup hook. Ray starts the
+workers of each runtime environment apart from all others, with those variables, and runs the
+hook in each before it takes its first task. The hook has every task on that worker run
+`task_tenant` (the tenant `ray-task-<task id>`, ended when the call returns, so that a reused
+worker carries nothing into its next task) and every actor's constructor run as the tenant
+`ray-actor-<actor id>`, which ends with the actor's process (ray.kill, a crash).
+
+`become_tenant` is what the worker runs for each of them; it works in any Python process.
 """
 
-import functools
+import contextlib
 import gc
-import inspect
 import os
 import sys
 
 from . import VramdError, connect, parse_size
 from . import _lib
 
-__all__ = ["RESOURCE", "options", "remote"]
+__all__ = [
+    "RESOURCE",
+    "become_tenant",
+    "end_tenant",
+    "options",
+    "remote",
+    "setup_worker",
+    "task_tenant",
+]
 
 # The custom resource, in whole MiB (see `vramd ray-resources` for why MiB).
 RESOURCE = "vramd_memory_mib"
 MIB = 1 << 20
 
-# The ask travels in the variables libvram.so reads for it (include/vram.h), in the worker's
-# runtime_env, so that `.options(**options(...))` changes the ask as it changes the resources.
-def options(memory, limit=None, priority=None, gpu=None, torch_mode=None, preload=False):
+# libvram.so's variables (vram_proto::env) that carry the ask to the worker, named here only.
+GUARANTEE_VAR = "VRAMD_GUARANTEE"
+LIMIT_VAR = "VRAMD_LIMIT"
+CLASS_VAR = "VRAMD_PRIORITY"
+GPU_VAR = "VRAMD_GPU"
+TORCH_MODE_VAR = "VRAMD_TORCH_MODE"
+LIB_VAR = "VRAMD_LIB"
+
+# What Ray's worker imports and calls as its setup hook (`module.function`).
+HOOK = f"{__name__}.setup_worker"
+
+
+def _hook_variable():
+    """The variable through which Ray hands a worker its setup hook. Ray sets it from
+    `ray.init(runtime_env={"worker_process_setup_hook": ...})` only, for the whole job; its
+    worker (default_worker.py) runs whatever it names, so a task's or actor's runtime_env that
+    sets it gets the hook in its own workers."""
+    from ray._private import ray_constants
+
+    return ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+
+def options(memory, limit=None, priority=None, gpu=None, torch_mode="full", preload=True, **ray_options):
     """Ray options (`resources` and `runtime_env`) for a task or actor that asks for `memory`
     (its guarantee, what Ray places by) and may grow to `limit` (default: `memory`), in class
-    `priority`, on the daemon's device `gpu` (default 0). `torch_mode` ("full" or "pool") installs vramd's allocator into PyTorch when the
-    worker imports torch, as `vramd run --torch-mode` does; pool mode needs libvram.so preloaded
-    (`preload=True`: the path this process finds, which must be the same on every node)."""
+    `priority`, on the daemon's device `gpu` (default 0), for `@ray.remote(**...)` or
+    `.options(**...)` on any Ray function or class.
+
+    As under `vramd run`: `torch_mode` ("full", the default, or "pool"; None leaves PyTorch
+    alone) installs vramd's allocator into PyTorch when the worker imports torch, and `preload`
+    preloads libvram.so into the worker (`LD_PRELOAD`, with `VRAMD_LIB` naming the same file: the
+    path this process finds, which must be the same on every node). Pool mode needs the preload.
+
+    Any other Ray option passes through; a `runtime_env` of the caller's is merged with ours
+    (its `env_vars` key by key)."""
     guarantee = parse_size(memory)
     cap = guarantee if limit is None else parse_size(limit)
     if cap < guarantee:
@@ -52,17 +91,20 @@ def options(memory, limit=None, priority=None, gpu=None, torch_mode=None, preloa
         raise ValueError(f"vramd: unknown torch mode `{torch_mode}` (full or pool)")
     if torch_mode == "pool" and not preload:
         raise ValueError("vramd: torch_mode='pool' needs preload=True (libvram.so's cudaMalloc)")
-    env = {"VRAMD_GUARANTEE": str(guarantee), "VRAMD_LIMIT": str(cap)}
+    env = {GUARANTEE_VAR: str(guarantee), LIMIT_VAR: str(cap), _hook_variable(): HOOK}
     if priority:
-        env["VRAMD_PRIORITY"] = str(priority)
+        env[CLASS_VAR] = str(priority)
     if gpu is not None:
-        env["VRAMD_GPU"] = str(int(gpu))
+        env[GPU_VAR] = str(int(gpu))
     if torch_mode:
-        env["VRAMD_TORCH_MODE"] = torch_mode
+        env[TORCH_MODE_VAR] = torch_mode
     if preload:
-        env["LD_PRELOAD"] = _lib.path()
+        path = _lib.path()
+        # Ray expands ${VAR} from the node's environment: whatever the node preloads stays.
+        env["LD_PRELOAD"] = f"{path}:${{LD_PRELOAD}}"
+        env[LIB_VAR] = path
     resources = {RESOURCE: -(-guarantee // MIB)} if guarantee else {}
-    return {"resources": resources, "runtime_env": {"env_vars": env}}
+    return _merge({"resources": resources, "runtime_env": {"env_vars": env}}, ray_options)
 
 
 def _merge(ours, theirs):
@@ -82,88 +124,193 @@ def _merge(ours, theirs):
     return out
 
 
-def remote(memory, limit=None, priority=None, gpu=None, torch_mode=None, preload=False, **ray_options):
-    """`ray.remote` for a function or class that asks for memory (see `options`); any other
-    Ray option (num_cpus, max_retries, ...) passes through."""
+def remote(memory, limit=None, priority=None, gpu=None, torch_mode="full", preload=True, **ray_options):
+    """`ray.remote(**options(...))`: a decorator for a function or class that asks for memory."""
     import ray
 
-    opts = _merge(options(memory, limit, priority, gpu, torch_mode, preload), ray_options)
-
-    def wrap(obj):
-        if inspect.isclass(obj):
-            return ray.remote(**opts)(_actor_class(obj))
-        return ray.remote(**opts)(_task_function(obj))
-
-    return wrap
+    return ray.remote(**options(memory, limit, priority, gpu, torch_mode, preload, **ray_options))
 
 
-# A task that ended holding memory leaves its tenant connected; the next task on this worker
-# must not inherit it, so the worker leaves (Ray runs that task again on a fresh worker).
-_leftover = None
+def become_tenant(name=None, memory=None, limit=None, priority=None, gpu=None, torch_mode=None, socket=None):
+    """Makes this process the tenant `name` of its node's daemon and sets PyTorch up as
+    `vramd run` does; returns the `vramd.Tenant`. What Ray's worker runs before each task or
+    actor of `options`; in plain Python it is the same:
 
+        VRAMD_TORCH_MODE=full python3 -c 'import vramd.ray; t = vramd.ray.become_tenant(
+            "check", memory="2GiB", limit="4GiB"); import torch; ...'
 
-def _become(kind, ident):
-    """Makes this worker the tenant `ray-KIND-IDENT`, as the runtime_env's variables ask."""
-    global _leftover
-    if _leftover is not None:
-        print(
-            f"vramd: this worker still holds memory of tenant `{_leftover}` ({kind} start); "
-            "it exits so that nothing carries into the next task",
-            file=sys.stderr,
+    Each argument left out is read from libvram.so's variables (VRAMD_GUARANTEE, VRAMD_LIMIT,
+    VRAMD_GPU, ..., VRAMD_TORCH_MODE), then the defaults. `torch_mode` ("full" or "pool")
+    installs vramd's allocator into PyTorch now if torch is imported, else when it is; pool mode
+    needs the process started with libvram.so preloaded (LD_PRELOAD) and VRAMD_TORCH_MODE=pool,
+    and says so (RuntimeError) before connecting. VramdError with the daemon's reason when
+    it does not admit the tenant."""
+    mode = torch_mode or os.environ.get(TORCH_MODE_VAR)
+    if mode not in (None, "", "full", "pool"):
+        raise ValueError(f"vramd: unknown torch mode `{mode}` (full or pool)")
+    if mode == "pool" and not _lib.lib().vram_interposing():
+        raise RuntimeError(
+            f"vramd: pool mode needs the process started with LD_PRELOAD={_lib.path()} and "
+            f"{TORCH_MODE_VAR}=pool, so that the CUDA runtime's cudaMalloc is vramd's"
         )
-        os._exit(1)
-    mode = os.environ.get("VRAMD_TORCH_MODE")
+    tenant = connect(name=name, guarantee=memory, limit=limit, priority=priority, gpu=gpu, socket=socket)
     if mode:
         from vramd_torch import _hook
 
         _hook.install_on_import(mode)
-    return connect(name=f"ray-{kind}-{ident}")
+    return tenant
 
 
-def _end(tenant):
-    """Ends a task's tenant: whatever the task dropped is collected first (and PyTorch's idle
-    cache emptied), then everything goes back to the daemon."""
-    global _leftover
+def end_tenant(tenant):
+    """Ends a tenant from `become_tenant`: what the program dropped is collected first (and
+    PyTorch's idle cache emptied, when vramd's allocator is installed), then everything goes back
+    to the daemon. VramdError, the tenant left as it is, while memory is still allocated."""
     gc.collect()
     torch = sys.modules.get("torch")
-    if torch is not None and os.environ.get("VRAMD_TORCH_MODE"):
-        torch.cuda.empty_cache()
+    if torch is not None:
+        import vramd_torch
+
+        if vramd_torch.installed():
+            torch.cuda.empty_cache()
+    tenant.close()
+
+
+# A task that ended holding memory leaves its tenant connected; no later task on this worker may
+# inherit it, so the worker leaves instead of running the next one (Ray runs it on a fresh one).
+_leftover = None
+
+
+def _exit_if_leftover(name):
+    if _leftover is not None:
+        print(
+            f"vramd: this worker still holds memory of tenant `{_leftover}` ({name} cannot start "
+            "under it); it exits so that nothing carries into the next task",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+
+@contextlib.contextmanager
+def task_tenant(name):
+    """The body of the block runs as the tenant `name`, ended at its end (see `end_tenant`). A
+    task that ends holding memory fails with vramd's reason (or, if it failed already, its own
+    error stands and vramd's is printed); the tenant stays, and the next `task_tenant` in this
+    process exits the process rather than run anything under it."""
+    global _leftover
+    _exit_if_leftover(name)
+    tenant = become_tenant(name)
     try:
-        tenant.close()
+        yield tenant
+    except BaseException:
+        try:
+            end_tenant(tenant)
+        except VramdError as e:
+            _leftover = name
+            print(f"{e}", file=sys.stderr)
+        raise
+    try:
+        end_tenant(tenant)
     except VramdError:
-        _leftover = tenant.stats()["tenant"]
+        _leftover = name
         raise
 
 
-def _task_function(fn):
-    @functools.wraps(fn)
+def _for_task(fn):
+    """`fn` run under `task_tenant("ray-task-<task id>")`; a generator function stays one, its
+    tenant lasting until the generator is done (Ray's streaming and dynamic returns run it after
+    the call returned)."""
+    import inspect
+
+    import ray
+
+    name = lambda: f"ray-task-{ray.get_runtime_context().get_task_id()}"
+    if inspect.isgeneratorfunction(fn):
+
+        def run(*args, **kwargs):
+            with task_tenant(name()):
+                yield from fn(*args, **kwargs)
+
+    else:
+
+        def run(*args, **kwargs):
+            with task_tenant(name()):
+                return fn(*args, **kwargs)
+
+    return _like(run, fn)
+
+
+def _for_actor_creation(init):
+    """The actor's constructor run as the tenant `ray-actor-<actor id>`, which stays for the
+    actor's life: the daemon takes it back when the process ends."""
+    import ray
+
     def run(*args, **kwargs):
-        import ray
+        name = f"ray-actor-{ray.get_runtime_context().get_actor_id()}"
+        _exit_if_leftover(name)
+        become_tenant(name)
+        return init(*args, **kwargs)
 
-        tenant = _become("task", ray.get_runtime_context().get_task_id())
-        try:
-            result = fn(*args, **kwargs)
-        except BaseException:
-            try:
-                _end(tenant)
-            except VramdError as e:
-                print(f"{e}", file=sys.stderr)
-            raise
-        _end(tenant)
-        return result
-
-    return run
+    return _like(run, init)
 
 
-def _actor_class(cls):
-    def __init__(self, *args, **kwargs):
-        import ray
+def _like(wrapper, fn):
+    """Ray reads a few attributes off what it runs (an actor method's `name` and `method`, which
+    say whether it is async): the wrapper keeps them."""
+    for attr in ("__name__", "__qualname__", "__doc__", "__module__", "name", "method"):
+        if hasattr(fn, attr):
+            setattr(wrapper, attr, getattr(fn, attr))
+    return wrapper
 
-        _become("actor", ray.get_runtime_context().get_actor_id())
-        cls.__init__(self, *args, **kwargs)
 
-    return type(
-        cls.__name__,
-        (cls,),
-        {"__init__": __init__, "__doc__": cls.__doc__, "__module__": cls.__module__, "__qualname__": cls.__qualname__},
-    )
+def setup_worker():
+    """Ray's setup hook in the workers of `options` (named by the runtime_env `options` returns):
+    has each task run as a tenant of its own and each actor's constructor as the actor's tenant.
+    Does nothing in a worker without an ask (VRAMD_GUARANTEE unset), so it may also be the job's
+    `worker_process_setup_hook`.
+
+    Ray has no per-task hook: this wraps what the worker's function manager hands to Ray's task
+    loop for each function (FunctionActorManager.get_execution_info, Ray 2.60), so a Ray without
+    it fails here, in every such worker, with this message, rather than run tasks unenforced."""
+    if not os.environ.get(GUARANTEE_VAR):
+        return
+    import ray
+
+    _run_job_hook(ray)
+    manager = ray._private.worker.global_worker.function_actor_manager
+    original = getattr(manager, "get_execution_info", None)
+    if original is None:
+        raise RuntimeError(
+            f"vramd: Ray {ray.__version__} has no FunctionActorManager.get_execution_info; "
+            "vramd.ray cannot set each task's tenant up in this worker"
+        )
+    if getattr(original, "vramd", False):
+        return
+
+    def get_execution_info(job_id, function_descriptor):
+        info = original(job_id, function_descriptor)
+        if not function_descriptor.class_name:
+            return info._replace(function=_for_task(info.function))
+        if info.function_name == "__init__":
+            return info._replace(function=_for_actor_creation(info.function))
+        return info
+
+    get_execution_info.vramd = True
+    manager.get_execution_info = get_execution_info
+
+
+def _run_job_hook(ray):
+    """Runs the job's own setup hook (`ray.init(runtime_env={"worker_process_setup_hook": ...})`),
+    which Ray would have run here had the ask's runtime_env not named ours in its place (a task's
+    env_vars override the job's key by key)."""
+    import json
+
+    from ray._private.runtime_env.setup_hook import load_and_execute_setup_hook
+
+    job = ray._private.worker.global_worker.core_worker.get_job_config()
+    env = json.loads(job.runtime_env_info.serialized_runtime_env or "{}").get("env_vars") or {}
+    theirs = env.get(_hook_variable())
+    if theirs and theirs != HOOK:
+        error = load_and_execute_setup_hook(theirs)
+        if error is not None:
+            raise RuntimeError(error)

@@ -1,11 +1,14 @@
 //! vramd under a real Ray cluster: two nodes on loopback (a head and a worker raylet started with
-//! `ray start`), each with its own daemon on the host backend, and `vramd.ray`'s actors and tasks
-//! on them (`tests/ray/two_nodes.py`, which makes the checks and prints them): Ray places by the
-//! memory each node's `vramd ray-resources` reported, each daemon enforces what its actors asked
-//! for, killed actors' memory is back within 1 s, ten tasks in a row on a reused worker are ten
-//! tenants that start with nothing, a task with `torch_mode="pool"` gets libvram.so preloaded and
-//! the allocator installed at `import torch` (a stand-in torch), and bad input (larger than any node, more than the daemon can
-//! give, a daemon that is down) ends in a clear message rather than a hang.
+//! `ray start`), each with its own daemon on the host backend, and actors and tasks asking for
+//! memory through `vramd.ray.options` on them (`tests/ray/two_nodes.py`, which makes the checks
+//! and prints them): Ray places by the memory each node's `vramd ray-resources` reported, each
+//! daemon enforces what its actors asked for (plain `@ray.remote` actors given
+//! `**vramd.ray.options(...)` as well as `vramd.ray.remote`'s), killed actors' memory is back
+//! within 1 s, ten tasks in a row on a reused worker (plain Ray functions with `.options(**...)`
+//! too) are ten tenants that start with nothing, a task with `torch_mode="pool"` gets libvram.so
+//! preloaded and the allocator installed at `import torch` (a stand-in torch),
+//! `vramd.ray.become_tenant` works outside Ray, and bad input (larger than any node, more than the
+//! daemon can give, a daemon that is down) ends in a clear message rather than a hang.
 //!
 //! Needs Ray for Python 3 (`.ci/run` installs it); without it the test says `skipped` and why.
 

@@ -1,5 +1,5 @@
 """Driven by tests/ray.rs: a two-node Ray cluster on loopback, each node with its own vramd
-daemon (host backend), and vramd.ray's tasks and actors on it. Prints one `ok: ...` line per
+daemon (host backend), and tasks and actors that ask for memory through vramd.ray on it. Prints one `ok: ...` line per
 check and figures as `measured: ...`; any failed check raises (non-zero exit).
 
 argv: HEAD_SOCKET WORKER_SOCKET HEAD_RESOURCES WORKER_RESOURCES WORKER_DAEMON_PID TMPDIR
@@ -86,6 +86,14 @@ def expect_error(ref, ray, *words, limit_s=60):
 def main():
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # What a worker runs, in plain Python: a tenant with the ask, ended with nothing left.
+    t = vr.become_tenant("plain-python", memory="256MiB", limit="512MiB", socket=HEAD)
+    seen = tenants(HEAD)["plain-python"]
+    assert (seen["guarantee"], seen["limit"]) == (256 * MiB, 512 * MiB), seen
+    vr.end_tenant(t)
+    assert "plain-python" not in tenants(HEAD)
+    say("ok", "vramd.ray.become_tenant outside Ray: the tenant with its guarantee and limit, ended by end_tenant")
 
     cluster = Cluster(TMP)
     try:
@@ -177,9 +185,51 @@ def main():
         assert empty is not None and empty < 1.0, (tenants(HEAD), tenants(WORKER))
         say("ok", "all actors gone: both daemons hold nothing")
 
+        # A plain Ray actor given options(): a tenant before its __init__, limited to its ask,
+        # its memory back with the daemon within 1 s of ray.kill.
+        class Plain:
+            def __init__(self):
+                self.name_at_init = vramd.current().name
+                self.blocks = []
+
+            def where(self):
+                return self.name_at_init, ray.get_runtime_context().get_actor_id(), os.getpid()
+
+            def take(self, size):
+                try:
+                    p = vramd.current().alloc(size)
+                except vramd.VramdError as e:
+                    return f"refused: {e}"
+                ctypes.memset(p, 0x5A, min(size, 64 * MiB))
+                self.blocks.append(p)
+                return "ok"
+
+        decorated = ray.remote(num_cpus=0, **vr.options(memory="1GiB", limit="1536MiB"))(Plain)
+        bare = ray.remote(num_cpus=0)(Plain)
+        p1 = decorated.options(scheduling_strategy=on(head_node)).remote()
+        p2 = bare.options(**vr.options(memory="512MiB", limit="768MiB"), scheduling_strategy=on(worker_node)).remote()
+        (n1, id1, _), (n2, id2, _) = ray.get([p1.where.remote(), p2.where.remote()], timeout=120)
+        assert (n1, n2) == (f"ray-actor-{id1}", f"ray-actor-{id2}"), (n1, n2)
+        s1, s2 = tenants(HEAD)[n1], tenants(WORKER)[n2]
+        assert (s1["guarantee"], s1["limit"]) == (GiB, 1536 * MiB), s1
+        assert (s2["guarantee"], s2["limit"]) == (512 * MiB, 768 * MiB), s2
+        say("ok", f"plain @ray.remote actors with **options(): tenants {n1} (1 GiB, limit 1.5 GiB) and {n2} (512 MiB, limit 768 MiB) before __init__")
+        assert ray.get(p1.take.remote(GiB)) == "ok"
+        over = ray.get(p1.take.remote(768 * MiB))
+        assert over.startswith(f"refused: vramd: tenant `{n1}`") and "limit 1.5 GiB" in over, over
+        assert ray.get(p1.take.remote(256 * MiB)) == "ok", "the refused actor goes on"
+        assert ray.get(p2.take.remote(768 * MiB)) == "ok"
+        assert ray.get(p2.take.remote(MiB)).startswith("refused: "), "past the worker's actor's limit"
+        assert tenants(HEAD)[n1]["held"] == 1280 * MiB, tenants(HEAD)[n1]
+        say("ok", f"a plain actor past its limit: {over}")
+        for actor, sock, name, node in ((p1, HEAD, n1, "head"), (p2, WORKER, n2, "worker")):
+            ray.kill(actor)
+            gone = wait_for(lambda: name not in tenants(sock) and held(sock) == 0, 5)
+            assert gone is not None and gone < 1.0, f"ray.kill of a plain actor: {tenants(sock)} after {gone} s"
+            say("measured", f"ray.kill of a plain actor to its memory back with the {node}'s daemon: {gone * 1000:.0f} ms")
+
         # Ten short tasks in a row on the head: workers reused, nothing carried from one to the next.
-        @vr.remote(memory="256MiB", limit="512MiB")
-        def short(i):
+        def short_body(i):
             t = vramd.current()
             s = t.stats()
             others = sorted(vramd.status(os.environ["VRAMD_SOCKET"])["tenants"], key=lambda x: x["name"])
@@ -191,6 +241,10 @@ def main():
                 "guarantee": s["guarantee"], "mapped_at_start": s["stats"]["core"]["held"],
                 "tenants_at_start": [(x["name"], x["held"]) for x in others],
             }
+
+        @vr.remote(memory="256MiB", limit="512MiB")
+        def short(i):
+            return short_body(i)
 
         runs = []
         for i in range(10):
@@ -207,13 +261,42 @@ def main():
             assert r["mapped_at_start"] == 0 and r["guarantee"] == 256 * MiB and r["limit"] == 512 * MiB, r
         say("ok", f"ten tasks on {len(set(pids))} worker process(es), ten tenants, each starting with nothing and alone on the daemon")
 
+        # The same with a plain Ray function given options() per call: the worker's tenant, its
+        # PyTorch set-up as under `vramd run` (full mode at `import torch`, libvram.so preloaded).
+        def plain_short(i):
+            r = short_body(i)
+            hooked = any(type(f).__name__ == "_Finder" for f in sys.meta_path)
+            r["torch"] = (os.environ.get("VRAMD_TORCH_MODE"), hooked)
+            r["preloaded"] = os.environ.get("LD_PRELOAD", "").split(":")[0] == os.environ.get("VRAMD_LIB")
+            return r
+
+        plain = ray.remote(plain_short)
+        ask = vr.options(memory="256MiB", limit="512MiB")
+        start = time.time()
+        runs = []
+        for i in range(10):
+            r = ray.get(plain.options(**ask, scheduling_strategy=on(head_node)).remote(i), timeout=120)
+            left = wait_for(lambda: not tenants(HEAD), 1)
+            assert left is not None, f"plain task {i}'s tenant outlived it: {tenants(HEAD)}"
+            runs.append(r)
+        took = time.time() - start
+        pids = [r["pid"] for r in runs]
+        names = [r["name"] for r in runs]
+        assert len(set(pids)) < len(pids), f"no worker was reused: {pids}"
+        assert len(set(names)) == 10 and all(n.startswith("ray-task-") for n in names), names
+        for r in runs:
+            assert r["tenants_at_start"] == [(r["name"], 0)], r
+            assert r["mapped_at_start"] == 0 and r["guarantee"] == 256 * MiB and r["limit"] == 512 * MiB, r
+            assert r["torch"] == ("full", True) and r["preloaded"], r
+        say("ok", f"ten plain tasks with options() on {len(set(pids))} worker process(es) in {took:.1f} s: ten tenants, each starting with nothing and alone on the daemon, PyTorch's hook set")
+
         # PyTorch's integration in a worker, as under `vramd run --torch-mode pool`: libvram.so
         # preloaded into the worker, the allocator installed when torch is imported (a stand-in
         # torch, tests/fake_torch: no GPU here), mem_get_info answering the tenant's view.
         fake = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "fake_torch")
 
-        @vr.remote(memory="256MiB", limit="512MiB", torch_mode="pool", preload=True,
-                   runtime_env={"env_vars": {"PYTHONPATH": f"{fake}:{os.environ['PYTHONPATH']}"}})
+        @ray.remote(**vr.options(memory="256MiB", limit="512MiB", torch_mode="pool",
+                                 runtime_env={"env_vars": {"PYTHONPATH": f"{fake}:{os.environ['PYTHONPATH']}"}}))
         def with_torch():
             import torch
             import vramd_torch
