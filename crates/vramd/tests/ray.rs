@@ -112,6 +112,9 @@ fn ray_places_by_each_nodes_memory_and_each_daemon_enforces_it() {
         .arg(tmp.path())
         .env("PATH", path)
         .env("PYTHONPATH", &site)
+        // Ray keeps per-user state (an auth token) under ~/.ray: a user's own Ray session must
+        // not be this cluster's.
+        .env("HOME", tmp.path())
         .env_remove("VRAMD_LIB")
         .env_remove("VRAMD_SOCKET")
         .output()
