@@ -55,7 +55,10 @@ def worker(model_name, steps, warmup, seed):
     lengths = [rng.randint(512, 1024) for _ in range(steps)]
     g = torch.Generator().manual_seed(seed)
     tokens, t_timed = 0, 0.0
+    counts = None
     for i, length in enumerate(lengths):
+        if i == warmup:
+            counts = vramd_counts()
         ids = torch.randint(0, config.vocab_size, (8, length), generator=g).to(dev)
         torch.cuda.synchronize()
         t = time.perf_counter()
@@ -68,8 +71,26 @@ def worker(model_name, steps, warmup, seed):
         if i >= warmup:
             t_timed += time.perf_counter() - t
             tokens += 8 * length
-    print("RESULT " + json.dumps({"tokens_per_s": tokens / t_timed, "loss": float(loss)}),
-          flush=True)
+    result = {"tokens_per_s": tokens / t_timed, "loss": float(loss)}
+    end = vramd_counts()
+    if end is not None and counts is not None:
+        # What vramd's allocator did over the timed steps: growth, release and fences.
+        result["vramd_timed"] = {k: end[k] - counts[k] for k in end}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def vramd_counts():
+    """vramd's allocator counters in this process (full mode), or None under PyTorch's own."""
+    try:
+        import vramd_torch
+    except ImportError:
+        return None
+    if not vramd_torch.installed():
+        return None
+    core = vramd_torch.stats()["stats"]["core"]
+    keys = ("allocs", "grants", "grant_requests", "returns", "maps", "unmaps", "fences",
+            "fence_queries")
+    return {k: core[k] for k in keys if k in core}
 
 
 class Nvml:
