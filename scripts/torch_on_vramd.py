@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""PyTorch on vramd, measured on one GPU (issue 5's "must hold" list). Writes results.json,
+"""PyTorch on vramd, measured on one GPU: compatibility, allocation cost, training, tenants
+(docs/benchmarks.md, the PyTorch sections). Writes results.json,
 results.md and tenants.png (or .svg) under --out.
 
     python3 scripts/torch_on_vramd.py --out /tmp/torch_on_vramd [--bin .gpu/bin] [--runs 3]
@@ -555,9 +556,8 @@ class Run:
                 wa += ["--deterministic"]
             # Interleaved rounds (each allocator once per round), so that a drift of the machine
             # over the minutes of the runs does not favour one allocator; the order turns by one
-            # each round, so that none always runs first or last (on the H200 VM, pool mode, where
-            # PyTorch's own allocator serves every tensor, came out at 1.00 of plain in one run
-            # and at 0.89 in another, run last in every round both times).
+            # each round, so that none always runs first or last (on a VM the place in the order
+            # alone can move an allocator's speed by more than the differences to be measured).
             for i in range(self.o.runs):
                 order = ["plain"] + (["expandable"] if i == 0 else []) + self.o.train_modes
                 k = i % len(order)

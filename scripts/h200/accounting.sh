@@ -104,7 +104,7 @@ tenant jax_nopre_f100 90 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_M
 tenant cupy 60 -- python3 "$A/cupy_prog.py" --wait
 tenant drv 40 -- "$DRV" --step-mib 256 --wait
 tenant ctypes 40 -- python3 "$A/ctypes_alloc.py" --wait
-# PyTorch's context with NCCL's is larger: measured plainly, about 1.1 GiB beyond the tensors.
+# PyTorch's context with NCCL's is larger (about 1.1 GiB beyond the tensors in a plain run).
 HARGS="--ctx-margin-gib 1.5" tenant nccl 90 -- python3 "$A/nccl_prog.py" --wait
 
 # Memory taken outside vramd, beside a large guarantee.

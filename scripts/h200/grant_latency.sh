@@ -17,7 +17,7 @@ for initial in 400 8; do
   .gpu/bin/vramd serve --backend cuda --metrics off --socket "$sock" \
     --config "/tmp/pool-$initial.toml" > "$R/serve_pool$initial.log" 2>&1 &
   pid=$!
-  sleep 4 # 400 creates and exports at about 1.1 ms each
+  sleep 4 # the pool's 400 creates and exports (an export alone: 1.1 ms, docs/design.md)
   .gpu/bin/vramd bench --socket "$sock" --size 2MiB --iterations 180 --warmup 0 --map --fresh \
     --pause-us 3000 > "$R/bench_fresh_spaced_pool$initial.txt" 2>&1
   kill "$pid"; wait "$pid" 2>/dev/null

@@ -2,9 +2,9 @@
 //!
 //! A thread waiting for its reply reads the socket itself and delivers whatever else it reads on
 //! the way (other threads' replies, the daemon's reclaim requests): a call costs one wake-up in
-//! this process, where handing each reply over from a reader thread cost two (about 20 µs of a
-//! 34 µs round trip on a 2-core VM). Only one thread reads at a time; the others wait for their
-//! mail or their turn. An idle reader thread steps in once no call has been in flight for a
+//! this process, where handing each reply over from a reader thread would cost two, and a
+//! wake-up is a large part of a round trip. Only one thread reads at a time; the others wait for
+//! their mail or their turn. An idle reader thread steps in once no call has been in flight for a
 //! moment, so that requests the daemon sends unasked, and its closing the connection, are heard.
 
 use std::collections::HashMap;
@@ -25,12 +25,12 @@ use crate::ClientError;
 const QUIET: Duration = Duration::from_millis(1);
 
 /// How long a caller polls for its reply before it sleeps in `recv`. A thread that sleeps must be
-/// woken, and on a VM whose CPU went idle that costs tens of microseconds: on the H200 machine a
-/// grant's round trip took 21 µs back to back and 113 µs with 3 ms between grants. Replies come
-/// within this in the common case; a slow one (a handle the daemon must create) costs at most
-/// this much CPU before the caller sleeps as before. The poll yields the CPU between looks, so
-/// that on a crowded machine it gives way to the daemon (64 tenants on 2 cores: 8,400 round
-/// trips/s with it or without; a pure spin halved that).
+/// woken, and on a VM whose CPU went idle that costs tens of microseconds (a grant's round trip
+/// with pauses between grants is several times one back to back: docs/benchmarks.md, "Grant
+/// latency"). Replies come within this in the common case; a slow one (a handle the daemon must
+/// create) costs at most this much CPU before the caller sleeps. The poll yields the CPU between
+/// looks, so that on a crowded machine (many tenants on few cores) it gives way to the daemon,
+/// which a pure spin would starve.
 const SPIN: Duration = Duration::from_micros(200);
 
 /// A reply, or why the connection is gone.

@@ -83,8 +83,8 @@ impl HandleSource for DaemonSource {
         }
     }
 
-    /// Sent without waiting for the answer: on the H200 a return waited for took 140-210 µs of
-    /// the tenant's time (a round trip to a daemon that had gone idle), and nothing the
+    /// Sent without waiting for the answer: waiting would cost the tenant a round trip to a
+    /// daemon that may have gone idle (docs/benchmarks.md, "Grant latency"), and nothing the
     /// allocator does next needs the answer. Any later request on the connection finds them back.
     /// With no connection, the daemon has taken everything back already.
     fn give(&mut self, tickets: &[u64]) {

@@ -114,8 +114,8 @@ pub struct Outcome {
     /// in process: the creation).
     pub take_us: Spread,
     /// With `--through-daemon`: where the daemon found the handles it granted during this trace
-    /// (a miss is a create and an export on the grant's path: on an H200 about 50-70 µs more than
-    /// a hit, now and then tens of milliseconds).
+    /// (a miss is a create and an export on the grant's path; what that costs on an H200:
+    /// docs/benchmarks.md, "Grant latency").
     #[serde(skip_serializing_if = "Option::is_none")]
     pub pool_takes: Option<PoolTakes>,
     /// With `--through-daemon`: of the takes' time, the part spent importing the handles (the
@@ -588,7 +588,7 @@ fn table(outcomes: &[Outcome], compare: &[Compare]) -> String {
         out,
         "\nFRAG = 1 - peak live requested / peak held. DRIVER = modelled H200 driver time of the grants,\n\
          maps, unmaps and returns as a share of the trace's wall time (set-access priced per handle as\n\
-         measured on an H200; TABLE: priced per MiB as DESIGN.md's table has it). Measured on this\n\
+         measured on an H200; TABLE: priced per MiB as docs/design.md's table has it). Measured on this\n\
          machine, as shares of the trace's wall time: ALLOC, the time spent inside the allocator's\n\
          calls; CALLS, the part of it spent taking, mapping, unmapping and giving back handles (on\n\
          --backend cuda: driver calls; on host: memfd calls; with --through-daemon, the daemon\n\

@@ -56,8 +56,8 @@ pub struct Args {
     pub torch_mode: TorchMode,
     /// Where NVIDIA MPS runs, also set the driver's own cap for this client
     /// (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) to the tenant's limit, as a hard backstop behind vramd's books:
-    /// memory imported from vramd counts against that cap (measured on an H200, driver 580), and
-    /// so does the client's context. The cap names the device by the program's CUDA ordinal,
+    /// memory imported from vramd counts against that cap, and so does the client's context
+    /// (docs/benchmarks.md, "Outside use, guarantees that fill the device, and MPS"). The cap names the device by the program's CUDA ordinal,
     /// taken as `--gpu` (0 by default): under CUDA_VISIBLE_DEVICES they may differ.
     #[arg(long)]
     pub mps_limit: bool,

@@ -1,5 +1,6 @@
 //! The handle pool: device memory created and exported ahead of demand, so that a grant costs an
-//! fd passed over a socket, not a create and an export (1.1 ms per handle on an H200).
+//! fd passed over a socket, not a create and an export on the grant's path (the export is the
+//! driver's expensive call: docs/design.md, "What the hardware costs").
 //!
 //! The pool only ever holds memory that no tenant has seen: a handle a tenant gives back is
 //! released, never pooled again, so a tenant that kept an import of it reaches nothing of the
@@ -91,12 +92,10 @@ impl Pool {
         })
     }
 
-    /// Starts the background thread that keeps the pool filled. One: on the H200, four refill
-    /// threads (with a request's missing handles made side by side) made a tenant's own import and
-    /// map slower — fresh 2 MiB grant usable p50 103.7 µs against 89.9 µs — and its grants through
-    /// a daemon no faster (docs/benchmarks.md, seventh session); a request's misses made side by
-    /// side on threads of its own, without more refill threads, gained nothing beyond the noise
-    /// either (eighth session, call 4).
+    /// Starts the background thread that keeps the pool filled. One thread: more refill threads
+    /// compete with the tenants' own imports and maps on the driver and slow them, and making a
+    /// request's missing handles side by side does not make its grant faster (docs/benchmarks.md,
+    /// "The daemon's pool: settings compared").
     pub fn start(self: &Arc<Self>) -> std::thread::JoinHandle<()> {
         let pool = self.clone();
         std::thread::Builder::new()
@@ -212,10 +211,11 @@ impl Pool {
         }
     }
 
-    /// New memory, exported. It reads as zeros: memfds by construction; on an H200 the driver
-    /// zeroes what `cuMemCreate` returns, even memory another process just released (measured:
-    /// `freshness_experiment` in vram-device's GPU tests, and every tenant test checks its grants
-    /// arrive zeroed). The daemon has no CUDA context to scrub with, by design (docs/benchmarks.md).
+    /// New memory, exported. It reads as zeros: memfds by construction; on CUDA the driver zeroes
+    /// what `cuMemCreate` returns, even memory another process just released
+    /// (`freshness_experiment` in vram-device's GPU tests checks it, and every tenant test checks
+    /// its grants arrive zeroed). The daemon has no CUDA context to scrub with, by design
+    /// (docs/design.md, "What the hardware costs").
     fn make(&self, size: Bytes) -> Result<Ready, DeviceError> {
         let handle = self.device.create(size)?;
         let fd = self.device.export(&handle)?;
