@@ -50,7 +50,7 @@ pub struct ReplayResult {
     pub cost_model: &'static str,
     pub modelled_driver_us: f64,
     pub modelled_driver_time_share: f64,
-    /// The same share under DESIGN.md's table as written (set-access per MiB).
+    /// The same share under docs/design.md's cost table as written (set-access per MiB).
     pub design_table_driver_time_share: f64,
 }
 
