@@ -2,8 +2,9 @@
 # One device call: every GPU test, the CUDA read-only and kept-import measurements with their
 # figures printed, a Ray worker's tenant setup with real PyTorch (scripts/h200/become_tenant.py,
 # without Ray, whose wheel is too large to carry), and GPT-2 / Llama-style training in full mode
-# with and without the daemon's ready pool beside expandable segments (hf_training.py). About
-# 8 minutes; HF=0 leaves the training out.
+# with and without the daemon's ready pool beside expandable segments (hf_training.py), and
+# PyTorch's compatibility checks in both modes. About 9 minutes; HF=0 leaves the training out,
+# COMPAT=0 the compatibility checks.
 set -u
 . "$(dirname "$0")/lib.sh"
 step gpu_tests 200 bash .gpu/run
@@ -17,6 +18,10 @@ mkdir -p "$R/bt"; daemon_up "$R/bt"
 ( export PATH="$PWD/.gpu/bin:$PATH" PYTHONPATH="$PWD/python"
   step become_tenant 90 python3 scripts/h200/become_tenant.py "$S" )
 daemon_down; cat "$R/become_tenant.log"
+if [ "${COMPAT:-1}" != 0 ]; then
+  step compat 150 python3 scripts/torch_on_vramd.py --bin .gpu/bin --out "$R/compat" --skip training tenants
+  cat "$R/compat/results.md" 2>/dev/null
+fi
 if [ "${HF:-1}" != 0 ]; then
   step hf_pool "${LIMIT:-330}" python3 scripts/h200/hf_training.py --vramd .gpu/bin/vramd \
     --out "$R/hf" --rounds 2 --steps 40 --models gpt2 llama --modes expandable full full-nopool
