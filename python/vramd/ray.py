@@ -54,7 +54,7 @@ def options(memory, limit=None, priority=None, gpu=None, torch_mode=None, preloa
         raise ValueError("vramd: torch_mode='pool' needs preload=True (libvram.so's cudaMalloc)")
     env = {"VRAMD_GUARANTEE": str(guarantee), "VRAMD_LIMIT": str(cap)}
     if priority:
-        env["VRAMD_PRIORITY"] = str(priority)
+        env["VRAMD_CLASS"] = str(priority)
     if gpu is not None:
         env["VRAMD_GPU"] = str(int(gpu))
     if torch_mode:

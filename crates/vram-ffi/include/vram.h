@@ -4,7 +4,8 @@
  *   torch.cuda.memory.CUDAPluggableAllocator("libvram.so", "vram_alloc", "vram_free")
  * On first use the library connects to the daemon named by VRAMD_SOCKET (default
  * /run/vramd/vramd.sock) as tenant VRAMD_TENANT (default "pid-<pid>"), asking for VRAMD_LIMIT,
- * VRAMD_GUARANTEE and class VRAMD_PRIORITY where set (sizes like "20GiB").
+ * VRAMD_GUARANTEE and class VRAMD_CLASS where set (sizes like "20GiB"). VRAMD_PRIORITY is not
+ * read: a process that has it set is refused, told to set VRAMD_CLASS instead.
  *
  * No function aborts the process or lets a panic cross this boundary. A refused allocation returns
  * NULL and leaves the reason, with the numbers in it, in vram_last_error().
@@ -183,7 +184,7 @@ int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint6
 /* Tenants one after another. A process is one tenant at a time; the first is set up on first use
  * (above) or here. vram_connect makes this process a tenant now, as the daemon at `socket` admits
  * it: each argument NULL (or `gpu` -1) takes what first use would (VRAMD_SOCKET, VRAMD_TENANT,
- * VRAMD_PRIORITY, VRAMD_GUARANTEE, VRAMD_LIMIT, VRAMD_GPU, then the defaults); sizes like
+ * VRAMD_CLASS, VRAMD_GUARANTEE, VRAMD_LIMIT, VRAMD_GPU, then the defaults); sizes like
  * "20GiB". It fails while the process is a tenant already. vram_disconnect ends the tenant: every
  * idle byte goes back, the daemon hears Bye and closes the registration, and the process is no
  * tenant until vram_connect or the next call that needs one (which connects as at first use).
@@ -193,7 +194,7 @@ int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint6
  * one process is on the same device (the allocator's memory is mapped from it): a tenant admitted
  * on another is refused. No other thread may allocate while vram_disconnect runs; calls that need
  * a tenant afterwards connect anew. 0, or -1 with the reason in vram_last_error(). */
-int vram_connect(const char *socket, const char *name, const char *priority,
+int vram_connect(const char *socket, const char *name, const char *tenant_class,
                  const char *guarantee, const char *limit, int gpu);
 int vram_disconnect(void);
 
