@@ -585,17 +585,17 @@ class Run:
         specs = [
             ("trainer", ["tenant", "--role", "trainer", "--base-gib", "12", "--step-gib", "4",
                          "--life", str(life)] + common,
-             ["--priority", "train", "--guarantee", "20GiB", "--limit", "24GiB"]),
+             ["--class", "train", "--guarantee", "20GiB", "--limit", "24GiB"]),
             ("borrower-a", ["tenant", "--role", "borrower", "--life", str(life * 0.4),
                             "--mark", full_marker] + common,
-             ["--priority", "borrow", "--limit", "24GiB"]),
+             ["--class", "borrow", "--limit", "24GiB"]),
             # Borrower-b starts growing once borrower-a holds MARK_AT_GIB or was refused (or
             # after half b's life), so that the order is the same in every run: a takes most
             # of what is left, b is refused at the remainder, and once a exits (its life is
             # shorter) b grows into what a gave back.
             ("borrower-b", ["tenant", "--role", "borrower", "--life", str(life),
                             "--after", full_marker] + common,
-             ["--priority", "borrow", "--limit", "24GiB"]),
+             ["--class", "borrow", "--limit", "24GiB"]),
         ]
         procs = []
         env = dict(os.environ)

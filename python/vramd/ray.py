@@ -51,7 +51,7 @@ MIB = 1 << 20
 # libvram.so's variables (vram_proto::env) that carry the ask to the worker, named here only.
 GUARANTEE_VAR = "VRAMD_GUARANTEE"
 LIMIT_VAR = "VRAMD_LIMIT"
-CLASS_VAR = "VRAMD_PRIORITY"
+CLASS_VAR = "VRAMD_CLASS"
 GPU_VAR = "VRAMD_GPU"
 TORCH_MODE_VAR = "VRAMD_TORCH_MODE"
 LIB_VAR = "VRAMD_LIB"

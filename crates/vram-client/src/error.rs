@@ -24,6 +24,9 @@ pub enum ClientError {
         request: &'static str,
         reply: String,
     },
+    /// A variable of the tenant's environment that does not parse, or one no longer read.
+    #[error("{0}")]
+    Environment(String),
     #[error("the daemon granted {got} but {want} was asked for")]
     Short { got: Bytes, want: Bytes },
 }

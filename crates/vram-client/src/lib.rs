@@ -11,6 +11,7 @@
 
 pub mod alloc;
 mod connection;
+mod env;
 mod error;
 mod link;
 mod shared;

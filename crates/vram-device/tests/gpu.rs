@@ -1,6 +1,7 @@
-//! The CUDA backend on a real GPU. Each test skips, saying why, where there is no GPU, unless
-//! `VRAMD_REQUIRE_GPU=1` is set, in which case a missing GPU fails it. `VRAMD_TEST_GPU` picks the
-//! GPU (ordinal or UUID; default 0).
+//! The CUDA backend on a real GPU. Where the driver finds no GPU every test is reported as
+//! ignored (`vram_testing`'s runner says why), and one that finds no usable GPU skips saying why,
+//! unless `VRAMD_REQUIRE_GPU=1` is set, in which case a missing GPU fails them. `VRAMD_TEST_GPU`
+//! picks the GPU (ordinal or UUID; default 0).
 //!
 //! Two tests are experiments whose findings are printed (grep the output for `FINDING`), with no
 //! assertion about the driver: whether new memory shows a previous owner's bytes (freshness), and
@@ -33,7 +34,6 @@ fn child_env(dev: &CudaDevice, size: Bytes) -> [(&'static str, String); 2] {
 
 const MIB: usize = 1 << 20;
 
-#[test]
 fn map_write_read_unmap() {
     let Some(dev) = gpu() else { return };
     let g = dev.info().granularity;
@@ -76,7 +76,6 @@ fn map_write_read_unmap() {
     println!("memory (free, total): {:?}", dev.memory().unwrap());
 }
 
-#[test]
 fn export_import_across_processes() {
     let Some(dev) = gpu() else { return };
     let size = Bytes(4 * dev.info().granularity.get());
@@ -108,7 +107,6 @@ fn export_import_across_processes() {
     );
 }
 
-#[test]
 fn read_only_mapping_refuses_writes() {
     let Some(dev) = gpu() else { return };
     let size = dev.info().granularity;
@@ -152,7 +150,6 @@ fn read_only_mapping_refuses_writes() {
 /// Whether memory that one process filled and gave up can be seen in memory created afterwards.
 /// vramd's daemon creates every handle, so "afterwards" means: in the daemon, after a tenant's
 /// handle was released.
-#[test]
 fn freshness_experiment() {
     let Some(dev) = gpu() else { return };
     let size = Bytes::gib(1).round_up(dev.info().granularity).unwrap();
@@ -221,7 +218,6 @@ fn scan_new_handle(dev: &CudaDevice, size: Bytes, magic: u64) -> (u64, u64, u64)
 
 /// Which driver calls work in a fresh process with no current context (the backend always pushes
 /// the primary context; this records whether it has to).
-#[test]
 fn context_experiment() {
     let Some(dev) = gpu() else { return };
     let (a, _b) = std::os::unix::net::UnixStream::pair().unwrap();
@@ -235,8 +231,6 @@ fn context_experiment() {
 }
 
 /// The child side of the tests above; does nothing unless started by one of them.
-#[test]
-#[ignore = "child process of the multi-process GPU tests"]
 fn child() {
     let Some(role) = child_role() else { return };
     let size = Bytes(env_u64("VRAMD_TEST_SIZE"));
@@ -387,7 +381,6 @@ fn no_context(size: Bytes) {
     println!("current context after: {current:?}; exported fd {fd}");
 }
 
-#[test]
 fn events_complete_and_recycle() {
     let Some(dev) = gpu() else { return };
     let pool = vram_device::cuda::EventPool::new(&dev);
@@ -409,4 +402,16 @@ fn events_complete_and_recycle() {
     let again = pool.record(vram_device::cuda::DEFAULT_STREAM).unwrap();
     assert!(!ids.contains(&again));
     assert!(pool.is_complete(ids[0]));
+}
+
+vram_testing::gpu_main! {
+    tests: [
+        map_write_read_unmap,
+        export_import_across_processes,
+        read_only_mapping_refuses_writes,
+        freshness_experiment,
+        context_experiment,
+        events_complete_and_recycle,
+    ],
+    children: [child],
 }

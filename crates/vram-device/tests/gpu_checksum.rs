@@ -1,7 +1,8 @@
 //! The shared-buffer checksum computed on the GPU (`Device::checksum` on the cuda backend, a PTX
-//! kernel) against the same function on the host (`vram_core::shared::checksum`). Each test skips,
-//! saying why, where there is no GPU, unless `VRAMD_REQUIRE_GPU=1` is set, in which case a missing
-//! GPU fails it. `VRAMD_TEST_GPU` picks the GPU (ordinal or UUID; default 0).
+//! kernel) against the same function on the host (`vram_core::shared::checksum`). Where the driver
+//! finds no GPU every test is reported as ignored (`vram_testing`'s runner), unless
+//! `VRAMD_REQUIRE_GPU=1` is set, in which case a missing GPU fails them. `VRAMD_TEST_GPU` picks
+//! the GPU (ordinal or UUID; default 0).
 //!
 //! `cargo test --release -p vram-device --test gpu_checksum -- --nocapture --test-threads=1`;
 //! grep the output for `MEASURED`.
@@ -84,7 +85,6 @@ fn compare(dev: &CudaDevice, r: &Reservation, data: &[u8], offset: u64, len: u64
     false
 }
 
-#[test]
 fn gpu_checksum_equals_the_host_checksum() {
     let Some(dev) = gpu() else { return };
     println!("device: {:?}", dev.info());
@@ -138,7 +138,6 @@ fn gpu_checksum_equals_the_host_checksum() {
     );
 }
 
-#[test]
 fn a_flipped_byte_changes_the_gpu_checksum() {
     let Some(dev) = gpu() else { return };
     let len = 256 * MIB + 5;
@@ -168,7 +167,6 @@ fn a_flipped_byte_changes_the_gpu_checksum() {
     }
 }
 
-#[test]
 fn gpu_checksum_throughput() {
     let Some(dev) = gpu() else { return };
     let len = GIB;
@@ -210,4 +208,12 @@ fn gpu_checksum_throughput() {
         "MEASURED gpu checksum of 8 MiB (a scrub piece): median {:.2?}",
         small[small.len() / 2]
     );
+}
+
+vram_testing::gpu_main! {
+    tests: [
+        gpu_checksum_equals_the_host_checksum,
+        a_flipped_byte_changes_the_gpu_checksum,
+        gpu_checksum_throughput,
+    ],
 }

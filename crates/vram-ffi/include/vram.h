@@ -2,9 +2,11 @@
  *
  * The two allocation functions have PyTorch's CUDAPluggableAllocator signatures:
  *   torch.cuda.memory.CUDAPluggableAllocator("libvram.so", "vram_alloc", "vram_free")
- * On first use the library connects to the daemon named by VRAMD_SOCKET (default
- * /run/vramd/vramd.sock) as tenant VRAMD_TENANT (default "pid-<pid>"), asking for VRAMD_LIMIT,
- * VRAMD_GUARANTEE and class VRAMD_PRIORITY where set (sizes like "20GiB").
+ * The process's tenant is set up by vram_init (below), or on first use: then the library connects
+ * to the daemon named by VRAMD_SOCKET (default /run/vramd/vramd.sock) as tenant VRAMD_TENANT
+ * (default "pid-<pid>"), asking for VRAMD_LIMIT, VRAMD_GUARANTEE and class VRAMD_CLASS where set
+ * (sizes like "20GiB"). VRAMD_PRIORITY is not read: a process that has it set is refused, told
+ * to set VRAMD_CLASS instead.
  *
  * No function aborts the process or lets a panic cross this boundary. A refused allocation returns
  * NULL and leaves the reason, with the numbers in it, in vram_last_error().
@@ -18,6 +20,48 @@
 #ifdef __cplusplus
 extern "C" {
 #endif
+
+/* The tenant's options for vram_init. Zero every field (`vram_options_t o = {0};` or memset),
+ * set `size` to sizeof(vram_options_t), then set what the program chooses: every field left zero
+ * or NULL takes what first use would (the environment variable named, then the default).
+ *
+ * The struct grows at its end in later versions, a zero always meaning "unset" in the fields
+ * added, and `size` tells the library which version the program was built with: a program built
+ * against an older vram.h keeps working with a newer libvram.so. A newer program on an older
+ * libvram.so works as long as it leaves the fields the library does not know zero; otherwise
+ * vram_init refuses (-1), rather than drop an option silently, as it refuses flags it does not
+ * know and a `size` below the first version's (56 bytes). */
+typedef struct vram_options {
+    uint32_t size;            /* sizeof(vram_options_t) */
+    uint32_t flags;           /* VRAM_OPTION_* bits, or 0 */
+    const char *socket;       /* the daemon's socket; NULL: VRAMD_SOCKET, else the default */
+    const char *tenant;       /* the tenant's name; NULL: VRAMD_TENANT, else "pid-<pid>" */
+    const char *tenant_class; /* its class; NULL: VRAMD_CLASS, else the daemon's default class */
+    uint64_t guarantee;       /* bytes; 0: VRAMD_GUARANTEE, else none */
+    uint64_t limit;           /* bytes; 0: VRAMD_LIMIT, else its class's */
+    uint32_t gpu;             /* the daemon's device by index, read with VRAM_OPTION_GPU */
+    uint32_t reserved;        /* 0 */
+} vram_options_t;
+
+/* `gpu` is set; without it: VRAMD_GPU, else device 0. */
+#define VRAM_OPTION_GPU 1u
+
+/* vram_init's answer when the process is a tenant already. */
+#define VRAM_ERR_CONNECTED (-2)
+
+/* Sets the process's tenant up now, with `opts` (NULL: every option from the environment), so
+ * that a program chooses its tenant in code rather than through variables. Call it before
+ * anything that needs a tenant (an allocation, vram_stats_json, a shared buffer...): once the
+ * process is a tenant (set up by its first allocation, vram_connect or an earlier vram_init) it
+ * returns VRAM_ERR_CONNECTED and changes nothing. Under `vramd run` (VRAMD_JOIN set) the process
+ * joins the tenant `vramd run` registered, whose name, class, guarantee and limit are `vramd
+ * run`'s flags: setting one of them here is refused. A failed vram_init (-1) leaves the process
+ * as it was; nothing is retried, and a later call that needs a tenant connects as first use does.
+ * After vram_disconnect it may be called again (the same device: see vram_connect).
+ * `opts` is NULL or points to `opts->size` readable bytes; its strings are NULL or
+ * NUL-terminated, and read during the call only. 0; -1 with the reason in vram_last_error();
+ * VRAM_ERR_CONNECTED, the tenant named in vram_last_error(). */
+int vram_init(const vram_options_t *opts);
 
 /* A block of at least `size` bytes for use on `stream` (an opaque cudaStream_t; any value on the
  * host backend), or NULL. `device` must be the daemon device this process was admitted on. */
@@ -183,7 +227,7 @@ int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint6
 /* Tenants one after another. A process is one tenant at a time; the first is set up on first use
  * (above) or here. vram_connect makes this process a tenant now, as the daemon at `socket` admits
  * it: each argument NULL (or `gpu` -1) takes what first use would (VRAMD_SOCKET, VRAMD_TENANT,
- * VRAMD_PRIORITY, VRAMD_GUARANTEE, VRAMD_LIMIT, VRAMD_GPU, then the defaults); sizes like
+ * VRAMD_CLASS, VRAMD_GUARANTEE, VRAMD_LIMIT, VRAMD_GPU, then the defaults); sizes like
  * "20GiB". It fails while the process is a tenant already. vram_disconnect ends the tenant: every
  * idle byte goes back, the daemon hears Bye and closes the registration, and the process is no
  * tenant until vram_connect or the next call that needs one (which connects as at first use).
@@ -193,7 +237,7 @@ int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint6
  * one process is on the same device (the allocator's memory is mapped from it): a tenant admitted
  * on another is refused. No other thread may allocate while vram_disconnect runs; calls that need
  * a tenant afterwards connect anew. 0, or -1 with the reason in vram_last_error(). */
-int vram_connect(const char *socket, const char *name, const char *priority,
+int vram_connect(const char *socket, const char *name, const char *tenant_class,
                  const char *guarantee, const char *limit, int gpu);
 int vram_disconnect(void);
 

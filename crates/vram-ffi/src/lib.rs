@@ -1,8 +1,9 @@
 //! libvram.so: the caching allocator of `vram-client` behind a C ABI (`include/vram.h`), for
-//! PyTorch's `CUDAPluggableAllocator` and any C program. The process-wide tenant is set up on first
-//! use from the environment (`VRAMD_SOCKET`, `VRAMD_TENANT`, `VRAMD_LIMIT`, `VRAMD_GUARANTEE`,
-//! `VRAMD_PRIORITY`, `VRAMD_GPU`, and `VRAMD_ALLOC` for allocator settings such as
-//! `min_grow=16MiB,max_handle=32MiB`).
+//! PyTorch's `CUDAPluggableAllocator` and any C program. The process-wide tenant is set up by
+//! `vram_init` (`init`: the options in a struct, the environment for those left unset), or on
+//! first use from the environment (`VRAMD_SOCKET`, `VRAMD_TENANT`, `VRAMD_LIMIT`,
+//! `VRAMD_GUARANTEE`, `VRAMD_CLASS`, `VRAMD_GPU`: `TenantOptions::from_env`), and `VRAMD_ALLOC`
+//! for allocator settings such as `min_grow=16MiB,max_handle=32MiB`.
 //!
 //! Preloaded (`vramd run` does it), the library also interposes the CUDA runtime's allocation
 //! calls in pool mode (`cudart`) and, always, the driver's and NVML's memory calls and `dlsym`
@@ -29,10 +30,12 @@ use vram_core::Bytes;
 use vram_proto::DeviceDesc;
 
 mod cudart;
+mod init;
 mod interpose;
 mod refusal;
 mod shared;
 pub use cudart::{vram_interposed_calls, vram_interposing};
+pub use init::{vram_init, VramOptions, VRAM_ERR_CONNECTED, VRAM_OPTION_GPU};
 pub use interpose::stats::vram_interposer_stats_json;
 pub use shared::VramShared;
 
@@ -82,36 +85,8 @@ fn set_error(msg: String) {
     LAST_ERROR.with(|e| *e.borrow_mut() = Some(c));
 }
 
-fn env_bytes(name: &str) -> Result<Option<Bytes>, String> {
-    match std::env::var(name) {
-        Ok(v) if !v.is_empty() => v.parse().map(Some).map_err(|e| format!("{name}: {e}")),
-        _ => Ok(None),
-    }
-}
-
 fn options_from_env() -> Result<TenantOptions, String> {
-    let gpu = match std::env::var(vram_proto::GPU_ENV) {
-        Ok(v) if !v.is_empty() => Some(
-            v.parse::<u32>()
-                .map_err(|e| format!("{} `{v}`: {e}", vram_proto::env::GPU))?,
-        ),
-        _ => None,
-    };
-    Ok(TenantOptions {
-        name: std::env::var(vram_proto::TENANT_ENV)
-            .ok()
-            .filter(|s| !s.is_empty())
-            .unwrap_or_else(|| format!("pid-{}", std::process::id())),
-        class: std::env::var(vram_proto::env::CLASS)
-            .ok()
-            .filter(|s| !s.is_empty()),
-        guarantee: env_bytes(vram_proto::env::GUARANTEE)?,
-        limit: env_bytes(vram_proto::env::LIMIT)?,
-        gpu,
-        join: std::env::var(vram_proto::JOIN_ENV)
-            .ok()
-            .filter(|s| !s.is_empty()),
-    })
+    TenantOptions::from_env().map_err(|e| format!("vramd: {e}"))
 }
 
 /// Registers with the daemon as `opts` asks, and installs the reclaim handler.
@@ -299,7 +274,7 @@ unsafe fn optional_bytes(s: *const c_char, what: &str) -> Result<Option<Bytes>, 
 pub unsafe extern "C" fn vram_connect(
     socket: *const c_char,
     name: *const c_char,
-    priority: *const c_char,
+    tenant_class: *const c_char,
     guarantee: *const c_char,
     limit: *const c_char,
     gpu: c_int,
@@ -312,8 +287,8 @@ pub unsafe extern "C" fn vram_connect(
             opts.name = n;
         }
         // SAFETY: as above.
-        if let Some(p) = unsafe { optional_text(priority, "priority") }? {
-            opts.class = Some(p);
+        if let Some(c) = unsafe { optional_text(tenant_class, "class") }? {
+            opts.class = Some(c);
         }
         // SAFETY: as above.
         if let Some(g) = unsafe { optional_bytes(guarantee, "guarantee") }? {
@@ -330,20 +305,36 @@ pub unsafe extern "C" fn vram_connect(
         opts.join = None;
         // SAFETY: as above.
         let socket = unsafe { optional_text(socket, "socket") }?.map(std::path::PathBuf::from);
-        let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
-            let name = t
-                .client()
-                .map(|c| c.welcome().name.clone())
-                .unwrap_or_default();
-            return Err(format!(
+        match connect_now(socket.as_deref(), &opts)? {
+            Connected::Now => Ok(0),
+            Connected::Already(name) => Err(format!(
                 "vramd: this process is tenant `{name}` already; end it first (vram_disconnect)"
-            ));
+            )),
         }
-        establish(socket.as_deref(), &opts)?;
-        *last = None;
-        Ok(0)
     })
+}
+
+/// What [`connect_now`] found.
+enum Connected {
+    /// The process is the tenant asked for now.
+    Now,
+    /// The process was a tenant already (this one, by name); nothing was asked of the daemon.
+    Already(String),
+}
+
+/// Makes the process the tenant `opts` asks for, unless it is a tenant now.
+fn connect_now(socket: Option<&Path>, opts: &TenantOptions) -> Result<Connected, String> {
+    let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
+        let name = t
+            .client()
+            .map(|c| c.welcome().name.clone())
+            .unwrap_or_default();
+        return Ok(Connected::Already(name));
+    }
+    establish(socket, opts)?;
+    *last = None;
+    Ok(Connected::Now)
 }
 
 /// See `include/vram.h`.

@@ -33,6 +33,35 @@ fn c_program_uses_the_allocator_from_several_threads() {
 }
 
 #[test]
+fn c_program_sets_its_tenant_up_with_vram_init() {
+    let out = tempfile::tempdir().unwrap();
+    let exe = build("init", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(1));
+    // Nothing from the environment: every option the program sets is in its vram_options_t.
+    let mut cmd = Command::new(&exe);
+    for v in vram_proto::env::ALL {
+        cmd.env_remove(v.name);
+    }
+    let run = cmd.arg(&daemon.socket).output().unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "init.c failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("refused as expected: vramd: vram_init: options of 16 bytes"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("second init: vramd: vram_init: this process is tenant `c-init` already"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(r#""tenant":"c-init""#) && stdout.contains(r#""limit":67108864"#),
+        "{stdout}"
+    );
+    assert!(stdout.contains("init: ok"), "{stdout}");
+}
+
+#[test]
 fn c_program_writes_publishes_pins_and_waits_on_a_shared_buffer() {
     let out = tempfile::tempdir().unwrap();
     let exe = build("shared", out.path());

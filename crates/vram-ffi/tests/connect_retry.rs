@@ -12,14 +12,14 @@ mod common;
 #[test]
 fn a_failed_first_connect_is_tried_again() {
     let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("vramd.sock");
+    let socket = common::Daemon::socket_in(dir.path());
     std::env::set_var("VRAMD_SOCKET", &socket);
     std::env::set_var("VRAMD_TENANT", "late-daemon");
     assert!(vram::vram_alloc(1 << 20, 0, std::ptr::null_mut()).is_null());
     let why = vram::last_error().unwrap();
     assert!(why.contains("cannot reach vramd"), "{why}");
 
-    let _daemon = common::Daemon::start_in(dir, socket, Bytes::gib(1));
+    let _daemon = common::Daemon::start_in(dir, Bytes::gib(1));
     let started = Instant::now();
     let ptr = loop {
         let p = vram::vram_alloc(1 << 20, 0, std::ptr::null_mut());

@@ -1,6 +1,7 @@
 //! libvram.so's allocator on a real GPU: a daemon on the cuda backend (in process), allocations
 //! from several threads on two streams, bytes written and read on the device, everything back with
-//! the daemon after a trim. Skips without a GPU unless `VRAMD_REQUIRE_GPU=1`.
+//! the daemon after a trim. Reported as ignored where the driver finds no GPU (`vram_testing`'s
+//! runner), unless `VRAMD_REQUIRE_GPU=1`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -20,7 +21,6 @@ fn gpu() -> Option<CudaDevice> {
 /// The per-thread default stream's handle (`CU_STREAM_PER_THREAD`): a valid stream without setup.
 const PER_THREAD_STREAM: usize = 2;
 
-#[test]
 fn threads_allocate_write_and_free_on_the_gpu() {
     let Some(dev) = gpu() else { return };
     let dir = tempfile::tempdir().unwrap();
@@ -88,4 +88,10 @@ fn threads_allocate_write_and_free_on_the_gpu() {
     );
     shutdown.trigger();
     serving.join().unwrap();
+}
+
+vram_testing::gpu_main! {
+    tests: [
+        threads_allocate_write_and_free_on_the_gpu,
+    ],
 }

@@ -1,6 +1,8 @@
 //! What PyTorch's integration (`vramd_torch`) reads through the C ABI: the snapshot of segments and
 //! blocks, the peak reset, and the count of reclaim requests and the wait for one.
 
+use std::ffi::CString;
+
 use vram_core::Bytes;
 
 mod common;
@@ -8,8 +10,18 @@ mod common;
 #[test]
 fn snapshot_lists_live_blocks_and_peaks_reset() {
     let daemon = common::Daemon::start(Bytes::gib(16));
-    std::env::set_var("VRAMD_SOCKET", &daemon.socket);
-    std::env::set_var("VRAMD_TENANT", "torch-abi");
+    let (socket, name) = (
+        CString::new(daemon.socket.to_str().unwrap()).unwrap(),
+        CString::new("torch-abi").unwrap(),
+    );
+    let opts = vram::VramOptions {
+        socket: socket.as_ptr(),
+        tenant: name.as_ptr(),
+        ..Default::default()
+    };
+    // SAFETY: a whole `VramOptions` of its own size; its strings live past the call.
+    let init = unsafe { vram::vram_init(&opts) };
+    assert_eq!(init, 0, "{:?}", vram::last_error());
     let stream = std::ptr::null_mut();
     let big = vram::vram_alloc(8 << 20, 0, stream);
     let small = vram::vram_alloc(4096, 0, stream);

@@ -14,8 +14,8 @@ pub struct Variable {
 pub const SOCKET: &str = "VRAMD_SOCKET";
 /// The tenant's name (default `pid-<pid>`).
 pub const TENANT: &str = "VRAMD_TENANT";
-/// The tenant's class (a priority class of the daemon's configuration).
-pub const CLASS: &str = "VRAMD_PRIORITY";
+/// The tenant's class (a class of the daemon's configuration, which gives it its priority).
+pub const CLASS: &str = "VRAMD_CLASS";
 /// The guarantee the tenant asks for (a size: `20GiB`).
 pub const GUARANTEE: &str = "VRAMD_GUARANTEE";
 /// The limit the tenant asks for (a size).
@@ -30,6 +30,27 @@ pub const ALLOC: &str = "VRAMD_ALLOC";
 pub const TORCH_MODE: &str = "VRAMD_TORCH_MODE";
 /// Where libvram.so is (default: beside the `vramd` executable).
 pub const LIB: &str = "VRAMD_LIB";
+
+/// Names no longer read, each with the variable that sets what it set. A tenant whose environment
+/// has one is refused at start, told the name to set instead (`check_renamed`, called by
+/// `vram_client::TenantOptions::from_env` and `vramd run`), rather than running with the setting
+/// silently dropped.
+pub const RENAMED: [(&str, &str); 1] = [("VRAMD_PRIORITY", CLASS)];
+
+/// An error naming the first variable of [`RENAMED`] set in this process's environment and the
+/// one to set instead.
+pub fn check_renamed() -> Result<(), String> {
+    let Some((old, new)) = RENAMED
+        .iter()
+        .find(|(old, _)| std::env::var_os(old).is_some())
+    else {
+        return Ok(());
+    };
+    let sets = ALL.iter().find(|v| v.name == *new).map_or("", |v| v.sets);
+    Err(format!(
+        "{old} was renamed {new} ({sets}); set {new} instead and unset {old}"
+    ))
+}
 
 /// Every variable above, for documentation and checks.
 pub const ALL: [Variable; 10] = [

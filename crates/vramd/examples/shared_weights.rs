@@ -14,8 +14,8 @@ use anyhow::{bail, Context};
 use vram_client::{checksum, Acl, Client, Principal, TenantOptions, Version};
 use vram_core::Bytes;
 use vram_device::{Device, HostDevice};
-use vramd::config::{Config, PoolConfig};
-use vramd::server::{ServeOptions, Server};
+use vramd::config::Config;
+use vramd::own_daemon::OwnDaemon;
 
 const BUFFER: &str = "policy-weights";
 const READERS: usize = 4;
@@ -70,8 +70,11 @@ fn trainer() -> anyhow::Result<()> {
     let (socket, _daemon) = match std::env::var_os(vram_proto::SOCKET_ENV) {
         Some(s) => (std::path::PathBuf::from(s), None),
         None => {
-            let d = OwnDaemon::start()?;
-            (d.socket.clone(), Some(d))
+            // A daemon of the example's own, on the host backend, in this process.
+            let dev: Arc<dyn Device> = Arc::new(HostDevice::new(Bytes::gib(16), Bytes::mib(2))?);
+            let d = OwnDaemon::in_process(tempfile::tempdir()?, vec![dev], &Config::default())?;
+            println!("started a vramd (host backend) at {}", d.socket().display());
+            (d.socket().to_path_buf(), Some(d))
         }
     };
     let client = Client::connect(Some(&socket), &TenantOptions::named("trainer"))?;
@@ -172,56 +175,4 @@ fn reader(name: &str) -> anyhow::Result<()> {
         bail!("{name}: {bad} torn or unverified versions");
     }
     Ok(())
-}
-
-/// A daemon of the example's own, on the host backend, in this process.
-struct OwnDaemon {
-    socket: std::path::PathBuf,
-    shutdown: vramd::server::Shutdown,
-    thread: Option<std::thread::JoinHandle<()>>,
-    _dir: tempfile::TempDir,
-}
-
-impl OwnDaemon {
-    fn start() -> anyhow::Result<OwnDaemon> {
-        let dir = tempfile::tempdir()?;
-        let socket = dir.path().join("vramd.sock");
-        let dev: Arc<dyn Device> = Arc::new(HostDevice::new(Bytes::gib(16), Bytes::mib(2))?);
-        let config = Config::default();
-        let opts = ServeOptions {
-            socket: socket.clone(),
-            socket_mode: 0o600,
-            allowed_uids: None,
-            devices: vec![dev],
-            policy: Box::new(move |d: &dyn Device| config.policy(d.info().capacity)),
-            pool: PoolConfig::default(),
-            reclaim_timeout: Duration::from_millis(250),
-            probe: None,
-            probe_period: Duration::from_secs(1),
-        };
-        let server = Server::bind(opts)?;
-        server.configure_shared(&Default::default());
-        let shutdown = server.shutdown_handle();
-        let thread = std::thread::spawn(move || {
-            if let Err(e) = server.run() {
-                eprintln!("daemon: {e:#}");
-            }
-        });
-        println!("started a vramd (host backend) at {}", socket.display());
-        Ok(OwnDaemon {
-            socket,
-            shutdown,
-            thread: Some(thread),
-            _dir: dir,
-        })
-    }
-}
-
-impl Drop for OwnDaemon {
-    fn drop(&mut self) {
-        self.shutdown.trigger();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
 }

@@ -8,4 +8,5 @@ pub mod config;
 pub mod logging;
 pub mod metrics;
 pub mod notify;
+pub mod own_daemon;
 pub mod server;

@@ -59,7 +59,7 @@ fn runtime_declarations_reserve_survive_a_reload_and_withdraw_takes_their_memory
     );
 
     // A reload of the configuration keeps the runtime declaration.
-    std::fs::write(d.dir.path().join("vramd.toml"), config).unwrap();
+    std::fs::write(d.dir().join("vramd.toml"), config).unwrap();
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(d.pid() as i32).unwrap(),
         rustix::process::Signal::HUP,

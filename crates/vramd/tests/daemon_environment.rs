@@ -172,7 +172,7 @@ fn logged(d: &Daemon, what: &str, n: usize) -> bool {
 #[test]
 fn sighup_reloads_what_can_change_and_keeps_the_old_config_on_a_bad_file() {
     let d = Daemon::start(RELOAD_V1);
-    let config = d.dir.path().join("vramd.toml");
+    let config = d.dir().join("vramd.toml");
     assert_eq!(welcome_limit(&d, "b1"), Bytes::mib(64).get());
     assert_eq!(d.status().devices[0].reserved, Bytes::mib(128));
 

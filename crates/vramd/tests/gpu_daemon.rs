@@ -1,5 +1,6 @@
-//! The daemon on a real GPU (`--backend cuda`), with real tenant processes. Each test skips, saying
-//! why, where there is no GPU, unless `VRAMD_REQUIRE_GPU=1`, which makes a missing GPU a failure.
+//! The daemon on a real GPU (`--backend cuda`), with real tenant processes. Where the driver finds
+//! no GPU every test is reported as ignored (`vram_testing`'s runner says why), unless
+//! `VRAMD_REQUIRE_GPU=1`, which makes a missing GPU a failure.
 
 mod common;
 
@@ -21,7 +22,6 @@ fn free_on_gpu(dev: &CudaDevice) -> Bytes {
 /// A small pool, so that what the pool holds does not blur the figures.
 const CONFIG: &str = "[pool]\nmax = \"64 MiB\"\nsizes = [\"2 MiB\"]\ninitial = 2\n";
 
-#[test]
 fn a_killed_tenants_10_gb_is_free_within_a_second() {
     let Some(dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
@@ -67,7 +67,6 @@ fn a_killed_tenants_10_gb_is_free_within_a_second() {
     d.stop();
 }
 
-#[test]
 fn no_bytes_cross_from_one_tenant_to_the_next() {
     let Some(_dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
@@ -90,7 +89,6 @@ fn no_bytes_cross_from_one_tenant_to_the_next() {
     d.stop();
 }
 
-#[test]
 fn tenants_share_nothing_but_see_their_own_writes() {
     let Some(_dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
@@ -113,7 +111,6 @@ fn tenants_share_nothing_but_see_their_own_writes() {
 
 /// Several GPUs behind one daemon, each with its own pool and books. Needs two GPUs: skips with a
 /// message on one, unless `VRAMD_REQUIRE_GPUS=2`.
-#[test]
 fn each_gpu_has_its_own_books() {
     let Some(_dev) = gpu() else { return };
     let found = cuda::probe().map(|d| d.len()).unwrap_or(0);
@@ -166,7 +163,6 @@ fn each_gpu_has_its_own_books() {
 /// A tenant that gives a grant back but keeps its import: on CUDA the daemon cannot see the
 /// import, so the memory must show in the books' check against the driver (NVML) as use that is
 /// lent to no one, until the import is released.
-#[test]
 fn an_import_kept_after_its_return_is_not_lent_to_anyone() {
     use vram_client::{Client, TenantOptions};
     let Some(_dev) = gpu() else { return };
@@ -230,4 +226,14 @@ fn an_import_kept_after_its_return_is_not_lent_to_anyone() {
     assert!(after.devices[0].outside_use < b.outside_use + Bytes::mib(64));
     drop(c);
     d.stop();
+}
+
+vram_testing::gpu_main! {
+    tests: [
+        a_killed_tenants_10_gb_is_free_within_a_second,
+        no_bytes_cross_from_one_tenant_to_the_next,
+        tenants_share_nothing_but_see_their_own_writes,
+        each_gpu_has_its_own_books,
+        an_import_kept_after_its_return_is_not_lent_to_anyone,
+    ],
 }

@@ -1,6 +1,6 @@
-//! Shared buffers on a real GPU (`--backend cuda`). Each test skips, saying why, where there is no
-//! GPU, unless `VRAMD_REQUIRE_GPU=1`, which makes a missing GPU a failure. Figures are printed
-//! with `MEASURED` for docs/benchmarks.md.
+//! Shared buffers on a real GPU (`--backend cuda`). Where the driver finds no GPU every test is
+//! reported as ignored (`vram_testing`'s runner says why), unless `VRAMD_REQUIRE_GPU=1`, which
+//! makes a missing GPU a failure. Figures are printed with `MEASURED` for docs/benchmarks.md.
 
 mod common;
 
@@ -51,7 +51,6 @@ fn line_with(child: &mut Child, what: &str) {
     }
 }
 
-#[test]
 fn n_readers_of_a_1_gib_buffer_use_1_gib_of_the_gpu() {
     const N: usize = 4;
     let Some(dev) = gpu() else { return };
@@ -98,7 +97,6 @@ fn n_readers_of_a_1_gib_buffer_use_1_gib_of_the_gpu() {
     d.stop();
 }
 
-#[test]
 fn publish_latency_and_checksum_throughput_on_the_gpu() {
     let Some(_dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
@@ -138,7 +136,6 @@ fn publish_latency_and_checksum_throughput_on_the_gpu() {
 /// Whether a reader can make its import of a read-only version writable on CUDA (the driver has
 /// no read-only export: an importer sets its own mapping's access). Either the platform refuses,
 /// or the write is caught by the checksum and the owner and the reader are told.
-#[test]
 fn a_reader_that_makes_a_version_writable_is_refused_or_caught() {
     let Some(_dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
@@ -190,8 +187,6 @@ fn a_reader_that_makes_a_version_writable_is_refused_or_caught() {
 }
 
 /// The child side of the tests above; does nothing unless started by one of them.
-#[test]
-#[ignore = "child process of the GPU tests"]
 fn child() {
     let Ok(name) = std::env::var(ROLE) else {
         return;
@@ -213,4 +208,13 @@ fn child() {
     println!("pinned");
     std::io::stdout().flush().unwrap();
     let _ = std::io::stdin().read_line(&mut line);
+}
+
+vram_testing::gpu_main! {
+    tests: [
+        n_readers_of_a_1_gib_buffer_use_1_gib_of_the_gpu,
+        publish_latency_and_checksum_throughput_on_the_gpu,
+        a_reader_that_makes_a_version_writable_is_refused_or_caught,
+    ],
+    children: [child],
 }

@@ -72,7 +72,7 @@ fn declared_names_classes_and_per_uid_counts_follow_the_configuration() {
          [users.{NOBODY}]\nmax_tenants = 1\n"
     ));
     // The socket's directory must let the other uid reach the socket.
-    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
 
     let w = first_answer(&d, NOBODY, "prod", &[]);
     assert_eq!(w["event"], "refused_at_connect", "{w}");
@@ -122,7 +122,7 @@ fn groups_from_the_kernel_may_own_tenants_and_classes() {
          [tenants.team]\nclass = \"normal\"\ngroups = [{TEAM}]\n\
          [classes.high]\npriority = 100\ngroups = [{TEAM}]\n"
     ));
-    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
 
     let w = first_answer_as(&d, (NOBODY, NOBODY), "team", &[]);
     assert_eq!(w["event"], "refused_at_connect", "{w}");
@@ -164,9 +164,9 @@ fn a_reload_disconnects_the_tenants_its_rules_no_longer_admit() {
         )
     };
     let d = Daemon::start(&config(&NOBODY.to_string()));
-    std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let mut climber = welcomed_as_nobody(&d, &["--name", "climber", "--class", "high"]);
-    std::fs::write(d.dir.path().join("vramd.toml"), config("")).unwrap();
+    std::fs::write(d.dir().join("vramd.toml"), config("")).unwrap();
     rustix::process::kill_process(
         rustix::process::Pid::from_raw(d.pid() as i32).unwrap(),
         rustix::process::Signal::HUP,

@@ -137,7 +137,7 @@ fn bad_peers_get_clear_errors_while_a_tenant_keeps_working() {
     // A uid that is not allowed, on this same daemon: a child running as `nobody` (needs root).
     if root {
         use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(d.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(d.dir(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let out = Command::new(VRAMD)
             .args(["status", "--socket"])
             .arg(&socket)

@@ -3,23 +3,22 @@
 //! `vramd serve` killed (SIGKILL) or stopped (SIGTERM) and started again on the same socket, and
 //! scripted tenants (`vramd tenant`, which use vram-client as any tenant does).
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::ffi::OsStr;
+use std::path::Path;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use vram_client::Observer;
 use vram_core::Bytes;
 use vram_proto::StatusReport;
+use vramd::own_daemon::OwnDaemon;
 
 mod common;
 use common::{wait_until, Tenant, VRAMD};
 
-/// A daemon that can be stopped and started again in the same place.
+/// A daemon that can be stopped and started again in the same place (`vramd::own_daemon`).
 struct Restartable {
-    dir: tempfile::TempDir,
-    socket: PathBuf,
-    child: Option<Child>,
-    starts: u32,
+    d: OwnDaemon,
 }
 
 impl Restartable {
@@ -28,47 +27,31 @@ impl Restartable {
             .prefix("vramd-restart-")
             .tempdir()
             .unwrap();
-        std::fs::write(dir.path().join("vramd.toml"), config).unwrap();
-        let socket = dir.path().join("vramd.sock");
-        let mut d = Restartable {
-            dir,
-            socket,
-            child: None,
-            starts: 0,
-        };
-        d.start();
-        d
+        let config_path = dir.path().join("vramd.toml");
+        std::fs::write(&config_path, config).unwrap();
+        let args = [
+            OsStr::new("--backend"),
+            OsStr::new("host"),
+            OsStr::new("--metrics"),
+            OsStr::new("off"),
+            OsStr::new("--config"),
+            config_path.as_os_str(),
+        ];
+        let d = OwnDaemon::spawn(Path::new(VRAMD), dir, &args).unwrap_or_else(|e| panic!("{e:#}"));
+        Restartable { d }
     }
 
     fn start(&mut self) {
-        self.starts += 1;
-        let log = std::fs::File::create(self.dir.path().join(format!("vramd.{}.log", self.starts)))
-            .unwrap();
-        let child = Command::new(VRAMD)
-            .args(["serve", "--backend", "host", "--metrics", "off", "--socket"])
-            .arg(&self.socket)
-            .arg("--config")
-            .arg(self.dir.path().join("vramd.toml"))
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        self.child = Some(child);
-        let up = wait_until(Duration::from_secs(10), || self.try_status().is_some());
-        assert!(up, "the daemon did not come up:\n{}", self.log());
+        self.d.start_again().unwrap_or_else(|e| panic!("{e:#}"));
     }
 
     /// Stops the daemon with `signal` and waits for it to be gone.
     fn stop(&mut self, signal: rustix::process::Signal) {
-        let mut child = self.child.take().expect("running");
-        let pid = rustix::process::Pid::from_child(&child);
-        rustix::process::kill_process(pid, signal).unwrap();
-        child.wait().unwrap();
+        self.d.signal(signal).unwrap();
     }
 
     fn try_status(&self) -> Option<StatusReport> {
-        Observer::connect(Some(&self.socket))
+        Observer::connect(Some(self.d.socket()))
             .and_then(|o| o.status())
             .ok()
     }
@@ -79,21 +62,11 @@ impl Restartable {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join(format!("vramd.{}.log", self.starts)))
-            .unwrap_or_default()
+        self.d.log()
     }
 
     fn socket(&self) -> &Path {
-        &self.socket
-    }
-}
-
-impl Drop for Restartable {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
+        self.d.socket()
     }
 }
 

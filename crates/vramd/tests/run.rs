@@ -94,9 +94,14 @@ fn what_cannot_work_stops_before_the_program_starts() {
     type Case<'a> = (Vec<&'a str>, Vec<(&'a str, &'a str)>, &'a str);
     let cases: Vec<Case> = vec![
         (
-            vec!["--priority", "nonsense"],
+            vec!["--class", "nonsense"],
             vec![],
             "unknown class `nonsense`",
+        ),
+        (
+            vec![],
+            vec![("VRAMD_PRIORITY", "high")],
+            "VRAMD_PRIORITY was renamed VRAMD_CLASS",
         ),
         (
             vec!["--guarantee", "64GiB"],

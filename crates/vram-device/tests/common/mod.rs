@@ -1,5 +1,6 @@
 //! Multi-process test support: a test re-runs its own test binary as a child, which runs one
-//! `#[ignore]`d child test, and passes it a handle's fd by inheritance.
+//! child test (flagged ignored, so that only a run naming it with `--ignored` runs it), and passes
+//! it a handle's fd by inheritance.
 #![allow(dead_code)] // each test binary uses part of it
 
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
@@ -9,7 +10,7 @@ use std::process::{Command, Output};
 const ROLE: &str = "VRAMD_TEST_CHILD_ROLE";
 const FD: &str = "VRAMD_TEST_CHILD_FD";
 
-/// Runs the `#[ignore]`d test `child_test` of this binary in a child process with `role`,
+/// Runs the child test `child_test` (flagged ignored) of this binary in a child process with `role`,
 /// giving it `fd` (read back with [`inherited_fd`]) and `env`. Core dumps are off in the child.
 pub fn run_child(
     child_test: &str,

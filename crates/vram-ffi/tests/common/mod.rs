@@ -1,62 +1,39 @@
 //! An in-process daemon on the host backend, for tests and benches of the C ABI.
 #![allow(dead_code)] // each test binary uses part of it
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use vram_core::Bytes;
 use vram_device::{Device, HostDevice};
-use vramd::config::{Config, PoolConfig};
-use vramd::server::{ServeOptions, Server, Shutdown};
+use vramd::config::Config;
+use vramd::own_daemon::OwnDaemon;
 
+/// A daemon of the test's own (`vramd::own_daemon`, the one starter), in this process: serving
+/// a host device of `capacity` on `socket`, with the default configuration.
 pub struct Daemon {
     pub socket: PathBuf,
-    pub shutdown: Shutdown,
-    thread: Option<std::thread::JoinHandle<()>>,
-    _dir: tempfile::TempDir,
+    _own: OwnDaemon,
 }
 
 impl Daemon {
     pub fn start(capacity: Bytes) -> Daemon {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("vramd.sock");
-        Self::start_in(dir, socket, capacity)
+        Self::start_in(tempfile::tempdir().unwrap(), capacity)
     }
 
-    /// A daemon listening on `socket`, inside `dir` (kept while the daemon runs).
-    pub fn start_in(dir: tempfile::TempDir, socket: PathBuf, capacity: Bytes) -> Daemon {
+    /// A daemon listening on `vramd.sock` inside `dir`.
+    pub fn start_in(dir: tempfile::TempDir, capacity: Bytes) -> Daemon {
         let dev: Arc<dyn Device> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
-        let config = Config::default();
-        let opts = ServeOptions {
-            socket: socket.clone(),
-            socket_mode: 0o600,
-            allowed_uids: None,
-            devices: vec![dev],
-            policy: Box::new(move |d: &dyn Device| config.policy(d.info().capacity)),
-            pool: PoolConfig::default(),
-            reclaim_timeout: Duration::from_millis(250),
-            probe: None,
-            probe_period: Duration::from_secs(1),
-        };
-        let server = Server::bind(opts).unwrap();
-        let shutdown = server.shutdown_handle();
-        let thread = std::thread::spawn(move || server.run().unwrap());
+        let own = OwnDaemon::in_process(dir, vec![dev], &Config::default()).unwrap();
         Daemon {
-            socket,
-            shutdown,
-            thread: Some(thread),
-            _dir: dir,
+            socket: own.socket().to_path_buf(),
+            _own: own,
         }
     }
-}
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.shutdown.trigger();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    /// Where [`Daemon::start_in`] listens.
+    pub fn socket_in(dir: &Path) -> PathBuf {
+        dir.join("vramd.sock")
     }
 }
 

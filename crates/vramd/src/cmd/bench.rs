@@ -15,9 +15,9 @@ use vram_client::{Client, TenantOptions};
 use vram_core::Bytes;
 use vram_device::{Access, Reservation};
 
-use super::child::OwnDaemon;
 use super::spread::Spread;
 use crate::config::BackendChoice;
+use crate::own_daemon::OwnDaemon;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -190,7 +190,7 @@ fn start_own_daemon(args: &Args) -> anyhow::Result<OwnDaemon> {
         flags.push("--capacity".into());
         flags.push(c.to_string().replace(' ', ""));
     }
-    OwnDaemon::start(dir, &flags)
+    OwnDaemon::spawn_this(dir, &flags)
 }
 
 fn measure_all(args: &Args, socket: &Path) -> anyhow::Result<(String, Spread, Vec<SizeResult>)> {

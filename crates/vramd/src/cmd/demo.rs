@@ -15,9 +15,9 @@ use vram_client::Observer;
 use vram_core::Bytes;
 use vram_proto::StatusReport;
 
-use super::child::{start_daemon, stop_daemon};
 use super::status::render;
 use super::tenant::Scripted;
+use crate::own_daemon::OwnDaemon;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -62,7 +62,6 @@ impl Report {
 
 pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let dir = tempfile::Builder::new().prefix("vramd-demo-").tempdir()?;
-    let socket = dir.path().join("vramd.sock");
     let exe = std::env::current_exe().context("cannot find the vramd executable")?;
     println!(
         "vramd demo: a daemon on a {CAPACITY} host-backend device (memfd-backed; sparse, so it costs only what is touched)"
@@ -78,10 +77,9 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     )
     .context("cannot write the demo's configuration")?;
     let config = config.to_string_lossy().into_owned();
-    let mut daemon = start_daemon(
+    let mut daemon = OwnDaemon::spawn(
         &exe,
-        &socket,
-        &dir.path().join("vramd.log"),
+        dir,
         &[
             "--backend",
             "host",
@@ -91,9 +89,9 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
             &config,
         ],
     )?;
-    let result = scenario(&exe, &socket);
+    let result = scenario(&exe, daemon.socket());
     // Stop the daemon whatever happened, and check that it stops cleanly.
-    let status = stop_daemon(&mut daemon)?;
+    let status = daemon.signal(rustix::process::Signal::TERM)?;
     let mut report = result?;
     report.live = false;
     report.check(
@@ -106,7 +104,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         println!("  [{}] {}", if c.ok { "ok" } else { "FAILED" }, c.what);
     }
     if args.keep {
-        let kept: PathBuf = dir.keep();
+        let kept: PathBuf = daemon.keep();
         println!("\nkept {}", kept.display());
     }
     if failed == 0 {

@@ -1,7 +1,6 @@
 //! The subcommands. Each module has its `Args` (clap) and a `run`.
 
 pub mod bench;
-mod child;
 pub mod demo;
 mod pytorch_figures;
 pub mod ray_resources;

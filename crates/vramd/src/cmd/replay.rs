@@ -21,9 +21,9 @@ use vram_core::Bytes;
 use vram_device::{CudaDevice, Device, HostDevice};
 use vram_proto::PoolTakes;
 
-use super::child::OwnDaemon;
 use super::pytorch_figures::{self, PytorchFigures};
 use super::spread::Spread;
+use crate::own_daemon::OwnDaemon;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -243,7 +243,7 @@ fn start_daemon(backend: ReplayBackend) -> anyhow::Result<OwnDaemon> {
         ReplayBackend::Host => flags.extend(["host", "--capacity", "1TiB"]),
         ReplayBackend::Cuda => flags.push("cuda"),
     }
-    OwnDaemon::start(dir, &flags)
+    OwnDaemon::spawn_this(dir, &flags)
 }
 
 fn progress_bar(name: &str, total: usize) -> ProgressBar {

@@ -1,8 +1,9 @@
 //! `vramd run`: starts a program as a tenant, unchanged.
 //!
 //! First the tenant is registered (`registration.rs`): a tenant the daemon cannot admit, a daemon
-//! that is not running or allocator settings (`VRAMD_ALLOC`) that do not parse stop here, with
-//! the reason and a non-zero exit, before the program runs. The program then gets the
+//! that is not running, allocator settings (`VRAMD_ALLOC`) that do not parse or a variable no
+//! longer read (`vram_proto::env::RENAMED`) stop here, with the reason and a non-zero exit, before
+//! the program runs. The program then gets the
 //! registration's invitation (`VRAMD_JOIN`), which its libvram.so joins with when it first needs
 //! memory, and libvram.so preloaded (`LD_PRELOAD`, in both torch modes): its `dlsym`,
 //! `cuGetProcAddress` and the driver's allocation, `cuMemCreate` and memory-info calls are
@@ -40,9 +41,10 @@ pub struct Args {
     /// The most the tenant may hold.
     #[arg(long)]
     pub limit: Option<Bytes>,
-    /// Priority class, as named in the daemon's configuration.
-    #[arg(long)]
-    pub priority: Option<String>,
+    /// The tenant's class, as named in the daemon's configuration (its priority, default
+    /// guarantee and limit).
+    #[arg(long = "class", value_name = "CLASS")]
+    pub class: Option<String>,
     /// Daemon device index.
     #[arg(long)]
     pub gpu: Option<u32>,
@@ -133,6 +135,8 @@ const FORWARDED: [i32; 4] = [
 
 pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     let lib = find_library()?;
+    // The program inherits this environment: a variable its libvram.so would refuse stops here.
+    vram_proto::env::check_renamed().map_err(anyhow::Error::msg)?;
     if let Ok(settings) = std::env::var(vram_proto::env::ALLOC) {
         vram_core::alloc::AllocConfig::default()
             .set_all(&settings)
@@ -145,7 +149,7 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
                 .tenant
                 .clone()
                 .unwrap_or_else(|| format!("pid-{}", std::process::id())),
-            class: args.priority.clone(),
+            class: args.class.clone(),
             guarantee: args.guarantee,
             limit: args.limit,
             gpu: args.gpu,

@@ -2,14 +2,16 @@
 //! scripted tenant processes (`vramd tenant`) driven line by line.
 #![allow(dead_code)] // each test binary uses part of it
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use vram_client::{ClientError, Observer};
+use vram_client::Observer;
 use vram_proto::StatusReport;
 use vramd::cmd::tenant::Scripted;
+use vramd::own_daemon::OwnDaemon;
 
 pub const VRAMD: &str = env!("CARGO_BIN_EXE_vramd");
 
@@ -24,10 +26,11 @@ pub fn vramd_stdout<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> String {
     String::from_utf8(out.stdout).unwrap()
 }
 
-/// A daemon of the test's own. Dropping it kills it; [`Daemon::stop`] checks a clean shutdown.
+/// A daemon of the test's own (`vramd::own_daemon`, the one starter), failing the test where it
+/// does not start or stop as it should. Dropping it kills it, after printing its log if the test
+/// is failing; [`Daemon::stop`] checks a clean shutdown.
 pub struct Daemon {
-    child: Option<Child>,
-    pub dir: tempfile::TempDir,
+    inner: Option<OwnDaemon>,
     pub socket: PathBuf,
 }
 
@@ -37,47 +40,39 @@ impl Daemon {
         Self::start_on("host", config)
     }
 
-    /// Starts `vramd serve --backend BACKEND` with `config` (TOML) and waits until it answers.
+    /// Starts `vramd serve --backend BACKEND` with `config` (TOML, in `vramd.toml` beside the
+    /// socket) and waits until it answers.
     pub fn start_on(backend: &str, config: &str) -> Daemon {
         let dir = tempfile::Builder::new()
             .prefix("vramd-test-")
             .tempdir()
             .unwrap();
-        let socket = dir.path().join("vramd.sock");
         let config_path = dir.path().join("vramd.toml");
         std::fs::write(&config_path, config).unwrap();
-        let log = std::fs::File::create(dir.path().join("vramd.log")).unwrap();
-        let child = Command::new(VRAMD)
-            .args(["serve", "--backend", backend, "--socket"])
-            .arg(&socket)
-            .arg("--config")
-            .arg(&config_path)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let mut d = Daemon {
-            child: Some(child),
-            dir,
-            socket,
-        };
-        // Up once it answers, even if only to refuse us (a config whose allowed_uids excludes us).
-        let up = wait_until(Duration::from_secs(10), || {
-            matches!(
-                Observer::connect(Some(&d.socket)).and_then(|o| o.status()),
-                Ok(_) | Err(ClientError::Daemon(_))
-            )
-        });
-        if !up {
-            d.kill();
-            panic!("the daemon did not come up:\n{}", d.log());
+        let args = [
+            OsStr::new("--backend"),
+            OsStr::new(backend),
+            OsStr::new("--config"),
+            config_path.as_os_str(),
+        ];
+        let d = OwnDaemon::spawn(Path::new(VRAMD), dir, &args).unwrap_or_else(|e| panic!("{e:#}"));
+        Daemon {
+            socket: d.socket().to_path_buf(),
+            inner: Some(d),
         }
-        d
+    }
+
+    fn own(&self) -> &OwnDaemon {
+        self.inner.as_ref().expect("running")
+    }
+
+    /// The directory of its socket, configuration and log.
+    pub fn dir(&self) -> &Path {
+        self.own().dir()
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("running").id()
+        self.own().pid()
     }
 
     /// Waits up to 5 s for every tenant's connection to be gone; panics if one is still there.
@@ -109,7 +104,7 @@ impl Daemon {
     }
 
     pub fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("vramd.log")).unwrap_or_default()
+        self.inner.as_ref().map(OwnDaemon::log).unwrap_or_default()
     }
 
     /// Starts a scripted tenant and waits for its welcome.
@@ -120,40 +115,20 @@ impl Daemon {
         t
     }
 
-    /// SIGTERM; the daemon must exit 0 within 10 s.
+    /// SIGTERM; the daemon must exit 0 within 10 s and remove its socket.
     pub fn stop(mut self) {
-        let mut child = self.child.take().expect("running");
-        let pid = rustix::process::Pid::from_child(&child);
-        rustix::process::kill_process(pid, rustix::process::Signal::TERM).unwrap();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                panic!("the daemon ignored SIGTERM:\n{}", self.log());
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        assert_eq!(status.code(), Some(0), "daemon exit:\n{}", self.log());
-        assert!(!self.socket.exists(), "the socket outlived the daemon");
-    }
-
-    fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        let d = self.inner.take().expect("running");
+        if let Err(e) = d.stop() {
+            panic!("{e:#}");
         }
     }
 }
 
 impl Drop for Daemon {
     fn drop(&mut self) {
-        if self.child.is_some() && std::thread::panicking() {
+        if self.inner.is_some() && std::thread::panicking() {
             eprintln!("--- daemon log ---\n{}", self.log());
         }
-        self.kill();
     }
 }
 

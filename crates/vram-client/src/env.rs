@@ -1,0 +1,99 @@
+//! A tenant's options read from its environment: the variables of `vram_proto::env`, the same
+//! table `vramd run`, the Kubernetes plugin's CDI spec and `vramd.ray` write.
+
+use vram_core::Bytes;
+use vram_proto::env;
+
+use crate::{ClientError, TenantOptions};
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.is_empty())
+}
+
+fn bytes(name: &str) -> Result<Option<Bytes>, ClientError> {
+    var(name)
+        .map(|v| {
+            v.parse()
+                .map_err(|e| ClientError::Environment(format!("{name} `{v}`: {e}")))
+        })
+        .transpose()
+}
+
+impl TenantOptions {
+    /// What this process's environment asks for: `VRAMD_TENANT` (default `pid-<pid>`),
+    /// `VRAMD_CLASS`, `VRAMD_GUARANTEE`, `VRAMD_LIMIT`, `VRAMD_GPU` and `VRAMD_JOIN`; a variable
+    /// unset or empty leaves its field to the default. A value that does not parse, or a
+    /// variable of `vram_proto::env::RENAMED` still set, is an error naming it.
+    pub fn from_env() -> Result<TenantOptions, ClientError> {
+        env::check_renamed().map_err(ClientError::Environment)?;
+        let gpu = var(env::GPU)
+            .map(|v| {
+                v.parse::<u32>()
+                    .map_err(|e| ClientError::Environment(format!("{} `{v}`: {e}", env::GPU)))
+            })
+            .transpose()?;
+        Ok(TenantOptions {
+            name: var(env::TENANT).unwrap_or_else(|| format!("pid-{}", std::process::id())),
+            class: var(env::CLASS),
+            guarantee: bytes(env::GUARANTEE)?,
+            limit: bytes(env::LIMIT)?,
+            gpu,
+            join: var(env::JOIN),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One test sets and reads the variables, so that no other test of this binary sees them
+    /// half set.
+    #[test]
+    fn the_environment_sets_each_option_and_the_old_class_name_is_refused() {
+        let read = [
+            env::TENANT,
+            env::CLASS,
+            env::GUARANTEE,
+            env::LIMIT,
+            env::GPU,
+            env::JOIN,
+        ];
+        for v in read {
+            std::env::remove_var(v);
+        }
+        let o = TenantOptions::from_env().unwrap();
+        assert_eq!(o.name, format!("pid-{}", std::process::id()));
+        assert_eq!(
+            (o.class, o.guarantee, o.limit, o.gpu, o.join),
+            (None, None, None, None, None)
+        );
+
+        std::env::set_var(env::TENANT, "trainer");
+        std::env::set_var(env::CLASS, "batch");
+        std::env::set_var(env::GUARANTEE, "2GiB");
+        std::env::set_var(env::LIMIT, "4GiB");
+        std::env::set_var(env::GPU, "1");
+        let o = TenantOptions::from_env().unwrap();
+        assert_eq!(o.name, "trainer");
+        assert_eq!(o.class.as_deref(), Some("batch"));
+        assert_eq!(
+            (o.guarantee, o.limit),
+            (Some(Bytes::gib(2)), Some(Bytes::gib(4)))
+        );
+        assert_eq!(o.gpu, Some(1));
+
+        std::env::set_var(env::LIMIT, "lots");
+        let e = TenantOptions::from_env().unwrap_err().to_string();
+        assert!(e.contains("VRAMD_LIMIT `lots`"), "{e}");
+        std::env::remove_var(env::LIMIT);
+
+        std::env::set_var("VRAMD_PRIORITY", "batch");
+        let e = TenantOptions::from_env().unwrap_err().to_string();
+        assert!(e.contains("VRAMD_PRIORITY was renamed VRAMD_CLASS"), "{e}");
+        std::env::remove_var("VRAMD_PRIORITY");
+        for v in read {
+            std::env::remove_var(v);
+        }
+    }
+}
