@@ -147,7 +147,8 @@ impl DeviceError {
 
 pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
 
-/// The device layer's one interface. Object-safe, so the daemon and the client hold a `dyn Device`
+/// What every device does with memory handles (create, export, import, reserve, map); reaching
+/// the bytes is [`ByteAccess`]'s. Object-safe, so the daemon and the client hold a `dyn Device`
 /// chosen at run time; adaptors (accounting, fault injection) wrap any implementation.
 pub trait Device: Send + Sync + std::fmt::Debug {
     fn info(&self) -> &DeviceInfo;
