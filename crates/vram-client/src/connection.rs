@@ -11,10 +11,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use vram_core::Bytes;
-use vram_device::{Device, Handle};
-use vram_proto::{
-    ErrorCode, ErrorReply, GrantId, ProtoError, Reply, Request, StatusReport, Welcome,
-};
+use vram_device::{ByteAccess, DeviceInfo, Handle};
+use vram_proto::{GrantId, ProtoError, Reply, Request, StatusReport, Welcome};
 
 use crate::link::{Link, Lost};
 use crate::transport::Transport;
@@ -66,7 +64,7 @@ pub type ReclaimHandler = Box<dyn Fn(&Client, Bytes) -> Bytes + Send + Sync>;
 pub struct Client {
     link: Arc<Link>,
     welcome: Welcome,
-    device: Arc<dyn Device>,
+    device: Arc<dyn ByteAccess>,
     reclaim: Arc<Mutex<Option<ReclaimHandler>>>,
     /// Nanoseconds spent importing granted handles, in all.
     import_ns: Arc<AtomicU64>,
@@ -166,8 +164,9 @@ impl Client {
         &self.welcome
     }
 
-    /// This process's view of the device: import, reserve and map granted handles with it.
-    pub fn device(&self) -> &Arc<dyn Device> {
+    /// This process's view of the device: import, reserve and map granted handles with it, and
+    /// copy into and out of what it mapped.
+    pub fn device(&self) -> &Arc<dyn ByteAccess> {
         &self.device
     }
 
@@ -484,16 +483,14 @@ fn unexpected(request: &'static str, reply: &Reply) -> ClientError {
     }
 }
 
-fn open_device(w: &Welcome) -> Result<Arc<dyn Device>, ClientError> {
-    match w.device.backend.as_str() {
-        "host" => Ok(Arc::new(vram_device::HostDevice::for_client(
-            w.device.granularity,
-        )?)),
-        "cuda" => Ok(Arc::new(vram_device::CudaDevice::open(&w.device.uuid)?)),
-        other => Err(ClientError::Daemon(ErrorReply {
-            code: ErrorCode::Device,
-            reason: None,
-            message: format!("the daemon's device backend `{other}` is unknown to this client"),
-        })),
-    }
+/// The daemon's device as this process opens it: a process that only imports creates nothing,
+/// so its host device has no capacity of its own.
+fn open_device(w: &Welcome) -> Result<Arc<dyn ByteAccess>, ClientError> {
+    Ok(vram_device::open(&DeviceInfo {
+        kind: w.device.backend,
+        uuid: w.device.uuid.clone(),
+        name: w.device.name.clone(),
+        capacity: Bytes::ZERO,
+        granularity: w.device.granularity,
+    })?)
 }

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use vram_core::shared::{checksum, Acl, BufferId, BufferInfo, Version};
 use vram_core::Bytes;
-use vram_device::{Access, Device, Handle, Reservation};
+use vram_device::{Access, ByteAccess, Handle, Reservation};
 use vram_proto::{LeaseOp, ProtoError, Received, Reply, Request, SharedReply, SharedRequest};
 
 use crate::{Client, ClientError};
@@ -296,7 +296,7 @@ struct Mapped {
 
 impl Mapped {
     fn new(
-        device: &dyn Device,
+        device: &dyn ByteAccess,
         fds: Vec<OwnedFd>,
         size: Bytes,
         access: Access,
@@ -314,7 +314,7 @@ impl Mapped {
         Ok(Mapped { res, handle })
     }
 
-    fn read_all(&self, device: &dyn Device) -> Result<Vec<u8>, ClientError> {
+    fn read_all(&self, device: &dyn ByteAccess) -> Result<Vec<u8>, ClientError> {
         let mut out = vec![0u8; self.handle.size().get() as usize];
         device.read(&self.res, Bytes::ZERO, &mut out)?;
         Ok(out)

@@ -2,9 +2,15 @@
 //!
 //! A [`Device`] creates physical memory as [`Handle`]s (the smallest unit that can be granted, mapped
 //! or returned), exports a handle as a file descriptor that another process can import, reserves
-//! virtual address ranges ([`Reservation`]) and maps handles into them read-write or read-only.
+//! virtual address ranges ([`Reservation`]) and maps handles into them read-write or read-only. A
+//! device that can also reach the bytes of mapped memory (copies, fills, checksums) is a
+//! [`ByteAccess`]; one that cannot (a CUDA device opened without a context) is only a `Device`,
+//! so a copy through it does not compile.
+//!
 //! Backends: [`host`] (one memfd per handle; the default where no GPU is found, and real
 //! cross-process shared memory) and [`cuda`] (the driver's virtual-memory API, loaded at run time).
+//! [`backend`] is their registry: [`BackendKind`] names them, [`devices`] lists a backend's
+//! devices, [`open`] and [`open_for_handles`] open one from its [`DeviceInfo`].
 //!
 //! Both backends follow the same rules, checked before anything reaches the OS or the driver, so a
 //! bad call is an error, never a fault: sizes and mapping offsets are multiples of the granularity;
@@ -21,23 +27,18 @@ use std::sync::{Arc, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use vram_core::shared::Checksummer;
 use vram_core::Bytes;
 
+pub mod backend;
 pub mod cuda;
 pub mod host;
 mod mappings;
 
-pub use cuda::CudaDevice;
+pub use backend::{devices, open, open_for_handles, BackendKind, BackendSelection, UnknownBackend};
+pub use cuda::{CudaDevice, CudaHandles};
 pub use host::HostDevice;
 use mappings::Mappings;
 
-/// Which backend a device is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BackendKind {
-    Host,
-    Cuda,
-}
-
-/// What a device is and what it can hold.
-#[derive(Debug, Clone)]
+/// What a device is and what it can hold: the description [`open`] opens a device from.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceInfo {
     pub kind: BackendKind,
     /// Stable name: a GPU's UUID (`GPU-xxxxxxxx-...`), or `host-<n>` for the host backend.
@@ -113,7 +114,7 @@ pub enum DeviceError {
         len: Bytes,
         mapped_offset: Bytes,
     },
-    #[error("a {found:?} {what} was given to a {expected:?} device")]
+    #[error("a {found} {what} was given to a {expected} device")]
     WrongBackend {
         what: &'static str,
         expected: BackendKind,
@@ -146,7 +147,8 @@ impl DeviceError {
 
 pub type Result<T, E = DeviceError> = std::result::Result<T, E>;
 
-/// The device layer's one interface. Object-safe, so the daemon and the client hold a `dyn Device`
+/// What every device does with memory handles (create, export, import, reserve, map); reaching
+/// the bytes is [`ByteAccess`]'s. Object-safe, so the daemon and the client hold a `dyn Device`
 /// chosen at run time; adaptors (accounting, fault injection) wrap any implementation.
 pub trait Device: Send + Sync + std::fmt::Debug {
     fn info(&self) -> &DeviceInfo;
@@ -168,6 +170,13 @@ pub trait Device: Send + Sync + std::fmt::Debug {
 
     /// A file descriptor that another process passes to [`Device::import`] to reach the same memory.
     fn export(&self, handle: &Handle) -> Result<OwnedFd>;
+
+    /// A file descriptor for a process that may only read `handle`'s memory (a shared-buffer
+    /// reader). The host backend opens the memfd read-only, so no writable mapping can be made
+    /// of it; on cuda an importer chooses its own mapping's access, so this is [`Device::export`].
+    fn export_read_only(&self, handle: &Handle) -> Result<OwnedFd> {
+        self.export(handle)
+    }
 
     /// Whether some process still reaches `handle`'s memory through a descriptor this device
     /// exported (kept open, passed on, or mapped): `Some(true)` while one does, `Some(false)` once
@@ -200,7 +209,12 @@ pub trait Device: Send + Sync + std::fmt::Debug {
 
     /// Unmaps `[offset, offset+len)`; the range becomes inaccessible again but stays reserved.
     fn unmap(&self, res: &Reservation, offset: Bytes, len: Bytes) -> Result<()>;
+}
 
+/// Byte access to mapped memory: copies to and from the host, fills and checksums. Only devices
+/// that can reach their memory's bytes implement it (a CUDA device opened without a context
+/// cannot), so a copy through one that cannot is a type error, not a failure at run time.
+pub trait ByteAccess: Device {
     /// Copies `data` into mapped memory at `res + offset`.
     fn write(&self, res: &Reservation, offset: Bytes, data: &[u8]) -> Result<()>;
 
@@ -232,8 +246,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// [`Device::feed_checksum`] by copying the bytes to the host, 8 MiB at a time.
-pub fn checksum_by_reading<D: Device + ?Sized>(
+/// [`ByteAccess::feed_checksum`] by copying the bytes to the host, 8 MiB at a time.
+pub fn checksum_by_reading<D: ByteAccess + ?Sized>(
     device: &D,
     res: &Reservation,
     offset: Bytes,
@@ -263,18 +277,18 @@ pub struct Handle {
     usage: Option<Arc<Usage>>,
 }
 
-/// The backend's own representation of a handle; each variant releases itself on drop.
+/// A handle as its backend holds it, in a type private to that backend; each releases itself
+/// on drop.
 #[derive(Debug)]
 enum RawHandle {
-    /// A memfd of exactly the handle's size, sealed against shrinking and growing.
-    Memfd(OwnedFd),
+    Host(host::Memfd),
     Cuda(cuda::Allocation),
 }
 
 impl RawHandle {
     fn kind(&self) -> BackendKind {
         match self {
-            RawHandle::Memfd(_) => BackendKind::Host,
+            RawHandle::Host(_) => BackendKind::Host,
             RawHandle::Cuda(_) => BackendKind::Cuda,
         }
     }

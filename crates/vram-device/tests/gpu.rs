@@ -15,7 +15,7 @@ use common::{child_role, env_u64, inherited_fd, pattern, run_child};
 use cudarc::driver::sys::{self, CUresult};
 use vram_core::Bytes;
 use vram_device::cuda::{self, CudaDevice};
-use vram_device::{Access, Device, DeviceError};
+use vram_device::{Access, ByteAccess, Device, DeviceError};
 
 /// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {

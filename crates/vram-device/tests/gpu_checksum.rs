@@ -13,7 +13,7 @@ use vram_core::shared::checksum::{checksum, mix64};
 use vram_core::shared::Checksummer;
 use vram_core::Bytes;
 use vram_device::cuda::CudaDevice;
-use vram_device::{Access, Device, Reservation};
+use vram_device::{Access, ByteAccess, Device, Reservation};
 
 /// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {

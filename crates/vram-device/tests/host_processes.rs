@@ -8,7 +8,7 @@ use std::os::unix::process::ExitStatusExt;
 
 use common::{child_role, env_u64, inherited_fd, pattern, run_child};
 use vram_core::Bytes;
-use vram_device::{host::DEFAULT_GRANULARITY, Access, Device, HostDevice};
+use vram_device::{host::DEFAULT_GRANULARITY, Access, ByteAccess, Device, HostDevice};
 
 const SIZE: Bytes = Bytes::mib(4);
 const PARENT_AT: u64 = 12_345;

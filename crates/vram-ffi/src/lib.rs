@@ -27,6 +27,7 @@ use vram_client::alloc::{
 use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, StreamId};
 use vram_core::Bytes;
+use vram_device::BackendKind;
 use vram_proto::DeviceDesc;
 
 mod cudart;
@@ -106,14 +107,13 @@ fn register(socket: Option<&Path>, opts: &TenantOptions) -> Result<Arc<Client>, 
 /// The process's first tenant: its connection, and the allocator every later tenant shares.
 fn first(client: Arc<Client>) -> Result<Tenant, String> {
     let w = client.welcome().clone();
-    let events: Box<dyn StreamEvents> = match w.device.backend.as_str() {
-        "host" => Box::new(HostEvents),
-        "cuda" => {
+    let events: Box<dyn StreamEvents> = match w.device.backend {
+        BackendKind::Host => Box::new(HostEvents),
+        BackendKind::Cuda => {
             let dev = vram_device::CudaDevice::open(&w.device.uuid)
                 .map_err(|e| format!("vramd: cannot open GPU {}: {e}", w.device.uuid))?;
             Box::new(CudaEvents::with_notices(&dev, NOTICES.clone()))
         }
-        other => return Err(format!("vramd: unknown device backend `{other}`")),
     };
     let mut config = AllocConfig {
         granularity: w.device.granularity,

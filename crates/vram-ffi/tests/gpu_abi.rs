@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use vram_core::Bytes;
 use vram_device::cuda::CudaDevice;
-use vram_device::Device;
+use vram_device::{ByteAccess, Device};
 use vramd::config::{Config, PoolConfig};
 use vramd::server::{ServeOptions, Server};
 
@@ -26,12 +26,15 @@ fn threads_allocate_write_and_free_on_the_gpu() {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("vramd.sock");
     let config = Config::default();
-    let dev: Arc<dyn Device> = Arc::new(dev);
+    let dev = Arc::new(dev);
+    // The tenant's backing holds its device as a `Device` (handles only); the bytes are copied
+    // through this one, the same GPU's.
+    let copier = dev.clone();
     let server = Server::bind(ServeOptions {
         socket: socket.clone(),
         socket_mode: 0o600,
         allowed_uids: None,
-        devices: vec![dev],
+        devices: vec![dev as Arc<dyn Device>],
         policy: Box::new(move |d: &dyn Device| {
             config.policy(Bytes::gib(64).min(d.info().capacity))
         }),
@@ -49,6 +52,7 @@ fn threads_allocate_write_and_free_on_the_gpu() {
 
     std::thread::scope(|s| {
         for t in 0..4usize {
+            let copier = copier.clone();
             s.spawn(move || {
                 let stream = if t % 2 == 0 { 0 } else { PER_THREAD_STREAM } as *mut c_void;
                 let tenant = vram::tenant().expect("tenant");
@@ -60,9 +64,9 @@ fn threads_allocate_write_and_free_on_the_gpu() {
                     let data = vec![(i ^ t) as u8; size.min(4096)];
                     tenant.alloc.with_backing(|b| {
                         let off = Bytes(p as u64 - b.base());
-                        b.device().write(b.reservation(), off, &data).unwrap();
+                        copier.write(b.reservation(), off, &data).unwrap();
                         let mut back = vec![0; data.len()];
-                        b.device().read(b.reservation(), off, &mut back).unwrap();
+                        copier.read(b.reservation(), off, &mut back).unwrap();
                         assert_eq!(back, data, "bytes at {p:?}");
                     });
                     vram::vram_free(p, size as isize, 0, stream);

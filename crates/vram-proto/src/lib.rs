@@ -24,6 +24,8 @@ pub use shared::{
 pub use status::{
     DaemonInfo, DeviceStatus, KeptOffline, OutsideProcess, PoolTakes, StatusReport, TenantStatus,
 };
+/// Which backend a device is, as messages and the status report carry it.
+pub use vram_device::BackendKind;
 
 /// The protocol version this build speaks. A peer speaking another gets an error and is closed.
 pub const PROTOCOL_VERSION: u16 = 5;

@@ -4,6 +4,8 @@
 use serde::{Deserialize, Serialize};
 use vram_core::Bytes;
 
+use crate::BackendKind;
+
 /// One frame's payload: a correlation id and a message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Envelope<T> {
@@ -175,8 +177,9 @@ pub struct DeviceDesc {
     pub index: u32,
     pub uuid: String,
     pub name: String,
-    /// `host` or `cuda`.
-    pub backend: String,
+    /// Which backend the device is; on the wire its name (`host`, `cuda`), a string as in every
+    /// other field, so a name this build does not know is a decode error.
+    pub backend: BackendKind,
     pub capacity: Bytes,
     pub granularity: Bytes,
 }
@@ -293,4 +296,50 @@ pub enum Reply {
     },
     /// Answer to `Declarations`.
     Declarations(Vec<Declaration>),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `DeviceDesc` with its backend as a plain string: what the wire carries.
+    #[derive(Serialize)]
+    struct Named<'a> {
+        index: u32,
+        uuid: &'a str,
+        name: &'a str,
+        backend: &'a str,
+        capacity: Bytes,
+        granularity: Bytes,
+    }
+
+    fn named(backend: &str) -> Vec<u8> {
+        postcard::to_stdvec(&Named {
+            index: 1,
+            uuid: "host-0",
+            name: "host memfd device",
+            backend,
+            capacity: Bytes::gib(16),
+            granularity: Bytes::mib(2),
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_backend_travels_as_its_name() {
+        for kind in BackendKind::ALL {
+            let desc = DeviceDesc {
+                index: 1,
+                uuid: "host-0".into(),
+                name: "host memfd device".into(),
+                backend: kind,
+                capacity: Bytes::gib(16),
+                granularity: Bytes::mib(2),
+            };
+            let bytes = postcard::to_stdvec(&desc).unwrap();
+            assert_eq!(bytes, named(kind.name()), "{kind}");
+            assert_eq!(postcard::from_bytes::<DeviceDesc>(&bytes).unwrap(), desc);
+        }
+        assert!(postcard::from_bytes::<DeviceDesc>(&named("rocm")).is_err());
+    }
 }

@@ -3,6 +3,8 @@
 use serde::{Deserialize, Serialize};
 use vram_core::Bytes;
 
+use crate::BackendKind;
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StatusReport {
     pub daemon: DaemonInfo,
@@ -38,7 +40,7 @@ pub struct DeviceStatus {
     pub index: u32,
     pub uuid: String,
     pub name: String,
-    pub backend: String,
+    pub backend: BackendKind,
     pub capacity: Bytes,
     pub granularity: Bytes,
     /// Granted to tenants.

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
+use vram_proto::BackendKind;
 
 /// The CDI kind of the devices this plugin writes: `vendor/class`.
 pub const KIND: &str = "vramd.io/claim";
@@ -147,8 +148,8 @@ pub fn read(layout: &Layout, uid: &str) -> Option<Spec> {
 /// The device nodes a container needs for the daemon's device of `backend` with `uuid`: none on
 /// the host backend; on cuda the control and unified-memory nodes and the GPU's own node, whose
 /// minor number the NVIDIA driver lists in `/proc/driver/nvidia/gpus/*/information`.
-pub fn device_nodes(backend: &str, uuid: &str) -> Result<Vec<PathBuf>, String> {
-    if backend != "cuda" {
+pub fn device_nodes(backend: BackendKind, uuid: &str) -> Result<Vec<PathBuf>, String> {
+    if backend != BackendKind::Cuda {
         return Ok(Vec::new());
     }
     let gpus = Path::new("/proc/driver/nvidia/gpus");
@@ -208,6 +209,6 @@ mod tests {
         remove(&layout, "u-1").unwrap();
         remove(&layout, "u-1").unwrap();
         assert!(read(&layout, "u-1").is_none());
-        assert!(device_nodes("host", "x").unwrap().is_empty());
+        assert!(device_nodes(BackendKind::Host, "x").unwrap().is_empty());
     }
 }

@@ -223,7 +223,7 @@ impl Plugin {
             .iter()
             .find(|x| x.index == d.gpu)
             .ok_or_else(|| format!("the daemon no longer serves {}", device_name(d.gpu)))?;
-        let nodes = cdi::device_nodes(&dev.backend, &dev.uuid)?;
+        let nodes = cdi::device_nodes(dev.backend, &dev.uuid)?;
         let spec = cdi::spec(&self.layout, uid, &d.name, d.gpu, &nodes);
         cdi::write(&self.layout, uid, &spec).map_err(|e| {
             format!(

@@ -12,7 +12,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use kube::api::{DeleteParams, ListParams, PostParams};
 use kube::Api;
 use vram_core::Bytes;
-use vram_proto::StatusReport;
+use vram_proto::{BackendKind, StatusReport};
 
 use crate::claim::MEMORY;
 use crate::plugin::{device_name, Identity};
@@ -59,7 +59,7 @@ pub fn desired(
             let mut attributes = BTreeMap::from([
                 ("uuid".to_string(), string(&d.uuid)),
                 ("productName".to_string(), string(&d.name)),
-                ("backend".to_string(), string(&d.backend)),
+                ("backend".to_string(), string(d.backend.name())),
                 (
                     "vramdVersion".to_string(),
                     DeviceAttribute {
@@ -68,7 +68,10 @@ pub fn desired(
                     },
                 ),
             ]);
-            if let Some(v) = driver_version.as_deref().filter(|_| d.backend == "cuda") {
+            if let Some(v) = driver_version
+                .as_deref()
+                .filter(|_| d.backend == BackendKind::Cuda)
+            {
                 attributes.insert("driverVersion".into(), string(v));
             }
             let step = policy.step.max(d.granularity);

@@ -4,7 +4,7 @@
 //! deleted.
 
 use vram_core::Bytes;
-use vram_proto::{DaemonInfo, DeviceStatus, StatusReport};
+use vram_proto::{BackendKind, DaemonInfo, DeviceStatus, StatusReport};
 use vramd_k8s::plugin::Identity;
 use vramd_k8s::slices::{publish, slice_name, Published, RequestPolicy};
 use vramd_k8s::stand_in::StandIn;
@@ -14,7 +14,7 @@ fn device(index: u32, capacity: Bytes) -> DeviceStatus {
         index,
         uuid: format!("HOST-{index}"),
         name: "host memory".into(),
-        backend: "host".into(),
+        backend: BackendKind::Host,
         capacity,
         granularity: Bytes::mib(2),
         held: Bytes::ZERO,

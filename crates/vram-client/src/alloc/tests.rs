@@ -1,12 +1,12 @@
 use std::sync::Arc;
 
 use proptest::prelude::*;
-use vram_device::{Device, HostDevice};
+use vram_device::{ByteAccess, HostDevice};
 
 use super::*;
 
-fn host_allocator(capacity: Bytes) -> (Arc<dyn Device>, CachingAllocator<LocalSource>) {
-    let dev: Arc<dyn Device> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
+fn host_allocator(capacity: Bytes) -> (Arc<dyn ByteAccess>, CachingAllocator<LocalSource>) {
+    let dev: Arc<dyn ByteAccess> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
     let config = AllocConfig::default();
     let backing =
         MappedBacking::new(dev.clone(), config.va_bytes, LocalSource::new(dev.clone())).unwrap();
@@ -16,20 +16,18 @@ fn host_allocator(capacity: Bytes) -> (Arc<dyn Device>, CachingAllocator<LocalSo
     )
 }
 
-fn write(a: &CachingAllocator<LocalSource>, ptr: u64, data: &[u8]) {
+fn write(dev: &dyn ByteAccess, a: &CachingAllocator<LocalSource>, ptr: u64, data: &[u8]) {
     a.with_backing(|b| {
         let off = ptr - b.base();
-        b.device().write(b.reservation(), Bytes(off), data).unwrap()
+        dev.write(b.reservation(), Bytes(off), data).unwrap()
     })
 }
 
-fn read(a: &CachingAllocator<LocalSource>, ptr: u64, len: usize) -> Vec<u8> {
+fn read(dev: &dyn ByteAccess, a: &CachingAllocator<LocalSource>, ptr: u64, len: usize) -> Vec<u8> {
     a.with_backing(|b| {
         let off = ptr - b.base();
         let mut out = vec![0; len];
-        b.device()
-            .read(b.reservation(), Bytes(off), &mut out)
-            .unwrap();
+        dev.read(b.reservation(), Bytes(off), &mut out).unwrap();
         out
     })
 }
@@ -127,6 +125,7 @@ fn eight_threads_random_sizes_cross_thread_frees_patterns_hold() {
     let mut handles = Vec::new();
     for (t, rx) in rxs.into_iter().enumerate() {
         let a = a.clone();
+        let dev = dev.clone();
         let next = txs[(t + 1) % 8].clone();
         handles.push(std::thread::spawn(move || {
             let mut seed = 0x9E37_79B9u64 * (t as u64 + 1);
@@ -147,8 +146,8 @@ fn eight_threads_random_sizes_cross_thread_frees_patterns_hold() {
                 let p = a.alloc(Bytes(size), StreamId(0)).unwrap();
                 let tag = (rand() & 0xff) as u8;
                 let edge = size.min(64) as usize;
-                write(&a, p, &vec![tag; edge]);
-                write(&a, p + size - edge as u64, &vec![tag; edge]);
+                write(dev.as_ref(), &a, p, &vec![tag; edge]);
+                write(dev.as_ref(), &a, p + size - edge as u64, &vec![tag; edge]);
                 if i % 2 == 0 {
                     next.send((p, size, tag)).unwrap();
                 } else {
@@ -160,9 +159,13 @@ fn eight_threads_random_sizes_cross_thread_frees_patterns_hold() {
                 if mine.len() > 20 {
                     let (p, size, tag) = mine.swap_remove((rand() % mine.len() as u64) as usize);
                     let edge = size.min(64) as usize;
-                    assert_eq!(read(&a, p, edge), vec![tag; edge], "head of {p:#x}");
                     assert_eq!(
-                        read(&a, p + size - edge as u64, edge),
+                        read(dev.as_ref(), &a, p, edge),
+                        vec![tag; edge],
+                        "head of {p:#x}"
+                    );
+                    assert_eq!(
+                        read(dev.as_ref(), &a, p + size - edge as u64, edge),
                         vec![tag; edge],
                         "tail of {p:#x}"
                     );
@@ -186,7 +189,7 @@ fn eight_threads_random_sizes_cross_thread_frees_patterns_hold() {
     }
     for (p, size, tag) in rest {
         let edge = size.min(64) as usize;
-        assert_eq!(read(&a, p, edge), vec![tag; edge]);
+        assert_eq!(read(dev.as_ref(), &a, p, edge), vec![tag; edge]);
         a.free(p, StreamId(0)).unwrap();
     }
     a.trim();

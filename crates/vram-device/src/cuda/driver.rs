@@ -114,7 +114,7 @@ fn describe(r: CUresult) -> String {
 #[derive(Debug)]
 pub(crate) struct Context {
     pub device: sys::CUdevice,
-    /// `None`: context-free; calls that need a context fail with the driver's error.
+    /// `None`: context-free (a `CudaHandles`, whose type offers no call that needs a context).
     ctx: Option<sys::CUcontext>,
 }
 

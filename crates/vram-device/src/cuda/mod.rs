@@ -2,9 +2,14 @@
 //! handles, `cuMemAddressReserve`, `cuMemMap`, `cuMemSetAccess`), loaded at run time so that vramd
 //! builds and runs where there is no GPU: a missing driver is [`DeviceError::DriverUnavailable`].
 //!
-//! Every call runs with the device's primary context pushed on the calling thread and popped
-//! after, so a caller's own current context is left as it was. A device object retains the primary
-//! context for as long as it, or any handle or reservation made through it, lives.
+//! A GPU is opened in one of two modes, fixed in its type ([`Gpu`]): a [`CudaDevice`] retains the
+//! device's primary context and can copy ([`ByteAccess`]); a [`CudaHandles`] has no context and
+//! only creates, exports, imports, reserves, maps and releases memory (measured on an H200: the
+//! driver allows all of these without a context), which saves the context's device memory (about
+//! 0.5 GiB on an H200). Every call runs with the device's primary context pushed on the calling
+//! thread and popped after, so a caller's own current context is left as it was. A device object
+//! retains the primary context for as long as it, or any handle or reservation made through it,
+//! lives.
 //!
 //! Copies and fills are synchronous: when `write` or `fill` returns, the bytes are in device
 //! memory and visible to every process that maps it.
@@ -17,6 +22,7 @@ pub mod testing;
 pub use events::{EventPool, DEFAULT_STREAM};
 
 use std::ffi::{c_char, c_void, CStr};
+use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, OnceLock, RwLock};
 
@@ -26,7 +32,7 @@ use vram_core::Bytes;
 
 use crate::{
     check_aligned, check_kind, check_size, checksum_by_reading, Access, BackendKind, Backing,
-    Device, DeviceError, DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
+    ByteAccess, Device, DeviceError, DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
 };
 use driver::{check, log_failure, Context};
 pub(crate) use driver::{Allocation, VaRange};
@@ -128,32 +134,96 @@ fn allocation_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
     }
 }
 
-/// One GPU, driven through the virtual-memory API. See the module documentation.
+/// What a [`Gpu`] is opened as: [`WithContext`] or [`WithoutContext`].
+pub trait ContextMode: sealed::Sealed + Send + Sync + std::fmt::Debug + 'static {
+    /// Whether the device retains the GPU's primary context.
+    const RETAINS_CONTEXT: bool;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::WithContext {}
+    impl Sealed for super::WithoutContext {}
+}
+
+/// The GPU's primary context retained: copies, fills, checksums, events, `memory()`.
 #[derive(Debug)]
-pub struct CudaDevice {
+pub enum WithContext {}
+
+/// No context: handles only.
+#[derive(Debug)]
+pub enum WithoutContext {}
+
+impl ContextMode for WithContext {
+    const RETAINS_CONTEXT: bool = true;
+}
+
+impl ContextMode for WithoutContext {
+    const RETAINS_CONTEXT: bool = false;
+}
+
+/// One GPU, driven through the virtual-memory API, opened as `M` says. See the module
+/// documentation.
+#[derive(Debug)]
+pub struct Gpu<M: ContextMode> {
     info: DeviceInfo,
     ctx: Arc<Context>,
     usage: Arc<Usage>,
-    /// The checksum kernel, loaded at its first use (or the reason it could not be).
+    /// The checksum kernel, loaded at its first use (or the reason it could not be); used only
+    /// with a context.
     checksum: OnceLock<Result<checksum::Kernel, String>>,
+    mode: PhantomData<M>,
 }
+
+/// A GPU with its primary context: a tenant's, a replay's, the daemon's shared-buffer reader.
+pub type CudaDevice = Gpu<WithContext>;
+
+/// A GPU without a context, for a process (the daemon) that only handles memory and never
+/// reaches its bytes.
+pub type CudaHandles = Gpu<WithoutContext>;
 
 impl CudaDevice {
     /// Opens the GPU named by `which`: its ordinal (`"0"`) or its UUID (`"GPU-5f0c..."`, the
     /// `GPU-` prefix optional, any case).
     pub fn open(which: &str) -> Result<Self> {
-        Self::open_with(which, true)
+        Self::open_as(which)
     }
 
-    /// Opens the GPU without a CUDA context of its own, for a process that only creates, exports,
-    /// imports, reserves, maps and releases memory (measured on an H200: the driver allows all of
-    /// these without a context). Copies, fills, events and `memory()` need a context and fail.
-    /// Saves the context's device memory (about 0.5 GiB on an H200).
-    pub fn open_without_context(which: &str) -> Result<Self> {
-        Self::open_with(which, false)
+    /// Free and total memory of the GPU, as the driver counts them (all processes together).
+    pub fn memory(&self) -> Result<(Bytes, Bytes)> {
+        self.driver_memory()
     }
 
-    fn open_with(which: &str, with_context: bool) -> Result<Self> {
+    pub(crate) fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// Waits until the copies and fills queued on the context are done.
+    fn synchronize(&self) -> Result<()> {
+        // SAFETY: a context is current (the caller entered it).
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn checksum_kernel(&self) -> Result<&checksum::Kernel> {
+        self.checksum
+            .get_or_init(|| checksum::Kernel::load(&self.ctx).map_err(|e| e.to_string()))
+            .as_ref()
+            .map_err(|e| DeviceError::Driver {
+                call: "loading the checksum kernel",
+                detail: e.clone(),
+            })
+    }
+}
+
+impl CudaHandles {
+    /// Opens the GPU named by `which` (as [`CudaDevice::open`] does) without a context.
+    pub fn open(which: &str) -> Result<Self> {
+        Self::open_as(which)
+    }
+}
+
+impl<M: ContextMode> Gpu<M> {
+    fn open_as(which: &str) -> Result<Self> {
         let devices = probe()?;
         let wanted = which.trim().to_ascii_lowercase();
         let wanted = wanted.strip_prefix("gpu-").unwrap_or(&wanted);
@@ -170,32 +240,18 @@ impl CudaDevice {
                 found: devices.iter().map(|d| d.uuid.clone()).collect(),
             });
         };
-        let ctx = if with_context {
+        let ctx = if M::RETAINS_CONTEXT {
             Context::retain(device(ordinal as i32)?)?
         } else {
             Context::none(device(ordinal as i32)?)
         };
-        Ok(CudaDevice {
+        Ok(Gpu {
             info: devices[ordinal].clone(),
             ctx,
             usage: Arc::default(),
             checksum: OnceLock::new(),
+            mode: PhantomData,
         })
-    }
-
-    /// Free and total memory of the GPU, as the driver counts them (all processes together).
-    pub fn memory(&self) -> Result<(Bytes, Bytes)> {
-        let (mut free, mut total) = (0usize, 0usize);
-        let _entered = self.ctx.enter()?;
-        // SAFETY: a context is current; both are valid out pointers.
-        check("cuMemGetInfo", unsafe {
-            sys::cuMemGetInfo_v2(&mut free, &mut total)
-        })?;
-        Ok((Bytes(free as u64), Bytes(total as u64)))
-    }
-
-    pub(crate) fn context(&self) -> &Arc<Context> {
-        &self.ctx
     }
 
     fn granularity(&self) -> Bytes {
@@ -245,35 +301,39 @@ impl CudaDevice {
         })
     }
 
-    /// Waits until the copies and fills queued on the context are done.
-    fn synchronize(&self) -> Result<()> {
-        // SAFETY: a context is current (the caller entered it).
-        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    /// Free and total memory as the driver counts them. Needs a context: called only where `M`
+    /// retains one.
+    fn driver_memory(&self) -> Result<(Bytes, Bytes)> {
+        let (mut free, mut total) = (0usize, 0usize);
+        let _entered = self.ctx.enter()?;
+        // SAFETY: a context is current; both are valid out pointers.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut free, &mut total)
+        })?;
+        Ok((Bytes(free as u64), Bytes(total as u64)))
     }
 
-    fn checksum_kernel(&self) -> Result<&checksum::Kernel> {
-        self.checksum
-            .get_or_init(|| checksum::Kernel::load(&self.ctx).map_err(|e| e.to_string()))
-            .as_ref()
-            .map_err(|e| DeviceError::Driver {
-                call: "loading the checksum kernel",
-                detail: e.clone(),
-            })
-    }
-
+    /// The error for a `cuMemCreate` of `asked` that ran out of memory. With a context it says
+    /// what the driver counts in use on the whole GPU; without one (the driver's figure needs a
+    /// context) what this device object created.
     fn out_of_memory(&self, asked: Bytes) -> DeviceError {
-        match self.memory() {
-            Ok((free, total)) => DeviceError::OutOfMemory {
-                asked,
-                used: total.saturating_sub(free),
-                capacity: total,
-            },
-            Err(e) => e,
+        let (used, capacity) = if M::RETAINS_CONTEXT {
+            match self.driver_memory() {
+                Ok((free, total)) => (total.saturating_sub(free), total),
+                Err(e) => return e,
+            }
+        } else {
+            (self.usage.get(), self.info.capacity)
+        };
+        DeviceError::OutOfMemory {
+            asked,
+            used,
+            capacity,
         }
     }
 }
 
-impl Device for CudaDevice {
+impl<M: ContextMode> Device for Gpu<M> {
     fn info(&self) -> &DeviceInfo {
         &self.info
     }
@@ -433,7 +493,9 @@ impl Device for CudaDevice {
         }
         Ok(())
     }
+}
 
+impl ByteAccess for CudaDevice {
     fn write(&self, res: &Reservation, offset: Bytes, data: &[u8]) -> Result<()> {
         let ptr = self.check_copy(res, offset, data.len())?;
         let mappings = res.mappings();
@@ -483,7 +545,7 @@ impl Device for CudaDevice {
     }
 
     /// Runs the checksum kernel over the whole words of the range, on the GPU; only a partial last
-    /// word (at most 7 bytes) is copied to the host. Needs a context (a device opened with one).
+    /// word (at most 7 bytes) is copied to the host.
     fn feed_checksum(
         &self,
         res: &Reservation,

@@ -30,6 +30,8 @@
 use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use vram_device::BackendKind;
+
 use crate::{refusal, tenant, Tenant};
 
 pub(crate) mod alloc;
@@ -80,7 +82,7 @@ pub(crate) enum Gpu {
 
 /// The calling thread's current device, compared with the tenant's.
 pub(crate) fn current_gpu(t: &Tenant) -> Gpu {
-    if t.device.backend != "cuda" {
+    if t.device.backend != BackendKind::Cuda {
         return Gpu::Tenant;
     }
     let Some(get) = real::driver().ctx_get_device else {
@@ -106,7 +108,7 @@ pub(crate) fn is_tenant_device(t: &Tenant, ordinal: c_int) -> bool {
     const OURS: u8 = 1;
     const OTHER: u8 = 2;
     static VERDICTS: [AtomicU8; 64] = [const { AtomicU8::new(UNKNOWN) }; 64];
-    if t.device.backend != "cuda" {
+    if t.device.backend != BackendKind::Cuda {
         return true;
     }
     let slot = usize::try_from(ordinal).ok().and_then(|i| VERDICTS.get(i));

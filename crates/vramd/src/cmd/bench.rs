@@ -16,7 +16,6 @@ use vram_core::Bytes;
 use vram_device::{Access, Reservation};
 
 use super::spread::Spread;
-use crate::config::BackendChoice;
 use crate::own_daemon::OwnDaemon;
 
 #[derive(Debug, clap::Args)]
@@ -50,8 +49,8 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_name = "MICROSECONDS")]
     pub pause_us: u64,
     /// Backend of our own daemon (ignored with `--socket`).
-    #[arg(long, value_enum, default_value = "host")]
-    pub backend: BackendChoice,
+    #[arg(long, default_value = "host", value_name = "BACKEND")]
+    pub backend: vram_device::BackendSelection,
     /// Capacity of our own daemon's device [default: 16 GiB on host, the GPU's on cuda].
     #[arg(long)]
     pub capacity: Option<Bytes>,
@@ -175,14 +174,9 @@ fn start_own_daemon(args: &Args) -> anyhow::Result<OwnDaemon> {
     );
     let config_path = dir.path().join("bench.toml");
     std::fs::write(&config_path, config)?;
-    let backend = match args.backend {
-        BackendChoice::Auto => "auto",
-        BackendChoice::Host => "host",
-        BackendChoice::Cuda => "cuda",
-    };
     let mut flags: Vec<String> = vec![
         "--backend".into(),
-        backend.into(),
+        args.backend.to_string(),
         "--config".into(),
         config_path.display().to_string(),
     ];
@@ -289,7 +283,7 @@ fn tenant_loop(
     let name = format!("bench-{}-{index}", std::process::id());
     let client = Client::connect(Some(socket), &TenantOptions::named(name))
         .with_context(|| format!("cannot connect to {}", socket.display()))?;
-    let backend = client.welcome().device.backend.clone();
+    let backend = client.welcome().device.backend.to_string();
     // One reservation for the whole run, as a tenant's allocator keeps one.
     let res = if args.map {
         let granularity = client.welcome().device.granularity;

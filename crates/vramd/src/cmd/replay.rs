@@ -18,7 +18,7 @@ use vram_core::alloc::{AllocConfig, BackingCounts, StreamId};
 use vram_core::replay::{CostModel, ReplayResult};
 use vram_core::trace::{parse_snapshot, Action, Trace};
 use vram_core::Bytes;
-use vram_device::{CudaDevice, Device, HostDevice};
+use vram_device::{BackendKind, Device};
 use vram_proto::PoolTakes;
 
 use super::pytorch_figures::{self, PytorchFigures};
@@ -35,8 +35,8 @@ pub struct Args {
     pub json: bool,
     /// Where the replay's memory lives: `host` (sparse memfds; driver time is modelled) or `cuda`
     /// (real maps and unmaps on GPU 0; the time spent in the allocator is measured too).
-    #[arg(long, value_enum, default_value = "host")]
-    pub backend: ReplayBackend,
+    #[arg(long, default_value = "host", value_name = "BACKEND")]
+    pub backend: BackendKind,
     /// An allocator setting to replay with instead of the default, as NAME=VALUE (repeatable, or
     /// comma-separated: `--set min_grow=16MiB --set max_handle=32MiB` is
     /// `--set min_grow=16MiB,max_handle=32MiB`). Tenants take the same settings from
@@ -86,12 +86,6 @@ pub enum Compare {
     Expandable,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum ReplayBackend {
-    Host,
-    Cuda,
-}
-
 /// One trace's figures (sizes in bytes, times in microseconds): the core replay's, plus what the
 /// real client path measured.
 #[derive(Debug, Serialize)]
@@ -100,7 +94,7 @@ pub struct Outcome {
     pub result: ReplayResult,
     /// Allocations served from a thread cache without the core.
     pub fast_allocs: u64,
-    pub backend: &'static str,
+    pub backend: BackendKind,
     /// Wall time spent inside the allocator's calls (driver calls included), measured.
     pub measured_allocator_us: f64,
     pub measured_allocator_time_share: f64,
@@ -235,13 +229,13 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
 }
 
 /// Starts a daemon serving the replay's backend from a temporary directory.
-fn start_daemon(backend: ReplayBackend) -> anyhow::Result<OwnDaemon> {
+fn start_daemon(backend: BackendKind) -> anyhow::Result<OwnDaemon> {
     let dir = tempfile::Builder::new().prefix("vramd-replay-").tempdir()?;
-    let mut flags = vec!["--metrics", "off", "--backend"];
+    let mut flags = vec!["--metrics", "off", "--backend", backend.name()];
     match backend {
         // Sparse memfds: the four shared traces peak at 16 GiB, none of it touched.
-        ReplayBackend::Host => flags.extend(["host", "--capacity", "1TiB"]),
-        ReplayBackend::Cuda => flags.push("cuda"),
+        BackendKind::Host => flags.extend(["--capacity", "1TiB"]),
+        BackendKind::Cuda => {}
     }
     OwnDaemon::spawn_this(dir, &flags)
 }
@@ -269,18 +263,19 @@ pub struct Pace(pub bool);
 pub fn replay(
     name: &str,
     trace: &Trace,
-    backend: ReplayBackend,
+    backend: BackendKind,
     config: &AllocConfig,
     pace: Pace,
 ) -> anyhow::Result<Outcome> {
-    let device: Arc<dyn Device> = match backend {
-        // Sparse: only the pages the replay writes would cost memory, and it writes none.
-        ReplayBackend::Host => Arc::new(HostDevice::new(
-            Bytes(Bytes::TIB),
-            AllocConfig::default().granularity,
-        )?),
-        ReplayBackend::Cuda => Arc::new(CudaDevice::open("0").context("--backend cuda")?),
-    };
+    // On host a sparse device: only the pages the replay writes would cost memory, and it writes
+    // none. On cuda the driver's first GPU.
+    let info = vram_device::devices(backend, Bytes(Bytes::TIB))
+        .with_context(|| format!("--backend {backend}"))?
+        .into_iter()
+        .next()
+        .with_context(|| format!("--backend {backend}: the backend reports no device"))?;
+    let device: Arc<dyn Device> =
+        vram_device::open(&info).with_context(|| format!("--backend {backend}"))?;
     let source = LocalSource::new(device.clone());
     run_trace(
         name,
@@ -308,10 +303,7 @@ pub fn replay_through(
         Client::connect(Some(socket), &opts)
             .with_context(|| format!("cannot connect to {}", socket.display()))?,
     );
-    let backend = match client.welcome().device.backend.as_str() {
-        "cuda" => ReplayBackend::Cuda,
-        _ => ReplayBackend::Host,
-    };
+    let backend = client.welcome().device.backend;
     let device = client.device().clone();
     let index = client.welcome().device.index;
     let takes = |c: &Client| -> anyhow::Result<PoolTakes> {
@@ -383,7 +375,7 @@ fn run_trace<S: HandleSource>(
     trace: &Trace,
     device: Arc<dyn Device>,
     source: S,
-    backend: ReplayBackend,
+    backend: BackendKind,
     config: &AllocConfig,
     pace: Pace,
     at_history: &mut dyn FnMut(),
@@ -470,10 +462,7 @@ fn run_trace<S: HandleSource>(
             &CostModel::H200_MEASURED,
         ),
         fast_allocs: alloc.stats().fast_allocs,
-        backend: match backend {
-            ReplayBackend::Host => "host",
-            ReplayBackend::Cuda => "cuda",
-        },
+        backend,
         measured_allocator_us: measured_us,
         measured_allocator_time_share: trace.share_of_wall(measured_us),
         measured_driver_us: driver_us,

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use vram_core::Bytes;
-use vram_device::{cuda, CudaDevice, Device, HostDevice};
+use vram_device::{BackendKind, BackendSelection, Device};
 
-use crate::config::{BackendChoice, CheckedDevice, Config, ConfigError};
+use crate::config::{CheckedDevice, Config, ConfigError};
 use crate::metrics::{Exporter, MetricsAddr};
 use crate::server::driver::{DriverProbe, NvmlProbe};
 use crate::server::{ServeOptions, Server};
@@ -21,9 +21,9 @@ pub struct Args {
     /// A TOML configuration file (classes, declared tenants, socket mode, allowed uids, pool).
     #[arg(long, short = 'c')]
     pub config: Option<PathBuf>,
-    /// Which memory to serve: auto picks cuda where a GPU is found, else host.
-    #[arg(long, value_enum)]
-    pub backend: Option<BackendChoice>,
+    /// Which memory to serve: `auto` (cuda where a GPU is found, else host), `host` or `cuda`.
+    #[arg(long, value_name = "BACKEND")]
+    pub backend: Option<BackendSelection>,
     /// Capacity of the host backend's device (e.g. `16GiB`); on cuda, a cap below the GPU's memory.
     #[arg(long)]
     pub capacity: Option<Bytes>,
@@ -147,7 +147,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     for (d, cap) in devices.iter().zip(&caps) {
         let info = d.info();
         tracing::info!(
-            backend = ?info.kind, uuid = info.uuid, name = info.name, capacity = %cap,
+            backend = %info.kind, uuid = info.uuid, name = info.name, capacity = %cap,
             granularity = %info.granularity, "serving device"
         );
     }
@@ -214,12 +214,13 @@ fn check_config(args: &Args, path: &Path) -> std::process::ExitCode {
     };
     let capacity = args.capacity.or(config.capacity);
     let backend = args.backend.or(config.backend).unwrap_or_default();
+    // Auto serves a GPU where there is one, and a GPU's figures are measured at start.
     let device = match backend {
-        BackendChoice::Host => CheckedDevice {
+        BackendSelection::Only(BackendKind::Host) => CheckedDevice {
             capacity: Some(capacity.unwrap_or(DEFAULT_HOST_CAPACITY)),
             granularity: Some(vram_device::host::DEFAULT_GRANULARITY),
         },
-        BackendChoice::Cuda | BackendChoice::Auto => CheckedDevice {
+        BackendSelection::Only(BackendKind::Cuda) | BackendSelection::Auto => CheckedDevice {
             capacity,
             granularity: None,
         },
@@ -345,8 +346,8 @@ mod signals {
 fn effective_capacity(d: &dyn Device, measured: Option<Bytes>, cap: Option<Bytes>) -> Bytes {
     let info = d.info();
     match info.kind {
-        vram_device::BackendKind::Host => info.capacity,
-        vram_device::BackendKind::Cuda => {
+        BackendKind::Host => info.capacity,
+        BackendKind::Cuda => {
             let gpu = measured.map_or(info.capacity, |m| m.min(info.capacity));
             cap.map_or(gpu, |c| c.min(gpu))
         }
@@ -355,9 +356,7 @@ fn effective_capacity(d: &dyn Device, measured: Option<Bytes>, cap: Option<Bytes
 
 /// NVML, where some device is a GPU; without it the daemon says what it cannot see.
 fn open_probe(devices: &[Arc<dyn Device>]) -> Option<Arc<dyn DriverProbe>> {
-    let gpus = devices
-        .iter()
-        .any(|d| d.info().kind == vram_device::BackendKind::Cuda);
+    let gpus = devices.iter().any(|d| d.info().kind == BackendKind::Cuda);
     if !gpus {
         return None;
     }
@@ -376,7 +375,7 @@ fn open_probe(devices: &[Arc<dyn Device>]) -> Option<Arc<dyn DriverProbe>> {
 
 fn measured_memory(probe: Option<&dyn DriverProbe>, d: &dyn Device, held: Bytes) -> Option<Bytes> {
     let probe = probe?;
-    if d.info().kind != vram_device::BackendKind::Cuda {
+    if d.info().kind != BackendKind::Cuda {
         return None;
     }
     probe
@@ -385,41 +384,46 @@ fn measured_memory(probe: Option<&dyn DriverProbe>, d: &dyn Device, held: Bytes)
         .ok()
 }
 
+/// The devices of the backend `selection` names (for `auto`, the first of
+/// [`BackendKind::ALL`] that has one), opened for handles only: the daemon never copies through
+/// them.
 fn open_devices(
-    choice: BackendChoice,
+    selection: BackendSelection,
     capacity: Option<Bytes>,
 ) -> anyhow::Result<Vec<Arc<dyn Device>>> {
-    let host = || -> anyhow::Result<Vec<Arc<dyn Device>>> {
-        let cap = capacity.unwrap_or(DEFAULT_HOST_CAPACITY);
-        let dev = HostDevice::new(cap, vram_device::host::DEFAULT_GRANULARITY)?;
-        Ok(vec![Arc::new(dev)])
-    };
-    let gpus = || -> anyhow::Result<Vec<Arc<dyn Device>>> {
-        let infos = cuda::probe()?;
-        if infos.is_empty() {
-            bail!("the CUDA driver reports no GPU");
-        }
-        infos
-            .iter()
-            .map(|i| {
-                let d = CudaDevice::open_without_context(&i.uuid)
-                    .with_context(|| format!("cannot open GPU {}", i.uuid))?;
-                Ok(Arc::new(d) as Arc<dyn Device>)
-            })
-            .collect()
-    };
-    match choice {
-        BackendChoice::Host => host(),
-        BackendChoice::Cuda => gpus().context("--backend cuda"),
-        BackendChoice::Auto => match gpus() {
-            Ok(d) => Ok(d),
-            Err(e) => {
-                let cap = capacity.unwrap_or(DEFAULT_HOST_CAPACITY);
-                tracing::warn!("no GPU ({e:#}); serving the host backend, a {cap} memfd device");
-                host()
-            }
-        },
+    let host_capacity = capacity.unwrap_or(DEFAULT_HOST_CAPACITY);
+    if let BackendSelection::Only(kind) = selection {
+        return open_backend(kind, host_capacity).with_context(|| format!("--backend {kind}"));
     }
+    let mut failures = Vec::new();
+    for kind in BackendKind::ALL {
+        match open_backend(kind, host_capacity) {
+            Ok(devices) => return Ok(devices),
+            Err(e) => {
+                tracing::warn!("backend auto: no {kind} device ({e:#}); trying the next backend");
+                failures.push(format!("{kind}: {e:#}"));
+            }
+        }
+    }
+    bail!(
+        "backend auto: no backend has a device ({})",
+        failures.join("; ")
+    )
+}
+
+/// Every device of `kind`, opened for handles only.
+fn open_backend(kind: BackendKind, host_capacity: Bytes) -> anyhow::Result<Vec<Arc<dyn Device>>> {
+    let infos = vram_device::devices(kind, host_capacity)?;
+    if infos.is_empty() {
+        bail!("the {kind} backend reports no device");
+    }
+    infos
+        .iter()
+        .map(|i| {
+            vram_device::open_for_handles(i)
+                .with_context(|| format!("cannot open {kind} device {}", i.uuid))
+        })
+        .collect()
 }
 
 /// One fd per handle is kept by the daemon; lift the soft limit to the hard one.

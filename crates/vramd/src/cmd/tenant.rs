@@ -16,7 +16,7 @@ use anyhow::Context;
 use serde_json::json;
 use vram_client::{Client, ClientError, Grant, TenantOptions};
 use vram_core::Bytes;
-use vram_device::{Access, Device, Reservation};
+use vram_device::{Access, ByteAccess, Reservation};
 
 use super::SocketArg;
 
@@ -139,7 +139,7 @@ fn pattern(seed: u64, offset: u64) -> [u8; PATTERN_LEN] {
 }
 
 /// Whether fresh memory reads as zeros where the pattern will go: no tenant may see another's data.
-fn is_clean(dev: &dyn Device, h: &Held) -> anyhow::Result<bool> {
+fn is_clean(dev: &dyn ByteAccess, h: &Held) -> anyhow::Result<bool> {
     let mut buf = [0u8; PATTERN_LEN];
     for off in (0..h.grant.size().get()).step_by(PATTERN_STRIDE as usize) {
         dev.read(&h.res, Bytes(off), &mut buf)?;
@@ -150,14 +150,14 @@ fn is_clean(dev: &dyn Device, h: &Held) -> anyhow::Result<bool> {
     Ok(true)
 }
 
-fn write_pattern(dev: &dyn Device, h: &Held) -> anyhow::Result<()> {
+fn write_pattern(dev: &dyn ByteAccess, h: &Held) -> anyhow::Result<()> {
     for off in (0..h.grant.size().get()).step_by(PATTERN_STRIDE as usize) {
         dev.write(&h.res, Bytes(off), &pattern(h.seed, off))?;
     }
     Ok(())
 }
 
-fn check_pattern(dev: &dyn Device, h: &Held) -> anyhow::Result<bool> {
+fn check_pattern(dev: &dyn ByteAccess, h: &Held) -> anyhow::Result<bool> {
     let mut buf = [0u8; PATTERN_LEN];
     for off in (0..h.grant.size().get()).step_by(PATTERN_STRIDE as usize) {
         dev.read(&h.res, Bytes(off), &mut buf)?;

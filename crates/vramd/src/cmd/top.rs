@@ -467,7 +467,7 @@ mod tests {
                 index: 0,
                 uuid: "host-0".into(),
                 name: "host".into(),
-                backend: "host".into(),
+                backend: vram_proto::BackendKind::Host,
                 capacity: Bytes::gib(16),
                 granularity: Bytes::mib(2),
                 held: Bytes::gib(6),

@@ -16,19 +16,6 @@ use vram_core::Bytes;
 
 pub use check::{ConfigError, Device as CheckedDevice};
 
-/// `backend = "auto" | "host" | "cuda"`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, clap::ValueEnum, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum BackendChoice {
-    /// cuda where a GPU is found, else host.
-    #[default]
-    Auto,
-    /// memfd-backed shared memory: no GPU needed.
-    Host,
-    /// NVIDIA GPUs through the driver's virtual-memory API.
-    Cuda,
-}
-
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
@@ -37,7 +24,8 @@ pub struct Config {
     pub socket_mode: Option<String>,
     /// Uids allowed to connect. Unset: root and the daemon's own uid.
     pub allowed_uids: Option<Vec<u32>>,
-    pub backend: Option<BackendChoice>,
+    /// `"auto"` or a backend's name (`vram_device::BackendKind`).
+    pub backend: Option<vram_device::BackendSelection>,
     /// The host backend's capacity; on cuda, a cap below the device's own memory.
     pub capacity: Option<Bytes>,
     /// Free memory that only the highest-priority class present may borrow into.
@@ -288,6 +276,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn backend_is_auto_or_a_known_name() {
+        let c: Config = toml::from_str(r#"backend = "auto""#).unwrap();
+        assert_eq!(c.backend, Some(vram_device::BackendSelection::Auto));
+        let e = toml::from_str::<Config>(r#"backend = "rocm""#).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("unknown device backend `rocm`; known: auto, cuda, host"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_full_config_parses() {
         let c: Config = toml::from_str(
             r#"
@@ -313,6 +313,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.socket_mode().unwrap(), 0o600);
+        assert_eq!(
+            c.backend,
+            Some(vram_device::BackendSelection::Only(
+                vram_device::BackendKind::Host
+            ))
+        );
         let p = c.policy(Bytes::gib(16));
         assert_eq!(p.classes["batch"].priority, 5);
         assert!(p.classes.contains_key("high"));

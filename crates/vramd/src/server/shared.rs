@@ -4,7 +4,7 @@
 //!
 //! The one exception to "the daemon never maps tenant memory": to checksum a version at publish,
 //! to verify it on request and to scrub it, the daemon maps shared-buffer versions read-only and
-//! checksums them (`Device::feed_checksum`: a kernel over device memory on cuda, through the
+//! checksums them (`ByteAccess::feed_checksum`: a kernel over device memory on cuda, through the
 //! reader device's context; a copy to the host on the host backend). It never maps a tenant's
 //! private grants.
 
@@ -19,7 +19,7 @@ use vram_core::shared::{
     BufferId, BufferSpec, Checksummer, Freed, SharedBuffers, SharedError, Version,
 };
 use vram_core::Bytes;
-use vram_device::{Access, BackendKind, Device, DeviceError, Handle};
+use vram_device::{Access, ByteAccess, Device, DeviceError, Handle};
 use vram_proto::{
     ErrorCode, ErrorReply, LeaseOp, Reply, ScrubStatus, SharedBufferStatus, SharedReply,
     SharedRequest, SharedStatus,
@@ -45,8 +45,9 @@ pub struct Memory {
 struct Parts {
     handle: Handle,
     fd: OwnedFd,
-    /// On the host backend the memfd reopened read-only, so a reader cannot map it writable at
-    /// all; on cuda the same export (read-only access is set by the reader's mapping).
+    /// `Device::export_read_only`: on the host backend the memfd opened read-only, so a reader
+    /// cannot map it writable at all; on cuda an export (read-only access is set by the reader's
+    /// mapping).
     reader_fd: OwnedFd,
 }
 
@@ -494,7 +495,10 @@ impl Op<'_> {
                     .map_err(|e| {
                         device_error(format!("the device could not create {size}: {e}"))
                     })?;
-                let reader_fd = reader_fd(slot.device().as_ref(), &ready.fd)?;
+                let reader_fd = slot
+                    .device()
+                    .export_read_only(&ready.handle)
+                    .map_err(|e| device_error(format!("cannot export {size} read-only: {e}")))?;
                 Ok(Arc::new(Memory {
                     parts: Some(Parts {
                         handle: ready.handle,
@@ -653,10 +657,11 @@ fn wait_newer(
 }
 
 /// Maps a handle read-only in the daemon's own range and checksums it in pieces of `piece` bytes
-/// (`Device::feed_checksum`: a kernel on the GPU for the cuda backend, a copy to the host on the
-/// host backend). `pace` is told the bytes done after each piece and may stop (`false`: `Ok(None)`).
+/// (`ByteAccess::feed_checksum`: a kernel on the GPU for the cuda backend, a copy to the host on
+/// the host backend). `pace` is told the bytes done after each piece and may stop (`false`:
+/// `Ok(None)`).
 pub fn checksum_memory(
-    device: &dyn Device,
+    device: &dyn ByteAccess,
     handle: &Handle,
     piece: u64,
     mut pace: impl FnMut(u64) -> bool,
@@ -731,21 +736,6 @@ pub(super) fn report_mismatch(
         "shared buffer corrupted: a published version no longer matches its checksum (its \
          owner and readers are told)"
     );
-}
-
-/// The fd readers get: on the host backend, the memfd reopened read-only through /proc, so that
-/// no reader can map it writable whatever it does.
-fn reader_fd(device: &dyn Device, fd: &OwnedFd) -> Result<OwnedFd, ErrorReply> {
-    use std::os::fd::AsRawFd;
-    if device.info().kind != BackendKind::Host {
-        return fd
-            .try_clone()
-            .map_err(|e| device_error(format!("cannot duplicate an export: {e}")));
-    }
-    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
-    std::fs::File::open(&path)
-        .map(OwnedFd::from)
-        .map_err(|e| device_error(format!("cannot reopen {path} read-only: {e}")))
 }
 
 fn device_error(message: String) -> ErrorReply {

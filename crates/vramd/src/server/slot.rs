@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use vram_core::broker::{Broker, GrantError, Policy, ReclaimAsk, Tenant, TenantId, TenantRequest};
 use vram_core::Bytes;
-use vram_device::{BackendKind, Device, Handle};
+use vram_device::{ByteAccess, Device, Handle};
 use vram_proto::{DeviceDesc, DeviceStatus, ErrorCode, ErrorReply, GrantId, Resume, TenantStatus};
 
 use super::pool::{Pool, Ready};
@@ -131,9 +131,10 @@ pub struct Slot {
     /// Signalled whenever memory comes back, for grants waiting on a reclaim.
     returned: Condvar,
     pool: Arc<Pool>,
-    /// A view of the device that can read memory (shared-buffer checksums): on cuda the daemon
-    /// has no context of its own, so one is opened the first time a buffer must be read.
-    reader: OnceLock<Result<Arc<dyn Device>, String>>,
+    /// The device opened again with byte access, to read memory (shared-buffer checksums): the
+    /// daemon's own handles memory only (on cuda it has no context), so this one is opened the
+    /// first time a buffer must be read.
+    reader: OnceLock<Result<Arc<dyn ByteAccess>, String>>,
     /// Shared-buffer versions freed while still reached, waiting to be booked as kept.
     let_go: Arc<super::shared::LetGo>,
 }
@@ -232,18 +233,15 @@ impl Slot {
     }
 
     /// The device, able to read memory back (see `reader`).
-    pub fn reader(&self) -> Result<Arc<dyn Device>, vram_device::DeviceError> {
-        let r = self.reader.get_or_init(|| match self.device.info().kind {
-            BackendKind::Host => Ok(self.device.clone()),
-            BackendKind::Cuda => {
-                tracing::info!(
-                    gpu = self.index,
-                    "opening a CUDA context to checksum shared buffers"
-                );
-                vram_device::CudaDevice::open(&self.device.info().uuid)
-                    .map(|d| Arc::new(d) as Arc<dyn Device>)
-                    .map_err(|e| e.to_string())
-            }
+    pub fn reader(&self) -> Result<Arc<dyn ByteAccess>, vram_device::DeviceError> {
+        let r = self.reader.get_or_init(|| {
+            let info = self.device.info();
+            tracing::info!(
+                gpu = self.index,
+                backend = %info.kind,
+                "opening the device with byte access to checksum shared buffers"
+            );
+            vram_device::open(info).map_err(|e| e.to_string())
         });
         r.clone()
             .map_err(vram_device::DeviceError::DriverUnavailable)
@@ -268,7 +266,7 @@ impl Slot {
             index: self.index,
             uuid: info.uuid.clone(),
             name: info.name.clone(),
-            backend: backend_name(info.kind).to_string(),
+            backend: info.kind,
             capacity: self.lock().broker.capacity(),
             granularity: info.granularity,
         }
@@ -1121,7 +1119,7 @@ impl Slot {
             index: self.index,
             uuid: info.uuid.clone(),
             name: info.name.clone(),
-            backend: backend_name(info.kind).to_string(),
+            backend: info.kind,
             capacity: snap.capacity,
             granularity: info.granularity,
             held: snap.held,
@@ -1279,12 +1277,5 @@ fn refused(e: &GrantError) -> ErrorReply {
         code: ErrorCode::Refused,
         reason: Some(e.reason().to_string()),
         message: e.to_string(),
-    }
-}
-
-pub fn backend_name(kind: BackendKind) -> &'static str {
-    match kind {
-        BackendKind::Host => "host",
-        BackendKind::Cuda => "cuda",
     }
 }

@@ -16,6 +16,12 @@
 //! is also sealed against writes (`F_SEAL_FUTURE_WRITE`), so that a reader that reopens its
 //! descriptor through `/proc` with write access still cannot write it (on a GPU, a process that
 //! imports a handle chooses its own mapping's access).
+//!
+//! Every copy into or out of mapped memory goes through [`volatile`]: other processes map the
+//! same memfds and write them while this one reads, so the compiler must not assume it is the
+//! memory's only user.
+
+mod volatile;
 
 use std::ffi::c_void;
 use std::os::fd::{AsFd, OwnedFd};
@@ -26,8 +32,8 @@ use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 use vram_core::Bytes;
 
 use crate::{
-    check_aligned, check_kind, check_size, Access, BackendKind, Backing, Device, DeviceError,
-    DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
+    check_aligned, check_kind, check_size, Access, BackendKind, Backing, ByteAccess, Device,
+    DeviceError, DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
 };
 
 /// Handle size and mapping unit when none is configured: the same as a GPU's.
@@ -37,6 +43,23 @@ pub const DEFAULT_GRANULARITY: Bytes = Bytes::mib(2);
 /// that a published shared-buffer version can be sealed against writes later
 /// ([`Device::seal_writes`]); a process that seals its own memfd further hurts only itself.
 const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
+
+/// A handle's memory as this backend holds it: a memfd of exactly the handle's size, sealed
+/// against shrinking and growing ([`SEALS`]). Closed on drop.
+#[derive(Debug)]
+pub(crate) struct Memfd(OwnedFd);
+
+/// The host device of `capacity` in handles that are multiples of `granularity`, as
+/// [`crate::open`] takes it.
+pub fn describe(capacity: Bytes, granularity: Bytes) -> DeviceInfo {
+    DeviceInfo {
+        kind: BackendKind::Host,
+        uuid: "host-0".to_owned(),
+        name: "host memfd device".to_owned(),
+        capacity,
+        granularity,
+    }
+}
 
 /// A device whose memory is memfds. See the module documentation.
 #[derive(Debug)]
@@ -55,13 +78,7 @@ impl HostDevice {
             Bytes(rustix::param::page_size() as u64),
         )?;
         Ok(HostDevice {
-            info: DeviceInfo {
-                kind: BackendKind::Host,
-                uuid: "host-0".to_owned(),
-                name: "host memfd device".to_owned(),
-                capacity,
-                granularity,
-            },
+            info: describe(capacity, granularity),
             usage: Arc::default(),
         })
     }
@@ -78,7 +95,7 @@ impl HostDevice {
 
     fn memfd<'h>(&self, handle: &'h Handle) -> Result<&'h OwnedFd> {
         match &handle.raw {
-            RawHandle::Memfd(fd) => Ok(fd),
+            RawHandle::Host(Memfd(fd)) => Ok(fd),
             other => Err(DeviceError::WrongBackend {
                 what: "handle",
                 expected: BackendKind::Host,
@@ -164,7 +181,7 @@ impl Device for HostDevice {
                 .map_err(|e| DeviceError::os("fcntl(F_ADD_SEALS)", e))?;
             // The file `memfd_create` opened is not counted among the file's writers; an open
             // through /proc is, which the lease test in `reached_elsewhere` relies on.
-            Ok(RawHandle::Memfd(reopen(&fd, OFlags::RDWR)?))
+            Ok(RawHandle::Host(Memfd(reopen(&fd, OFlags::RDWR)?)))
         })
     }
 
@@ -175,6 +192,10 @@ impl Device for HostDevice {
 
     fn export(&self, handle: &Handle) -> Result<OwnedFd> {
         reopen(self.memfd(handle)?, OFlags::RDWR)
+    }
+
+    fn export_read_only(&self, handle: &Handle) -> Result<OwnedFd> {
+        reopen(self.memfd(handle)?, OFlags::RDONLY)
     }
 
     fn reached_elsewhere(&self, handle: &Handle) -> Option<bool> {
@@ -206,7 +227,7 @@ impl Device for HostDevice {
         if actual != size {
             return Err(bad(format!("its size is {actual}")));
         }
-        Ok(Handle::imported(size, RawHandle::Memfd(fd)))
+        Ok(Handle::imported(size, RawHandle::Host(Memfd(fd))))
     }
 
     fn reserve(&self, size: Bytes) -> Result<Reservation> {
@@ -301,15 +322,18 @@ impl Device for HostDevice {
         mappings.remove(&removed);
         Ok(())
     }
+}
 
+impl ByteAccess for HostDevice {
     fn write(&self, res: &Reservation, offset: Bytes, data: &[u8]) -> Result<()> {
         let addr = self.check_copy(res, offset, data.len())?;
         let mappings = res.mappings();
         mappings.check_covered(offset.get(), data.len() as u64, true)?;
         // SAFETY: the destination lies inside `res` and is mapped read-write (checked above), and
-        // the read lock keeps it mapped during the copy. It is shared memory that other processes
-        // may change at the same time; that is the caller's protocol, and bytes cannot be invalid.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), addr as *mut u8, data.len()) };
+        // the read lock keeps it mapped during the copy. Other processes may read or write it at
+        // the same time; the copy is volatile, so nothing is assumed of its contents, and what
+        // they see when is the callers' protocol (bytes cannot be invalid).
+        unsafe { volatile::copy_to(addr as *mut u8, data) };
         Ok(())
     }
 
@@ -318,8 +342,9 @@ impl Device for HostDevice {
         let mappings = res.mappings();
         mappings.check_covered(offset.get(), out.len() as u64, false)?;
         // SAFETY: the source lies inside `res` and is mapped (checked above); the read lock keeps
-        // it mapped during the copy, and `out` is a distinct Rust buffer of the same length.
-        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, out.as_mut_ptr(), out.len()) };
+        // it mapped during the copy, and `out` is a distinct Rust buffer of the same length. Other
+        // processes may write the source meanwhile: the copy is volatile, and any bytes are valid.
+        unsafe { volatile::copy_from(addr as *const u8, out) };
         Ok(())
     }
 
@@ -327,8 +352,9 @@ impl Device for HostDevice {
         let addr = self.check_copy(res, offset, len.get() as usize)?;
         let mappings = res.mappings();
         mappings.check_covered(offset.get(), len.get(), true)?;
-        // SAFETY: as in `write`: inside `res`, mapped read-write, kept mapped by the read lock.
-        unsafe { std::ptr::write_bytes(addr as *mut u8, byte, len.get() as usize) };
+        // SAFETY: as in `write`: inside `res`, mapped read-write, kept mapped by the read lock,
+        // written volatile since other processes share it.
+        unsafe { volatile::fill(addr as *mut u8, len.get() as usize, byte) };
         Ok(())
     }
 }
@@ -429,8 +455,8 @@ mod tests {
         assert_eq!(dev.reached_elsewhere(&h), Some(true), "a mapping left");
         client.unmap(&r, Bytes::ZERO, G).unwrap();
         assert_eq!(dev.reached_elsewhere(&h), Some(false), "all gone");
-        // A reader's read-only reopen counts too.
-        let ro = reopen(&dev.export(&h).unwrap(), OFlags::RDONLY).unwrap();
+        // A reader's read-only export counts too.
+        let ro = dev.export_read_only(&h).unwrap();
         assert_eq!(dev.reached_elsewhere(&h), Some(true), "a read-only open");
         drop(ro);
         assert_eq!(dev.reached_elsewhere(&h), Some(false));
@@ -449,6 +475,58 @@ mod tests {
         let mut out = [0; 6];
         dev.read(&b, Bytes(G.get() + 7), &mut out).unwrap();
         assert_eq!(&out, b"shared");
+    }
+
+    #[test]
+    fn a_read_only_export_cannot_be_mapped_writable() {
+        let dev = device(Bytes::gib(1));
+        let (h, w) = mapped(&dev, G, Access::ReadWrite);
+        dev.write(&w, Bytes(3), b"weights").unwrap();
+        let reader = dev.import(dev.export_read_only(&h).unwrap(), G).unwrap();
+        let r = dev.reserve(G).unwrap();
+        assert!(dev
+            .map(&r, Bytes::ZERO, &reader, Access::ReadWrite)
+            .is_err());
+        dev.map(&r, Bytes::ZERO, &reader, Access::ReadOnly).unwrap();
+        let mut out = [0; 7];
+        dev.read(&r, Bytes(3), &mut out).unwrap();
+        assert_eq!(&out, b"weights");
+    }
+
+    #[test]
+    fn words_written_whole_by_another_mapping_are_read_whole() {
+        // A writer stores whole aligned words through one mapping while a reader copies them out
+        // through another: each word read is one the writer wrote, never a mix of two.
+        let dev = Arc::new(device(Bytes::gib(1)));
+        let (h, w) = mapped(&dev, G, Access::ReadWrite);
+        let imported = dev.import(dev.export(&h).unwrap(), G).unwrap();
+        let r = dev.reserve(G).unwrap();
+        dev.map(&r, Bytes::ZERO, &imported, Access::ReadOnly)
+            .unwrap();
+        const WORDS: usize = 64;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let writer = {
+            let (dev, stop) = (dev.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut round = 0u8;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    round = round.wrapping_add(1);
+                    let word = [u64::from_ne_bytes([round; 8]); WORDS];
+                    let bytes: Vec<u8> = word.iter().flat_map(|v| v.to_ne_bytes()).collect();
+                    dev.write(&w, Bytes::ZERO, &bytes).unwrap();
+                }
+            })
+        };
+        let mut out = vec![0u8; WORDS * 8];
+        for _ in 0..20_000 {
+            dev.read(&r, Bytes::ZERO, &mut out).unwrap();
+            for chunk in out.chunks_exact(8) {
+                let v = u64::from_ne_bytes(chunk.try_into().unwrap());
+                assert_eq!(v, u64::from_ne_bytes([v as u8; 8]), "a torn word: {v:016x}");
+            }
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        writer.join().unwrap();
     }
 
     #[test]
