@@ -5,7 +5,7 @@ asked guarantee and limit, that PyTorch's allocations go through vramd (full mod
 the limit with an out-of-memory error naming the tenant, and that everything is back with the
 daemon after `end_tenant`. Prints `ok: ...` lines and exits non-zero on the first failure.
 
-    PATH=.gpu/bin:$PATH PYTHONPATH=python python3 scripts/h200/become_tenant.py SOCKET
+    PATH=.gpu/bin:$PATH python3 scripts/h200/become_tenant.py SOCKET   # vramd installed (pip)
 """
 import sys
 import time

@@ -15,7 +15,10 @@ for t in .gpu/tests/gpu_shared-* .gpu/tests/gpu_daemon-*; do
 done > "$R/measured.log" 2>&1
 cat "$R/measured.log"
 mkdir -p "$R/bt"; daemon_up "$R/bt"
-( export PATH="$PWD/.gpu/bin:$PATH" PYTHONPATH="$PWD/python"
+# The two packages as `pip install ./python` lays them out (python/ also holds the sitecustomize
+# that only `vramd run` puts on PYTHONPATH).
+rm -rf /tmp/vramd-py && mkdir -p /tmp/vramd-py && cp -r python/vramd python/vramd_torch /tmp/vramd-py/
+( export PATH="$PWD/.gpu/bin:$PATH" PYTHONPATH=/tmp/vramd-py
   step become_tenant 90 python3 scripts/h200/become_tenant.py "$S" )
 daemon_down; cat "$R/become_tenant.log"
 if [ "${COMPAT:-1}" != 0 ]; then
