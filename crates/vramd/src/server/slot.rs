@@ -200,7 +200,7 @@ impl Slot {
     }
 
     /// Books the shared-buffer versions freed while some process still reached them as kept by
-    /// their buffer's owner (see [`super::shared::Memory`]); [`Slot::sweep_kept`] books them back
+    /// their buffer's owner (see `shared::Memory`); [`Slot::sweep_kept`] books them back
     /// once they are gone.
     pub fn book_let_go(&self) {
         let found = self.let_go.take();
