@@ -148,8 +148,8 @@ pub fn open(info: &DeviceInfo) -> Result<Arc<dyn ByteAccess>> {
 }
 
 /// Opens the device `info` describes for handles only (create, export, import, reserve, map):
-/// the daemon's. On cuda no context is made, which saves its device memory (about 0.5 GiB on an
-/// H200); the device cannot copy, which its type says. Otherwise as [`open`].
+/// the daemon's. On cuda no context is made, which saves its device memory; the device cannot
+/// copy, which its type says. Otherwise as [`open`].
 pub fn open_for_handles(info: &DeviceInfo) -> Result<Arc<dyn Device>> {
     Ok(match info.kind {
         BackendKind::Host => Arc::new(host::HostDevice::new(info.capacity, info.granularity)?),

@@ -110,7 +110,7 @@ fn describe(r: CUresult) -> String {
 
 /// A device's primary context, retained for as long as anything made through it lives — or no
 /// context at all, for a process (the daemon) that only creates, exports and releases memory: the
-/// driver allows those without one, and a context costs about 0.5 GiB of device memory.
+/// driver allows those without one, and a context costs device memory of its own.
 #[derive(Debug)]
 pub(crate) struct Context {
     pub device: sys::CUdevice,
@@ -219,7 +219,7 @@ pub(crate) fn log_failure(call: &'static str, r: CUresult) {
 pub(crate) struct Allocation {
     pub handle: sys::CUmemGenericAllocationHandle,
     pub ctx: Arc<Context>,
-    /// The handle exported once (export costs about 1 ms); later exports are duplicates of it. For
+    /// The handle exported once (an export is a costly driver call); later exports are duplicates of it. For
     /// an imported handle, the fd it was imported from.
     pub fd: OnceLock<OwnedFd>,
 }

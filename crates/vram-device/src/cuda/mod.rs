@@ -4,9 +4,9 @@
 //!
 //! A GPU is opened in one of two modes, fixed in its type ([`Gpu`]): a [`CudaDevice`] retains the
 //! device's primary context and can copy ([`ByteAccess`]); a [`CudaHandles`] has no context and
-//! only creates, exports, imports, reserves, maps and releases memory (measured on an H200: the
-//! driver allows all of these without a context), which saves the context's device memory (about
-//! 0.5 GiB on an H200). Every call runs with the device's primary context pushed on the calling
+//! only creates, exports, imports, reserves, maps and releases memory (the driver allows all of
+//! these without a context: docs/benchmarks.md, "GPU tests on the H200"), which saves the
+//! context's device memory. Every call runs with the device's primary context pushed on the calling
 //! thread and popped after, so a caller's own current context is left as it was. A device object
 //! retains the primary context for as long as it, or any handle or reservation made through it,
 //! lives.

@@ -69,8 +69,7 @@ pub fn normalise_uuid(uuid: &str) -> String {
 /// once per unknown UUID; the index found is kept.
 ///
 /// The driver keeps a little memory of its own in use that no process accounts for, and it grows
-/// as tenants create contexts and map memory (page tables): on an H200 with driver 580, 6 MB at
-/// idle and 61 MB with ten tenants mapping 126 GB. What is in use when
+/// as tenants create contexts and map memory (page tables). What is in use when
 /// [`NvmlProbe::total_memory`] measures a device (before the daemon hands out anything) is that
 /// device's overhead, and [`DRIVER_HEADROOM`] of the device's memory is room for its growth: both
 /// are taken off the memory tenants can have, and each reading's `allowance` says so, so that
@@ -92,8 +91,9 @@ impl std::fmt::Debug for NvmlProbe {
     }
 }
 
-/// The share of a device's memory left for the driver's own growth (see [`NvmlProbe`]): 1/1024,
-/// about 140 MB on an H200, twice what ten tenants mapping 126 GB took.
+/// The share of a device's memory left for the driver's own growth (see [`NvmlProbe`]): 1/1024
+/// (about 140 MB on an H200), room for the page tables and context state the driver adds as
+/// tenants map memory.
 pub const DRIVER_HEADROOM: u64 = 1024;
 
 /// Tries of a process list whose length changed between NVML's count and its fill.
