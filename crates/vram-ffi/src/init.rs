@@ -213,6 +213,18 @@ mod tests {
         }
     }
 
+    /// Name, class, guarantee and limit (in MiB) and GPU of `t`.
+    fn fields(t: &TenantOptions) -> (&str, Option<&str>, u64, u64, Option<u32>) {
+        let mib = |b: Option<Bytes>| b.map_or(0, |b| b.get() >> 20);
+        (
+            t.name.as_str(),
+            t.class.as_deref(),
+            mib(t.guarantee),
+            mib(t.limit),
+            t.gpu,
+        )
+    }
+
     #[test]
     fn fields_left_unset_take_the_environments_and_set_ones_replace_them() {
         let o = sized();
@@ -221,22 +233,7 @@ mod tests {
         // SAFETY: no string fields.
         let (socket, t) = unsafe { read.over(base()) }.unwrap();
         assert_eq!(socket, None);
-        assert_eq!(
-            (
-                t.name.as_str(),
-                t.class.as_deref(),
-                t.guarantee,
-                t.limit,
-                t.gpu
-            ),
-            (
-                "from-env",
-                Some("low"),
-                Some(Bytes::mib(1)),
-                Some(Bytes::mib(2)),
-                Some(3)
-            )
-        );
+        assert_eq!(fields(&t), ("from-env", Some("low"), 1, 2, Some(3)));
 
         let (name, class, path) = (
             CString::new("asked").unwrap(),
@@ -256,22 +253,7 @@ mod tests {
         // SAFETY: as above; the strings live to the end of the test.
         let (socket, t) = unsafe { VramOptions::read(&o).unwrap().over(base()) }.unwrap();
         assert_eq!(socket, Some(PathBuf::from("/tmp/x.sock")));
-        assert_eq!(
-            (
-                t.name.as_str(),
-                t.class.as_deref(),
-                t.guarantee,
-                t.limit,
-                t.gpu
-            ),
-            (
-                "asked",
-                Some("high"),
-                Some(Bytes::mib(5)),
-                Some(Bytes::mib(6)),
-                Some(0)
-            )
-        );
+        assert_eq!(fields(&t), ("asked", Some("high"), 5, 6, Some(0)));
     }
 
     #[test]

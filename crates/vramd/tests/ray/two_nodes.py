@@ -246,19 +246,25 @@ def main():
         def short(i):
             return short_body(i)
 
-        runs = []
-        for i in range(10):
-            r = ray.get(short.options(scheduling_strategy=on(head_node)).remote(i), timeout=120)
-            left = wait_for(lambda: not tenants(HEAD), 1)
-            assert left is not None, f"task {i}'s tenant outlived it: {tenants(HEAD)}"
-            runs.append(r)
-        pids = [r["pid"] for r in runs]
-        names = [r["name"] for r in runs]
-        assert len(set(pids)) < len(pids), f"no worker was reused: {pids}"
-        assert len(set(names)) == 10 and all(n.startswith("ray-task-") for n in names), names
-        for r in runs:
-            assert r["tenants_at_start"] == [(r["name"], 0)], r
-            assert r["mapped_at_start"] == 0 and r["guarantee"] == 256 * MiB and r["limit"] == 512 * MiB, r
+        def ten_in_a_row(call):
+            """Ten calls on the head, one after another, each checked to start alone with
+            nothing and to leave nothing; the runs and the worker pids."""
+            runs = []
+            for i in range(10):
+                r = ray.get(call(i), timeout=120)
+                left = wait_for(lambda: not tenants(HEAD), 1)
+                assert left is not None, f"task {i}'s tenant outlived it: {tenants(HEAD)}"
+                runs.append(r)
+            pids = [r["pid"] for r in runs]
+            names = [r["name"] for r in runs]
+            assert len(set(pids)) < len(pids), f"no worker was reused: {pids}"
+            assert len(set(names)) == 10 and all(n.startswith("ray-task-") for n in names), names
+            for r in runs:
+                assert r["tenants_at_start"] == [(r["name"], 0)], r
+                assert r["mapped_at_start"] == 0 and r["guarantee"] == 256 * MiB and r["limit"] == 512 * MiB, r
+            return runs, pids
+
+        runs, pids = ten_in_a_row(lambda i: short.options(scheduling_strategy=on(head_node)).remote(i))
         say("ok", f"ten tasks on {len(set(pids))} worker process(es), ten tenants, each starting with nothing and alone on the daemon")
 
         # The same with a plain Ray function given options() per call: the worker's tenant, its
@@ -273,20 +279,9 @@ def main():
         plain = ray.remote(plain_short)
         ask = vr.options(memory="256MiB", limit="512MiB")
         start = time.time()
-        runs = []
-        for i in range(10):
-            r = ray.get(plain.options(**ask, scheduling_strategy=on(head_node)).remote(i), timeout=120)
-            left = wait_for(lambda: not tenants(HEAD), 1)
-            assert left is not None, f"plain task {i}'s tenant outlived it: {tenants(HEAD)}"
-            runs.append(r)
+        runs, pids = ten_in_a_row(lambda i: plain.options(**ask, scheduling_strategy=on(head_node)).remote(i))
         took = time.time() - start
-        pids = [r["pid"] for r in runs]
-        names = [r["name"] for r in runs]
-        assert len(set(pids)) < len(pids), f"no worker was reused: {pids}"
-        assert len(set(names)) == 10 and all(n.startswith("ray-task-") for n in names), names
         for r in runs:
-            assert r["tenants_at_start"] == [(r["name"], 0)], r
-            assert r["mapped_at_start"] == 0 and r["guarantee"] == 256 * MiB and r["limit"] == 512 * MiB, r
             assert r["torch"] == ("full", True) and r["preloaded"], r
         say("ok", f"ten plain tasks with options() on {len(set(pids))} worker process(es) in {took:.1f} s: ten tenants, each starting with nothing and alone on the daemon, PyTorch's hook set")
 
