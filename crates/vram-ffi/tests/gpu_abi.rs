@@ -1,17 +1,19 @@
-//! libvram.so's allocator on a real GPU: a daemon on the cuda backend (in process), allocations
+//! libvram.so's allocator on a real GPU: a daemon on the cuda backend (in process, the one
+//! starter's thread mode), allocations
 //! from several threads on two streams, bytes written and read on the device, everything back with
 //! the daemon after a trim. Reported as ignored where the driver finds no GPU (`vram_testing`'s
 //! runner), unless `VRAMD_REQUIRE_GPU=1`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
-use std::time::Duration;
 
 use vram_core::Bytes;
 use vram_device::cuda::CudaDevice;
 use vram_device::{ByteAccess, Device};
-use vramd::config::{Config, PoolConfig};
-use vramd::server::{ServeOptions, Server};
+use vramd::config::Config;
+use vramd::own_daemon::OwnDaemon;
+
+mod common;
 
 /// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {
@@ -23,30 +25,17 @@ const PER_THREAD_STREAM: usize = 2;
 
 fn threads_allocate_write_and_free_on_the_gpu() {
     let Some(dev) = gpu() else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("vramd.sock");
-    let config = Config::default();
     let dev = Arc::new(dev);
     // The tenant's backing holds its device as a `Device` (handles only); the bytes are copied
     // through this one, the same GPU's.
     let copier = dev.clone();
-    let server = Server::bind(ServeOptions {
-        socket: socket.clone(),
-        socket_mode: 0o600,
-        allowed_uids: None,
-        devices: vec![dev as Arc<dyn Device>],
-        policy: Box::new(move |d: &dyn Device| {
-            config.policy(Bytes::gib(64).min(d.info().capacity))
-        }),
-        pool: PoolConfig::default(),
-        reclaim_timeout: Duration::from_millis(250),
-        probe: None,
-        probe_period: Duration::from_secs(1),
-    })
+    let own = OwnDaemon::in_process(
+        tempfile::tempdir().unwrap(),
+        vec![dev as Arc<dyn Device>],
+        &Config::default(),
+    )
     .unwrap();
-    let shutdown = server.shutdown_handle();
-    let daemon = server.daemon().clone();
-    let serving = std::thread::spawn(move || server.run().unwrap());
+    let socket = own.socket().to_path_buf();
     std::env::set_var("VRAMD_SOCKET", &socket);
     std::env::set_var("VRAMD_TENANT", "gpu-abi");
 
@@ -79,19 +68,19 @@ fn threads_allocate_write_and_free_on_the_gpu() {
     let stats = tenant.alloc.stats();
     println!("MEASURED gpu abi stats: {stats:?}");
     assert_eq!(stats.core.held, Bytes::ZERO, "trim left memory held");
-    let held = daemon
-        .status()
-        .tenants
+    // SAFETY: NULL asks the daemon at VRAMD_SOCKET.
+    let status = common::take_json(unsafe { vram::vram_status_json(std::ptr::null()) });
+    let held: u64 = status["tenants"]
+        .as_array()
+        .unwrap()
         .iter()
-        .map(|t| t.held)
-        .sum::<Bytes>();
+        .map(|t| t["held"].as_u64().unwrap())
+        .sum();
     assert_eq!(
-        held,
-        Bytes::ZERO,
-        "the daemon still counts memory for the tenant"
+        held, 0,
+        "the daemon still counts memory for the tenant: {status}"
     );
-    shutdown.trigger();
-    serving.join().unwrap();
+    own.stop().unwrap();
 }
 
 vram_testing::gpu_main! {
