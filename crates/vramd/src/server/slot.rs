@@ -59,19 +59,24 @@ impl State {
         let Some((name, uid)) = self.broker.tenant(id).map(|t| (t.name.clone(), t.uid)) else {
             return Bytes::ZERO;
         };
+        self.keep_for(&name, uid, handles)
+    }
+
+    /// Books `handles` as kept by the tenant `name` of `uid`, connected or not.
+    fn keep_for(&mut self, name: &str, uid: u32, handles: Vec<Handle>) -> Bytes {
         let mut bytes = Bytes::ZERO;
         for handle in handles {
             bytes += handle.size();
             let n = self.next_kept;
             self.next_kept += 1;
             let kept = Kept {
-                name: name.clone(),
+                name: name.to_owned(),
                 uid,
                 handle: Arc::new(handle),
             };
             self.kept.insert(n, kept);
         }
-        self.broker.add_kept(&name, uid, bytes);
+        self.broker.add_kept(name, uid, bytes);
         bytes
     }
 }
@@ -209,7 +214,7 @@ impl Slot {
         }
         let mut s = self.lock();
         for (name, uid, handle) in found {
-            let bytes = handle.size();
+            let bytes = s.keep_for(&name, uid, vec![handle]);
             tracing::info!(
                 gpu = self.index,
                 owner = %name,
@@ -217,17 +222,6 @@ impl Slot {
                 "a freed shared-buffer version is still reached by some process: it stays \
                  booked to the buffer's owner until it is gone"
             );
-            let n = s.next_kept;
-            s.next_kept += 1;
-            s.kept.insert(
-                n,
-                Kept {
-                    name: name.clone(),
-                    uid,
-                    handle: Arc::new(handle),
-                },
-            );
-            s.broker.add_kept(&name, uid, bytes);
         }
         self.pool.set_room(s.broker.free());
     }
