@@ -25,19 +25,7 @@ use libtest_mimic::{Arguments, Trial};
 /// One test: its name (the function's) and its body.
 pub type Test = (&'static str, fn());
 
-/// Why the GPU tests cannot run here, or `None` where the driver finds a GPU.
-pub fn no_gpu() -> Option<String> {
-    match vram_device::cuda::probe() {
-        Ok(found) if found.is_empty() => Some("the driver sees no GPU".to_owned()),
-        Ok(_) => None,
-        Err(e) => Some(e.to_string()),
-    }
-}
-
-/// Whether a missing GPU must fail the tests (`VRAMD_REQUIRE_GPU=1`).
-pub fn gpu_required() -> bool {
-    std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1")
-}
+pub use vram_device::cuda::testing::{gpu_required, no_gpu};
 
 /// Runs `tests` (ignored where there is no GPU, unless one is required) and `children` (always
 /// ignored: run only when named with `--ignored`), with the process's arguments.

@@ -3,20 +3,33 @@
 
 use super::{probe, CudaDevice};
 
+/// Why the GPU tests cannot run here, or `None` where the driver finds a GPU.
+pub fn no_gpu() -> Option<String> {
+    match probe() {
+        Ok(found) if found.is_empty() => Some("the driver sees no GPU".to_owned()),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// Whether a missing GPU must fail the tests (`VRAMD_REQUIRE_GPU=1`).
+pub fn gpu_required() -> bool {
+    std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1")
+}
+
 /// The GPU named by `which` (ordinal or UUID), or `None` after printing why there is none.
 ///
 /// # Panics
 /// Where there is no usable GPU and `VRAMD_REQUIRE_GPU=1` is set.
 pub fn gpu_or_skip(which: &str) -> Option<CudaDevice> {
-    let reason = match probe() {
-        Ok(found) if found.is_empty() => "the driver sees no GPU".to_owned(),
-        Ok(_) => match CudaDevice::open(which) {
+    let reason = match no_gpu() {
+        Some(reason) => reason,
+        None => match CudaDevice::open(which) {
             Ok(dev) => return Some(dev),
             Err(e) => e.to_string(),
         },
-        Err(e) => e.to_string(),
     };
-    if std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1") {
+    if gpu_required() {
         panic!("no GPU: {reason} (VRAMD_REQUIRE_GPU=1)");
     }
     println!("skipping: no GPU: {reason}");
