@@ -181,7 +181,7 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// Whether some process still reaches `handle`'s memory through a descriptor this device
     /// exported (kept open, passed on, or mapped): `Some(true)` while one does, `Some(false)` once
     /// none does, `None` where the backend cannot tell. The daemon asks before it counts a
-    /// returned handle as free. The host backend answers from the kernel (see `host.rs`); the
+    /// returned handle as free. The host backend answers from the kernel (see `host/mod.rs`); the
     /// cuda backend cannot see another process's imports and answers `None`.
     fn reached_elsewhere(&self, handle: &Handle) -> Option<bool> {
         let _ = handle;
