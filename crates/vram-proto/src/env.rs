@@ -30,6 +30,11 @@ pub const ALLOC: &str = "VRAMD_ALLOC";
 pub const TORCH_MODE: &str = "VRAMD_TORCH_MODE";
 /// Where libvram.so is (default: beside the `vramd` executable).
 pub const LIB: &str = "VRAMD_LIB";
+/// `1`: the tenant's allocator times every call that passes its thread caches (a diagnostic).
+pub const TIME_CORE: &str = "VRAMD_TIME_CORE";
+/// Where `vramd_torch` keeps the small C++ shim it builds for full mode's out-of-memory errors
+/// (default `~/.cache/vramd_torch`).
+pub const TORCH_CACHE: &str = "VRAMD_TORCH_CACHE";
 
 /// Names no longer read, each with the variable that sets what it set. A tenant whose environment
 /// has one is refused at start, told the name to set instead (`check_renamed`, called by
@@ -53,7 +58,7 @@ pub fn check_renamed() -> Result<(), String> {
 }
 
 /// Every variable above, for documentation and checks.
-pub const ALL: [Variable; 10] = [
+pub const ALL: [Variable; 12] = [
     Variable {
         name: SOCKET,
         sets: "the daemon's socket",
@@ -93,6 +98,14 @@ pub const ALL: [Variable; 10] = [
     Variable {
         name: LIB,
         sets: "where libvram.so is",
+    },
+    Variable {
+        name: TIME_CORE,
+        sets: "whether the allocator times its calls",
+    },
+    Variable {
+        name: TORCH_CACHE,
+        sets: "where vramd_torch keeps the shim it builds",
     },
 ];
 

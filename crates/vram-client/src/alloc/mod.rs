@@ -256,7 +256,7 @@ impl<S: HandleSource> CachingAllocator<S> {
             caches: ThreadCaches::default(),
             events,
             limit: AtomicU64::new(u64::MAX),
-            timed: std::env::var_os("VRAMD_TIME_CORE").is_some_and(|v| v == "1"),
+            timed: std::env::var_os(vram_proto::env::TIME_CORE).is_some_and(|v| v == "1"),
             core_ops: AtomicU64::new(0),
             core_ns: AtomicU64::new(0),
         }
