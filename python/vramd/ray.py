@@ -162,15 +162,21 @@ def become_tenant(name=None, memory=None, limit=None, priority=None, gpu=None, t
 
 
 def end_tenant(tenant):
-    """Ends a tenant from `become_tenant`: what the program dropped is collected first (and
-    PyTorch's idle cache emptied, when vramd's allocator is installed), then everything goes back
-    to the daemon. VramdError, the tenant left as it is, while memory is still allocated."""
+    """Ends a tenant from `become_tenant`: what the program dropped is collected first (and,
+    when vramd's allocator is installed, PyTorch's cuBLAS workspaces and idle cache let go of:
+    a task's matmul leaves a workspace allocated per stream, which the next task would otherwise
+    find held by this tenant), then everything goes back to the daemon. VramdError, the tenant
+    left as it is, while memory is still allocated."""
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None:
         import vramd_torch
 
         if vramd_torch.installed():
+            torch.cuda.synchronize()
+            clear = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
             torch.cuda.empty_cache()
     tenant.close()
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: every GPU test, the CUDA read-only and kept-import measurements with their
 # figures printed, a Ray worker's tenant setup with real PyTorch (scripts/h200/become_tenant.py,
-# without Ray, whose wheel is too large to carry), and GPT-2 / Llama-style training in full mode
+# without Ray; ray_gpu.sh runs it under Ray), and GPT-2 / Llama-style training in full mode
 # with and without the daemon's ready pool beside expandable segments (hf_training.py), and
 # PyTorch's compatibility checks in both modes. About 9 minutes; HF=0 leaves the training out,
 # COMPAT=0 the compatibility checks.

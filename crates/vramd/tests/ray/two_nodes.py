@@ -296,7 +296,6 @@ def main():
             import torch
             import vramd_torch
 
-            torch.cuda.empty_cache = lambda: None  # the stand-in keeps no cache to empty
             return vramd_torch.installed(), torch.cuda.mem_get_info(), vramd_torch._lib.lib().vram_interposing()
 
         mode, (free, total), interposing = ray.get(with_torch.options(scheduling_strategy=on(head_node)).remote(), timeout=120)
