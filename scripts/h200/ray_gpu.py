@@ -32,7 +32,6 @@ import math
 import os
 import shutil
 import signal
-import socket as socketlib
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,10 @@ import time
 
 import vramd
 import vramd.ray as vr
+
+# The helpers the Ray checks share, beside the CI's Ray test.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "crates", "vramd", "tests", "ray"))
+from cluster import free_port, held, pids_in_sessions, tenants, wait_for  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 T0 = time.time()
@@ -220,30 +223,6 @@ def noop_task():
 # ---- the driver's side ---------------------------------------------------------------------------
 
 
-def tenants(sock):
-    return {t["name"]: t for t in vramd.status(sock)["tenants"]}
-
-
-def held(sock):
-    return sum(d["held"] for d in vramd.status(sock)["devices"])
-
-
-def wait_for(cond, limit_s, step=0.005):
-    """Seconds until `cond()` held, or None after `limit_s`."""
-    start = time.time()
-    while time.time() - start < limit_s:
-        if cond():
-            return time.time() - start
-        time.sleep(step)
-    return None
-
-
-def free_port():
-    with socketlib.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Head:
     """`ray start --head --block` in a session of its own; stopped by killing every process of
     that session by id (as crates/vramd/tests/ray/cluster.py does), never by name."""
@@ -290,7 +269,7 @@ class Head:
     def stop(self):
         sid = self.proc.pid
         for _ in range(20):
-            pids = [p for p in _pids() if _sid(p) == sid]
+            pids = pids_in_sessions({sid})
             if not pids:
                 return True
             for p in pids:
@@ -305,18 +284,6 @@ class Head:
             time.sleep(0.2)
         print("warning: Ray processes left running", file=sys.stderr)
         return False
-
-
-def _pids():
-    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
-
-
-def _sid(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[3])
-    except (OSError, IndexError, ValueError):
-        return None
 
 
 def keep_logs(tmp, dest):

@@ -1,7 +1,9 @@
 """A Ray cluster of two nodes on loopback for tests: a head and a worker raylet, each started
 through deploy/ray/ray-node.sh (`ray start` with the resources its daemon reports) in a session
 of its own, with the environment given for it (its own daemon's socket), and stopped by killing
-every process of those sessions."""
+every process of those sessions. Also the helpers the Ray checks share (tests/ray/two_nodes.py and
+scripts/h200/ray_gpu.py): a daemon's tenants and held memory, waiting for a condition, the
+processes of a session."""
 
 import os
 import signal
@@ -73,7 +75,7 @@ class Cluster:
         """Kills every process of the nodes' sessions (raylets, GCS, workers), by process id."""
         sessions = {p.pid for _, p in self.nodes}
         for _ in range(20):
-            pids = [pid for pid in _pids() if _sid(pid) in sessions]
+            pids = pids_in_sessions(sessions)
             if not pids:
                 return
             for pid in pids:
@@ -91,6 +93,11 @@ class Cluster:
         print("warning: Ray processes left running", file=sys.stderr)
 
 
+def pids_in_sessions(sessions):
+    """The processes whose session id is one of `sessions`."""
+    return [pid for pid in _pids() if _sid(pid) in sessions]
+
+
 def _pids():
     return [int(d) for d in os.listdir("/proc") if d.isdigit()]
 
@@ -102,3 +109,27 @@ def _sid(pid):
             return int(f.read().rsplit(")", 1)[1].split()[3])
     except (OSError, IndexError, ValueError):
         return None
+
+
+def tenants(sock):
+    """The tenants the daemon at `sock` lists, by name."""
+    import vramd
+
+    return {t["name"]: t for t in vramd.status(sock)["tenants"]}
+
+
+def held(sock):
+    """What the daemon at `sock` holds for tenants, over its devices."""
+    import vramd
+
+    return sum(d["held"] for d in vramd.status(sock)["devices"])
+
+
+def wait_for(cond, limit_s, step=0.005):
+    """Seconds until `cond()` held, or None after `limit_s`."""
+    start = time.time()
+    while time.time() - start < limit_s:
+        if cond():
+            return time.time() - start
+        time.sleep(step)
+    return None

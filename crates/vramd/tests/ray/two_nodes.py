@@ -13,7 +13,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster import Cluster  # noqa: E402
+from cluster import Cluster, held, tenants, wait_for  # noqa: E402
 
 import vramd  # noqa: E402
 import vramd.ray as vr  # noqa: E402
@@ -49,24 +49,6 @@ def printed():
 
 def say(kind, msg):
     print(f"{kind}: {msg} [{time.time() - T0:.1f} s]", flush=True)
-
-
-def tenants(sock):
-    return {t["name"]: t for t in vramd.status(sock)["tenants"]}
-
-
-def held(sock):
-    return sum(d["held"] for d in vramd.status(sock)["devices"])
-
-
-def wait_for(cond, limit_s, step=0.005):
-    """Seconds until `cond()` held, or None after `limit_s`."""
-    start = time.time()
-    while time.time() - start < limit_s:
-        if cond():
-            return time.time() - start
-        time.sleep(step)
-    return None
 
 
 def expect_error(ref, ray, *words, limit_s=60):
