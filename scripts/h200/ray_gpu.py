@@ -401,25 +401,20 @@ def main():
 
         # --- ray.kill and SIGKILL --------------------------------------------------------------
         seen = tenants(sock)
-        before = held(sock)
-        ray.kill(a)
-        t_name, t_mem = gone_times(sock, names[0], before, seen[names[0]]["held"])
-        assert t_name is not None and t_mem is not None, (t_name, t_mem, tenants(sock))
-        say("measured", f"ray.kill: tenant gone from the daemon in {t_name * 1000:.0f} ms, its "
-            f"{gib(seen[names[0]]['held'])} back in {t_mem * 1000:.0f} ms")
-        before = held(sock)
-        os.kill(views[2]["pid"], signal.SIGKILL)
-        t_name, t_mem = gone_times(sock, names[2], before, seen[names[2]]["held"])
-        assert t_name is not None and t_mem is not None, (t_name, t_mem, tenants(sock))
-        say("measured", f"SIGKILL of the plain actor's worker: tenant gone in {t_name * 1000:.0f} ms, "
-            f"its {gib(seen[names[2]]['held'])} back in {t_mem * 1000:.0f} ms")
+
+        def end_of(i, kill, what):
+            """Ends actor i by `kill` and says how soon the daemon let go of its tenant."""
+            before = held(sock)
+            kill()
+            t_name, t_mem = gone_times(sock, names[i], before, seen[names[i]]["held"])
+            assert t_name is not None and t_mem is not None, (t_name, t_mem, tenants(sock))
+            say("measured", f"{what}: tenant gone from the daemon in {t_name * 1000:.0f} ms, its "
+                f"{gib(seen[names[i]]['held'])} back in {t_mem * 1000:.0f} ms")
+
+        end_of(0, lambda: ray.kill(a), "ray.kill")
+        end_of(2, lambda: os.kill(views[2]["pid"], signal.SIGKILL), "SIGKILL of the plain actor's worker")
         assert ray.get(b.intact.remote(), timeout=60), "the survivor's blocks changed"
-        before = held(sock)
-        ray.kill(b)
-        t_name, t_mem = gone_times(sock, names[1], before, seen[names[1]]["held"])
-        assert t_name is not None and t_mem is not None, (t_name, t_mem, tenants(sock))
-        say("measured", f"ray.kill of the last: tenant gone in {t_name * 1000:.0f} ms, memory back in "
-            f"{t_mem * 1000:.0f} ms")
+        end_of(1, lambda: ray.kill(b), "ray.kill of the last")
         assert wait_for(lambda: not tenants(sock) and held(sock) == 0, 10) is not None, tenants(sock)
         say("ok", "all three actors gone: the daemon holds nothing")
 
