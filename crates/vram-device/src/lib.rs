@@ -292,6 +292,15 @@ impl RawHandle {
             RawHandle::Cuda(_) => BackendKind::Cuda,
         }
     }
+
+    /// The error for this handle given to a device of backend `expected`.
+    fn not_of(&self, expected: BackendKind) -> DeviceError {
+        DeviceError::WrongBackend {
+            what: "handle",
+            expected,
+            found: self.kind(),
+        }
+    }
 }
 
 impl Handle {
@@ -423,6 +432,30 @@ impl Reservation {
         check_aligned("offset", offset, granularity)?;
         check_size("length", len, granularity)?;
         self.check_range(offset, len)
+    }
+
+    /// Checks a map of a handle of `size` at `offset` in a `kind` reservation: whole granules,
+    /// inside it, and nothing mapped there. Returns the mapping table locked for writing, so
+    /// that the caller maps and records the mapping before anyone else can map there.
+    fn check_map(
+        &self,
+        kind: BackendKind,
+        offset: Bytes,
+        size: Bytes,
+        granularity: Bytes,
+    ) -> Result<RwLockWriteGuard<'_, Mappings>> {
+        check_kind("reservation", kind, self.kind())?;
+        check_aligned("offset", offset, granularity)?;
+        if self.check_range(offset, size).is_err() {
+            return Err(DeviceError::HandleDoesNotFit {
+                handle: size,
+                offset,
+                size: self.size,
+            });
+        }
+        let mappings = self.mappings_mut();
+        mappings.check_free(offset.get(), size.get())?;
+        Ok(mappings)
     }
 
     /// Checks a copy of `len` bytes at `offset` into a `kind` reservation; returns its address.

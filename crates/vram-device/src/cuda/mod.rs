@@ -31,8 +31,8 @@ use vram_core::shared::Checksummer;
 use vram_core::Bytes;
 
 use crate::{
-    check_aligned, check_kind, check_size, checksum_by_reading, Access, BackendKind, Backing,
-    ByteAccess, Device, DeviceError, DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
+    check_size, checksum_by_reading, Access, BackendKind, Backing, ByteAccess, Device, DeviceError,
+    DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
 };
 use driver::{check, log_failure, Context};
 pub(crate) use driver::{Allocation, VaRange};
@@ -266,11 +266,7 @@ impl<M: ContextMode> Gpu<M> {
                 expected: BackendKind::Cuda,
                 found: BackendKind::Cuda,
             }),
-            other => Err(DeviceError::WrongBackend {
-                what: "handle",
-                expected: BackendKind::Cuda,
-                found: other.kind(),
-            }),
+            other => Err(other.not_of(BackendKind::Cuda)),
         }
     }
 
@@ -434,17 +430,8 @@ impl<M: ContextMode> Device for Gpu<M> {
 
     fn map(&self, res: &Reservation, offset: Bytes, handle: &Handle, access: Access) -> Result<()> {
         let a = self.allocation(handle)?;
-        check_kind("reservation", BackendKind::Cuda, res.kind())?;
-        check_aligned("offset", offset, self.granularity())?;
-        if res.check_range(offset, handle.size).is_err() {
-            return Err(DeviceError::HandleDoesNotFit {
-                handle: handle.size,
-                offset,
-                size: res.size,
-            });
-        }
-        let mut mappings = res.mappings_mut();
-        mappings.check_free(offset.get(), handle.size.get())?;
+        let mut mappings =
+            res.check_map(BackendKind::Cuda, offset, handle.size, self.granularity())?;
         let ptr = res.addr(offset) as u64;
         let len = handle.size.get();
         let _entered = self.ctx.enter()?;

@@ -32,8 +32,8 @@ use rustix::mm::{MapFlags, MprotectFlags, ProtFlags};
 use vram_core::Bytes;
 
 use crate::{
-    check_aligned, check_kind, check_size, Access, BackendKind, Backing, ByteAccess, Device,
-    DeviceError, DeviceInfo, Handle, RawHandle, Reservation, Result, Usage,
+    check_size, Access, BackendKind, Backing, ByteAccess, Device, DeviceError, DeviceInfo, Handle,
+    RawHandle, Reservation, Result, Usage,
 };
 
 /// Handle size and mapping unit when none is configured: the same as a GPU's.
@@ -96,11 +96,7 @@ impl HostDevice {
     fn memfd<'h>(&self, handle: &'h Handle) -> Result<&'h OwnedFd> {
         match &handle.raw {
             RawHandle::Host(Memfd(fd)) => Ok(fd),
-            other => Err(DeviceError::WrongBackend {
-                what: "handle",
-                expected: BackendKind::Host,
-                found: other.kind(),
-            }),
+            other => Err(other.not_of(BackendKind::Host)),
         }
     }
 
@@ -253,17 +249,8 @@ impl Device for HostDevice {
 
     fn map(&self, res: &Reservation, offset: Bytes, handle: &Handle, access: Access) -> Result<()> {
         let fd = self.memfd(handle)?;
-        check_kind("reservation", BackendKind::Host, res.kind())?;
-        check_aligned("offset", offset, self.granularity())?;
-        if res.check_range(offset, handle.size).is_err() {
-            return Err(DeviceError::HandleDoesNotFit {
-                handle: handle.size,
-                offset,
-                size: res.size,
-            });
-        }
-        let mut mappings = res.mappings_mut();
-        mappings.check_free(offset.get(), handle.size.get())?;
+        let mut mappings =
+            res.check_map(BackendKind::Host, offset, handle.size, self.granularity())?;
         // SAFETY: the range lies inside `res`, which this process reserved and still owns, and no
         // mapping is there (checked above under the write lock, which also keeps copies out), so
         // MAP_FIXED replaces only our own PROT_NONE placeholder. The memfd is sealed at exactly
