@@ -166,7 +166,8 @@ def end_tenant(tenant):
     when vramd's allocator is installed, PyTorch's cuBLAS workspaces and idle cache let go of:
     a task's matmul leaves a workspace allocated per stream, which the next task would otherwise
     find held by this tenant), then everything goes back to the daemon. VramdError, the tenant
-    left as it is, while memory is still allocated."""
+    left as it is, while memory is still allocated: with libvram.so preloaded that includes what
+    libraries took with cudaMalloc for the life of the process (cuBLAS's own buffers, docs/ray.md)."""
     gc.collect()
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -481,6 +481,17 @@ def main():
                     if n in left:
                         os.kill(t["pid"], signal.SIGKILL)
             wait_for(lambda: not tenants(sock) and held(sock) == 0, 10)
+            # The same without libvram.so preloaded: cuBLAS's own cudaMalloc is then the
+            # process's outside use, not the tenant's allocations (docs/ray.md).
+            bare = ray.remote(matmul_task).options(
+                **vr.options(memory="1GiB", limit="2GiB", max_retries=0, preload=False))
+            try:
+                pid, _ = ray.get(bare.remote(), timeout=120)
+                say("measured", f"the same task with preload=False ended cleanly (worker {pid})")
+            except Exception as e:
+                line = [x for x in str(e).splitlines() if "vramd" in x][-1:] or [str(e)[:200]]
+                say("measured", f"the same task with preload=False could not end: {line[0][:300]}")
+            wait_for(lambda: not tenants(sock) and held(sock) == 0, 10)
 
         # --- the end ---------------------------------------------------------------------------
         empty = wait_for(lambda: not tenants(sock) and held(sock) == 0, 10)
