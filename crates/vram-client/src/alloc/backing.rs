@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
-use vram_core::alloc::{Backing, GrantId, Refused};
+use vram_core::alloc::{Backing, BackingCounts, CallCost, GrantId, Refused};
+use vram_core::replay::CostModel;
 use vram_core::Bytes;
 use vram_device::{Access, Device, Handle, Reservation};
 
@@ -187,6 +188,11 @@ pub struct MappedBacking<S> {
     spent: CallTimes,
     /// How long each take lasted, in order.
     takes: Vec<Duration>,
+    /// Handles taken, mapped, unmapped and given back, and the bytes of those taken and mapped.
+    counts: BackingCounts,
+    /// A cost model that prices the calls in place of their measured time (a replay on a
+    /// device that is not the one it stands for).
+    pricing: Option<CostModel>,
 }
 
 impl<S: HandleSource> MappedBacking<S> {
@@ -204,7 +210,18 @@ impl<S: HandleSource> MappedBacking<S> {
             next: 1,
             spent: CallTimes::default(),
             takes: Vec::new(),
+            counts: BackingCounts::default(),
+            pricing: None,
         })
+    }
+
+    /// The same backing with its calls priced by `costs` for the allocator's driver-time budget
+    /// ([`Backing::cost`]) instead of measured: a replay on the host backend stands for a GPU.
+    pub fn priced(self, costs: CostModel) -> Self {
+        MappedBacking {
+            pricing: Some(costs),
+            ..self
+        }
     }
 
     /// Returns once every handle given back is back with the source (see
@@ -260,6 +277,9 @@ impl<S: HandleSource> MappedBacking<S> {
 impl<S: HandleSource> Backing for MappedBacking<S> {
     fn grant(&mut self, sizes: &[Bytes]) -> Result<Vec<GrantId>, Refused> {
         let taken = self.timed(Call::Take, |b| b.source.take(sizes))?;
+        self.counts.grant_requests += 1;
+        self.counts.grants += taken.len() as u64;
+        self.counts.granted_bytes += sizes.iter().map(|b| b.get()).sum::<u64>();
         Ok(taken
             .into_iter()
             .map(|(handle, ticket)| {
@@ -280,7 +300,10 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
                     bytes: handle.size(),
                     reason: e.to_string(),
                 })
-        })
+        })?;
+        self.counts.maps += 1;
+        self.counts.mapped_bytes += self.handles[&grant].0.size().get();
+        Ok(())
     }
 
     fn unmap(&mut self, grant: GrantId, va: u64) {
@@ -288,6 +311,7 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         if let Err(e) = self.timed(Call::Unmap, |b| b.device.unmap(&b.res, Bytes(va), size)) {
             tracing::error!("unmapping {size} at offset {va:#x} failed: {e}");
         }
+        self.counts.unmaps += 1;
     }
 
     fn release(&mut self, grants: &[GrantId]) {
@@ -298,10 +322,39 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         if taken.is_empty() {
             return;
         }
+        self.counts.releases += taken.len() as u64;
         self.timed(Call::Release, |b| {
             let tickets: Vec<u64> = taken.iter().map(|t| t.1).collect();
             drop(taken);
             b.source.give(&tickets);
         });
+    }
+
+    /// Priced by the cost model when one is set; else the measured time, a handle's life being
+    /// the mean time per handle of each kind of call so far (a take's round trip counted in
+    /// its handles), and nothing until the first grant.
+    fn cost(&self) -> Option<CallCost> {
+        if let Some(model) = self.pricing {
+            return Some(model.call_cost(&self.counts));
+        }
+        let c = &self.counts;
+        if c.grants == 0 {
+            return None;
+        }
+        let per = |d: Duration, n: u64| {
+            if n == 0 {
+                0.0
+            } else {
+                d.as_secs_f64() * 1e6 / n as f64
+            }
+        };
+        Some(CallCost {
+            spent_us: self.spent.total().as_secs_f64() * 1e6,
+            request_us: 0.0,
+            handle_us: per(self.spent.take, c.grants)
+                + per(self.spent.map, c.maps)
+                + per(self.spent.unmap, c.unmaps)
+                + per(self.spent.release, c.releases),
+        })
     }
 }

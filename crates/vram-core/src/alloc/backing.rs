@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use crate::replay::CostModel;
 use crate::Bytes;
 
 /// One physical handle granted by the daemon (its size a multiple of the granularity).
@@ -30,6 +31,20 @@ pub trait Backing {
     fn unmap(&mut self, grant: GrantId, va: u64);
     /// Gives the (unmapped) handles back to the daemon, in one request.
     fn release(&mut self, grants: &[GrantId]);
+    /// What the calls have cost so far and what they cost each ([`CallCost`]), or `None` when the
+    /// backing cannot tell yet; the allocator weighs it against its driver-time budget.
+    fn cost(&self) -> Option<CallCost>;
+}
+
+/// A backing's calls in time: measured on a device, or priced by a cost model in a replay.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CallCost {
+    /// Microseconds spent in the backing's calls so far.
+    pub spent_us: f64,
+    /// One grant request, whatever it brings.
+    pub request_us: f64,
+    /// One handle over its life: granted, mapped, unmapped and given back.
+    pub handle_us: f64,
 }
 
 /// Counts of the calls a backing received.
@@ -72,11 +87,21 @@ pub struct ModelBacking {
     held: u64,
     peak_held: u64,
     counts: BackingCounts,
+    pricing: Option<CostModel>,
 }
 
 impl ModelBacking {
+    /// A backing whose calls cost nothing: [`Backing::cost`] is `None`.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A backing whose calls are priced by `costs` (what a replay's allocator is given).
+    pub fn priced(costs: CostModel) -> Self {
+        Self {
+            pricing: Some(costs),
+            ..Self::default()
+        }
     }
 
     /// A backing that refuses grants that would take it past `capacity`.
@@ -185,5 +210,9 @@ impl Backing for ModelBacking {
             self.held -= len;
             self.counts.releases += 1;
         }
+    }
+
+    fn cost(&self) -> Option<CallCost> {
+        self.pricing.map(|m| m.call_cost(&self.counts))
     }
 }

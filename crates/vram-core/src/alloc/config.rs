@@ -22,8 +22,13 @@ pub struct AllocConfig {
     pub min_grow: Bytes,
     /// Setting: the largest handle (the unit memory is taken from the daemon, moved and given
     /// back in). A handle goes back only whole, so the free memory a live block strands beside it
-    /// is at most a handle; smaller handles strand less and cost a driver call each.
+    /// is at most a handle; smaller handles strand less and cost driver calls each. Grants are
+    /// cut into handles between a quarter of it and all of it, as `driver_budget` affords.
     pub max_handle: Bytes,
+    /// Setting: the share of the program's time the allocator may spend in the calls that grant,
+    /// map and give back memory (measured on a device, priced by the cost model in a replay).
+    /// Time left under it buys smaller handles, which strand less free memory.
+    pub driver_budget: f64,
     /// Setting: how far memory held may run above the peak in use (a fraction of that peak) while
     /// growth takes new memory; beyond it, growth reuses wholly free memory from elsewhere first.
     /// This bounds the free memory kept cached while the program grows.
@@ -44,6 +49,7 @@ impl Default for AllocConfig {
             align: Bytes(512),
             min_grow: Bytes::mib(2),
             max_handle: Bytes::mib(64),
+            driver_budget: 0.01,
             grow_slack: 0.01,
             keep_fraction: 0.0625,
             release_delay_us: 10_000_000,
@@ -86,6 +92,11 @@ impl AllocConfig {
                     "`{setting}`: {name} must be a fraction of at least 0"
                 ));
             }
+        }
+        if !(0.0..=1.0).contains(&changed.driver_budget) {
+            return Err(format!(
+                "`{setting}`: driver_budget must be a share of time from 0 to 1 (0.01 is 1 %)"
+            ));
         }
         *self = AllocConfig {
             granularity: self.granularity,

@@ -22,10 +22,11 @@
 //! the count of handles (a driver call each) low.
 
 use super::backing::{Backing, GrantId, Refused};
+use super::budget;
 use super::heap::{Mapped, Site};
 use super::placement::HeapKind;
 use super::stream::StreamId;
-use super::{AllocConfig, AllocError, Allocator};
+use super::{AllocError, Allocator};
 use crate::Bytes;
 
 /// How much a growth adds: its usual step, or only what the block needs (after the usual step
@@ -225,9 +226,19 @@ impl<B: Backing> Allocator<B> {
         out
     }
 
-    /// Grants `bytes` as the handles of [`split_grant`], in one request.
+    /// Grants `bytes` in one request, as the handles of [`split_grant`] with the largest handle
+    /// the driver-time budget affords ([`budget::handle_size`]).
     fn grant(&mut self, bytes: u64, wanted: u64) -> Result<Vec<Mapped>, AllocError> {
-        let sizes: Vec<Bytes> = split_grant(bytes, &self.config)
+        let gran = self.config.granularity.get();
+        let max = budget::handle_size(
+            bytes,
+            self.backing.cost(),
+            self.config.driver_budget,
+            self.clock.elapsed_us(),
+            self.config.max_handle.get(),
+            gran,
+        );
+        let sizes: Vec<Bytes> = split_grant(bytes, max, gran)
             .into_iter()
             .map(Bytes)
             .collect();
@@ -264,13 +275,12 @@ impl<B: Backing> Allocator<B> {
     }
 }
 
-/// The handle sizes, in address order, that a grant of `bytes` (a multiple of the granularity)
-/// is split into: one handle up to `max_handle`; above it, handles of a quarter of `max_handle`,
-/// twice that, and so on from both ends toward the middle, and the middle in handles of
-/// `max_handle` at most.
-pub(super) fn split_grant(bytes: u64, config: &AllocConfig) -> Vec<u64> {
-    let gran = config.granularity.get();
-    let max = (config.max_handle.get() / gran * gran).max(gran);
+/// The handle sizes, in address order, that a grant of `bytes` (a multiple of the granularity
+/// `gran`) is split into: one handle up to `max_handle`; above it, handles of a quarter of
+/// `max_handle`, twice that, and so on from both ends toward the middle, and the middle in
+/// handles of `max_handle` at most.
+pub(super) fn split_grant(bytes: u64, max_handle: u64, gran: u64) -> Vec<u64> {
+    let max = (max_handle / gran * gran).max(gran);
     let mut ends = Vec::new();
     let mut left = bytes;
     if bytes > max {

@@ -24,6 +24,7 @@
 //! after every block is freed, its fences completed and `trim` ran, every handle is returned.
 
 mod backing;
+mod budget;
 mod config;
 mod fences;
 mod freelist;
@@ -39,7 +40,7 @@ mod tests;
 
 use std::collections::HashMap;
 
-pub use backing::{Backing, BackingCounts, GrantId, ModelBacking, Refused};
+pub use backing::{Backing, BackingCounts, CallCost, GrantId, ModelBacking, Refused};
 pub use config::AllocConfig;
 pub use fences::{MIXED_WINDOW, POLL_EVERY, SEAL_EVERY};
 pub use layout::{BlockState, Segment, SegmentBlock};
@@ -47,6 +48,7 @@ pub use placement::SMALL_LIMIT;
 pub use stats::AllocStats;
 pub use stream::{AlwaysComplete, Fence, Fences, StreamId};
 
+use budget::Clock;
 use fences::Fencing;
 use freelist::Owner;
 use growth::Climb;
@@ -99,6 +101,7 @@ pub struct Allocator<B> {
     fencing: Fencing,
     release: Release,
     climb: Climb,
+    clock: Clock,
 }
 
 impl<B: Backing> Allocator<B> {
@@ -118,6 +121,7 @@ impl<B: Backing> Allocator<B> {
             fencing: Fencing::default(),
             release: Release::default(),
             climb: Climb::default(),
+            clock: Clock::default(),
             config,
         }
     }
@@ -277,8 +281,10 @@ impl<B: Backing> Allocator<B> {
 
     /// Lets time pass (`now_us`, allocator time): returns wholly free memory above the recent peak
     /// of allocated bytes plus headroom, once it has stayed above it for `release_delay_us`.
-    /// Returns the bytes given back.
+    /// Returns the bytes given back. The time since the first tick is what the driver-time
+    /// budget is a share of.
     pub fn tick<F: Fences + ?Sized>(&mut self, now_us: u64, fences: &F) -> Bytes {
+        self.clock.observe(now_us);
         // A program that stopped allocating leaves its last deferred frees unfenced: fence them
         // now, so that their memory can go back. Only when idle since the last tick: a tick runs
         // on a background thread, and a busy program may be capturing a graph on another.

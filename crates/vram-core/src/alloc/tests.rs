@@ -879,7 +879,9 @@ fn settings_are_set_from_text_and_unknown_ones_and_device_facts_refused() {
 fn large_grants_have_small_handles_at_both_ends_and_large_ones_in_the_middle() {
     let mib = |n: u64| n << 20;
     let c = AllocConfig::default();
-    let split = |bytes: u64| super::growth::split_grant(mib(bytes), &c);
+    let split = |bytes: u64| {
+        super::growth::split_grant(mib(bytes), c.max_handle.get(), c.granularity.get())
+    };
     // Up to max_handle (64 MiB): one handle.
     assert_eq!(split(8), vec![mib(8)]);
     assert_eq!(split(64), vec![mib(64)]);
@@ -954,4 +956,26 @@ fn a_small_tenant_wastes_no_more_than_a_large_one() {
     eprintln!("fragmentation: large {large:.4}, small {small:.4}");
     assert!(large < 0.05, "{large}");
     assert!(small <= large + 0.01, "small {small} against large {large}");
+}
+
+#[test]
+fn time_left_under_the_driver_budget_buys_smaller_handles() {
+    let f = AlwaysComplete;
+    let largest_handle = |backing: ModelBacking, elapsed_us: u64| {
+        let mut a = Allocator::new(AllocConfig::default(), backing);
+        a.tick(0, &f);
+        a.tick(elapsed_us, &f);
+        a.alloc(Bytes::mib(1024), StreamId(0), &f).unwrap();
+        a.handles().iter().map(|&(_, len)| len).max().unwrap()
+    };
+    let priced = || ModelBacking::priced(crate::replay::CostModel::H200_MEASURED);
+    // No time has passed: nothing is left under the budget, so handles are `max_handle`.
+    assert_eq!(largest_handle(priced(), 0), Bytes::mib(64).get());
+    // 10 s at 1 % pays for about a thousand handles: 1 GiB in the smallest, a quarter of it.
+    assert_eq!(largest_handle(priced(), 10_000_000), Bytes::mib(16).get());
+    // A backing that cannot tell what its calls cost gets `max_handle`.
+    assert_eq!(
+        largest_handle(ModelBacking::new(), 10_000_000),
+        Bytes::mib(64).get()
+    );
 }

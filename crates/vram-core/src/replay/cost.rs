@@ -1,6 +1,6 @@
 //! What the driver calls an allocator made would cost on an H200.
 
-use crate::alloc::BackingCounts;
+use crate::alloc::{BackingCounts, CallCost};
 
 /// Per-call costs in microseconds. A grant request is one daemon round trip, whatever the number of
 /// handles it brings, and each handle is then imported (creating and exporting it is the daemon's,
@@ -42,6 +42,20 @@ impl CostModel {
         set_access_per_mib_us: 0.028,
         ..Self::DESIGN_TABLE
     };
+
+    /// One handle over its life: imported, mapped with its access set, unmapped and released.
+    pub fn handle_life_us(&self) -> f64 {
+        self.import_us + self.map_us + self.set_access_per_map_us + self.unmap_us + self.release_us
+    }
+
+    /// The calls in `c` as an allocator weighs them ([`CallCost`]).
+    pub fn call_cost(&self, c: &BackingCounts) -> CallCost {
+        CallCost {
+            spent_us: self.driver_us(c),
+            request_us: self.grant_request_us,
+            handle_us: self.handle_life_us(),
+        }
+    }
 
     /// Modelled driver time of the calls in `c`, in microseconds.
     pub fn driver_us(&self, c: &BackingCounts) -> f64 {

@@ -77,7 +77,7 @@ pub fn replay(
     costs: &CostModel,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<ReplayResult, ReplayError> {
-    let mut a = Allocator::new(config.clone(), ModelBacking::new());
+    let mut a = Allocator::new(config.clone(), ModelBacking::priced(*costs));
     let mut blocks: HashMap<u64, u64> = HashMap::new();
     let total = trace.events.len();
     let mut at_history = BackingCounts::default();

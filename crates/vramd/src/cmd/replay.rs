@@ -385,6 +385,12 @@ fn run_trace<S: HandleSource>(
         ..config.clone()
     };
     let backing = MappedBacking::new(device, config.va_bytes, source)?;
+    // On the host backend the calls stand for a GPU's: the allocator's driver-time budget weighs
+    // them at the prices this replay reports them at, not at the host's own speed.
+    let backing = match backend {
+        BackendKind::Host => backing.priced(CostModel::H200_MEASURED),
+        _ => backing,
+    };
     let alloc = CachingAllocator::new(config, backing, Box::new(HostEvents));
     let bar = progress_bar(name, trace.events.len());
     let mut ptrs = std::collections::HashMap::new();
