@@ -190,6 +190,8 @@ pub struct MappedBacking<S> {
     takes: Vec<Duration>,
     /// Handles taken, mapped, unmapped and given back, and the bytes of those taken and mapped.
     counts: BackingCounts,
+    /// The last take's time per handle it brought.
+    last_take_per_handle: Duration,
     /// A cost model that prices the calls in place of their measured time (a replay on a
     /// device that is not the one it stands for).
     pricing: Option<CostModel>,
@@ -211,6 +213,7 @@ impl<S: HandleSource> MappedBacking<S> {
             spent: CallTimes::default(),
             takes: Vec::new(),
             counts: BackingCounts::default(),
+            last_take_per_handle: Duration::ZERO,
             pricing: None,
         })
     }
@@ -279,6 +282,9 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         let taken = self.timed(Call::Take, |b| b.source.take(sizes))?;
         self.counts.grant_requests += 1;
         self.counts.grants += taken.len() as u64;
+        if let Some(&took) = self.takes.last() {
+            self.last_take_per_handle = took / taken.len().max(1) as u32;
+        }
         self.counts.granted_bytes += sizes.iter().map(|b| b.get()).sum::<u64>();
         Ok(taken
             .into_iter()
@@ -332,7 +338,8 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
 
     /// Priced by the cost model when one is set; else the measured time, a handle's life being
     /// the mean time per handle of each kind of call so far (a take's round trip counted in
-    /// its handles), and nothing until the first grant.
+    /// its handles; the last take's, when that was dearer: through a daemon, a size its pool
+    /// does not keep ready is made on the grant's path), and nothing until the first grant.
     fn cost(&self) -> Option<CallCost> {
         if let Some(model) = self.pricing {
             return Some(model.call_cost(&self.counts));
@@ -351,7 +358,7 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         Some(CallCost {
             spent_us: self.spent.total().as_secs_f64() * 1e6,
             request_us: 0.0,
-            handle_us: per(self.spent.take, c.grants)
+            handle_us: per(self.spent.take, c.grants).max(per(self.last_take_per_handle, 1))
                 + per(self.spent.map, c.maps)
                 + per(self.spent.unmap, c.unmaps)
                 + per(self.spent.release, c.releases),

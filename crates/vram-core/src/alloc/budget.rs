@@ -6,11 +6,13 @@
 
 use super::backing::CallCost;
 
-/// The allocator's time, from its ticks: how long since the first.
+/// The allocator's time, from its ticks (how long since the first), and the largest handle of
+/// the last grant.
 #[derive(Debug, Default)]
 pub(super) struct Clock {
     first_us: Option<u64>,
     elapsed_us: u64,
+    last_handle: u64,
 }
 
 impl Clock {
@@ -19,8 +21,22 @@ impl Clock {
         self.elapsed_us = now_us.saturating_sub(first);
     }
 
-    pub(super) fn elapsed_us(&self) -> u64 {
-        self.elapsed_us
+    /// [`handle_size`] for the next grant, never below half the last grant's largest handle: a
+    /// handle's price is what handles cost so far, and a size not asked for before may cost more
+    /// (a daemon keeps ready the sizes it was asked for), so sizes step down one halving at a
+    /// time while their price shows.
+    pub(super) fn next_handle_size(
+        &mut self,
+        bytes: u64,
+        cost: Option<CallCost>,
+        budget: f64,
+        max_handle: u64,
+        gran: u64,
+    ) -> u64 {
+        let size = handle_size(bytes, cost, budget, self.elapsed_us, max_handle, gran)
+            .max(self.last_handle / 2);
+        self.last_handle = size;
+        size
     }
 }
 
@@ -86,6 +102,19 @@ mod tests {
         };
         assert_eq!(size(64 * MIB, Some(spent), 1_000_000), 64 * MIB);
         assert_eq!(size(64 * MIB, Some(COST), 0), 64 * MIB, "no time yet");
+    }
+
+    #[test]
+    fn sizes_step_down_one_halving_per_grant() {
+        let mut clock = Clock::default();
+        clock.observe(0);
+        let mut next = || clock.next_handle_size(1024 * MIB, Some(COST), 0.01, 64 * MIB, 2 * MIB);
+        assert_eq!(next(), 64 * MIB, "no time yet");
+        clock.observe(10_000_000);
+        let mut next = || clock.next_handle_size(1024 * MIB, Some(COST), 0.01, 64 * MIB, 2 * MIB);
+        assert_eq!(next(), 32 * MIB);
+        assert_eq!(next(), 16 * MIB);
+        assert_eq!(next(), 16 * MIB, "a quarter of max_handle at least");
     }
 
     #[test]

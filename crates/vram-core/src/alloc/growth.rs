@@ -22,7 +22,6 @@
 //! the count of handles (a driver call each) low.
 
 use super::backing::{Backing, GrantId, Refused};
-use super::budget;
 use super::heap::{Mapped, Site};
 use super::placement::HeapKind;
 use super::stream::StreamId;
@@ -227,14 +226,13 @@ impl<B: Backing> Allocator<B> {
     }
 
     /// Grants `bytes` in one request, as the handles of [`split_grant`] with the largest handle
-    /// the driver-time budget affords ([`budget::handle_size`]).
+    /// the driver-time budget affords ([`budget::Clock::next_handle_size`]).
     fn grant(&mut self, bytes: u64, wanted: u64) -> Result<Vec<Mapped>, AllocError> {
         let gran = self.config.granularity.get();
-        let max = budget::handle_size(
+        let max = self.clock.next_handle_size(
             bytes,
             self.backing.cost(),
             self.config.driver_budget,
-            self.clock.elapsed_us(),
             self.config.max_handle.get(),
             gran,
         );
