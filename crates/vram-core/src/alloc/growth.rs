@@ -15,11 +15,12 @@
 //! returned comes back to the tenant first), except that one free handle of just the size needed
 //! is moved (unmapped and mapped at the site).
 //!
-//! In what pieces: a grant up to `max_handle` is one handle; a larger one is cut into handles
-//! that are smallest (a quarter of `max_handle`) at both ends and double toward the middle. A
+//! In what pieces: the largest handle is `max_handle`, or smaller while the driver-time budget
+//! affords more handles (`budget.rs`). A grant up to that size is one handle; a larger one is cut
+//! into handles that are smallest (a quarter of it) at both ends and double toward the middle. A
 //! region is later reused in part, usually from one end, and a handle goes back only whole: small
 //! handles at the ends keep what a partial reuse strands small, and large ones in the middle keep
-//! the count of handles (a driver call each) low.
+//! the count of handles (driver calls each) low.
 
 use super::backing::{Backing, GrantId, Refused};
 use super::heap::{Mapped, Site};
