@@ -220,6 +220,19 @@ def noop_task():
     return os.getpid()
 
 
+def end_of(task, options):
+    """Runs `task` with vramd's `options` and says whether its tenant ended: (worker pid, None),
+    or (None, the line of the error that names vramd)."""
+    import ray
+
+    try:
+        pid, _ = ray.get(ray.remote(task).options(**options).remote(), timeout=120)
+        return pid, None
+    except Exception as e:
+        line = [x for x in str(e).splitlines() if "vramd" in x][-1:] or [str(e)[:200]]
+        return None, line[0][:300]
+
+
 # ---- the driver's side ---------------------------------------------------------------------------
 
 
@@ -460,13 +473,11 @@ def main():
 
         # --- probe (does not fail the run): a task whose matmul leaves cuBLAS's workspace -------
         if TORCH:
-            probe = ray.remote(matmul_task).options(**vr.options(memory="1GiB", limit="2GiB", max_retries=1))
-            try:
-                pid, _ = ray.get(probe.remote(), timeout=120)
+            pid, refused = end_of(matmul_task, vr.options(memory="1GiB", limit="2GiB", max_retries=1))
+            if refused is None:
                 say("measured", f"a task with a matmul ended cleanly (worker {pid})")
-            except Exception as e:
-                line = [x for x in str(e).splitlines() if "vramd" in x][-1:] or [str(e)[:200]]
-                say("measured", f"a task with a matmul could not end its tenant: {line[0][:300]}")
+            else:
+                say("measured", f"a task with a matmul could not end its tenant: {refused}")
                 # The next task of that ask finds the leftover and its worker exits (docs/ray.md).
                 left = {n: t["pid"] for n, t in tenants(sock).items()}
                 after = ray.remote(noop_task).options(**vr.options(memory="1GiB", limit="2GiB", max_retries=1))
@@ -483,14 +494,12 @@ def main():
             wait_for(lambda: not tenants(sock) and held(sock) == 0, 10)
             # The same without libvram.so preloaded: cuBLAS's own cudaMalloc is then the
             # process's outside use, not the tenant's allocations (docs/ray.md).
-            bare = ray.remote(matmul_task).options(
-                **vr.options(memory="1GiB", limit="2GiB", max_retries=0, preload=False))
-            try:
-                pid, _ = ray.get(bare.remote(), timeout=120)
+            pid, refused = end_of(
+                matmul_task, vr.options(memory="1GiB", limit="2GiB", max_retries=0, preload=False))
+            if refused is None:
                 say("measured", f"the same task with preload=False ended cleanly (worker {pid})")
-            except Exception as e:
-                line = [x for x in str(e).splitlines() if "vramd" in x][-1:] or [str(e)[:200]]
-                say("measured", f"the same task with preload=False could not end: {line[0][:300]}")
+            else:
+                say("measured", f"the same task with preload=False could not end: {refused}")
             wait_for(lambda: not tenants(sock) and held(sock) == 0, 10)
 
         # --- the end ---------------------------------------------------------------------------

@@ -188,8 +188,6 @@ pub struct MappedBacking<S> {
     spent: CallTimes,
     /// How long each take lasted, in order.
     takes: Vec<Duration>,
-    /// Handles taken, mapped, unmapped and given back, and the bytes of those taken and mapped.
-    counts: BackingCounts,
     /// The last take's time per handle it brought.
     last_take_per_handle: Duration,
     /// A cost model that prices the calls in place of their measured time (a replay on a
@@ -212,7 +210,6 @@ impl<S: HandleSource> MappedBacking<S> {
             next: 1,
             spent: CallTimes::default(),
             takes: Vec::new(),
-            counts: BackingCounts::default(),
             last_take_per_handle: Duration::ZERO,
             pricing: None,
         })
@@ -280,12 +277,9 @@ impl<S: HandleSource> MappedBacking<S> {
 impl<S: HandleSource> Backing for MappedBacking<S> {
     fn grant(&mut self, sizes: &[Bytes]) -> Result<Vec<GrantId>, Refused> {
         let taken = self.timed(Call::Take, |b| b.source.take(sizes))?;
-        self.counts.grant_requests += 1;
-        self.counts.grants += taken.len() as u64;
         if let Some(&took) = self.takes.last() {
             self.last_take_per_handle = took / taken.len().max(1) as u32;
         }
-        self.counts.granted_bytes += sizes.iter().map(|b| b.get()).sum::<u64>();
         Ok(taken
             .into_iter()
             .map(|(handle, ticket)| {
@@ -306,10 +300,7 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
                     bytes: handle.size(),
                     reason: e.to_string(),
                 })
-        })?;
-        self.counts.maps += 1;
-        self.counts.mapped_bytes += self.handles[&grant].0.size().get();
-        Ok(())
+        })
     }
 
     fn unmap(&mut self, grant: GrantId, va: u64) {
@@ -317,7 +308,6 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         if let Err(e) = self.timed(Call::Unmap, |b| b.device.unmap(&b.res, Bytes(va), size)) {
             tracing::error!("unmapping {size} at offset {va:#x} failed: {e}");
         }
-        self.counts.unmaps += 1;
     }
 
     fn release(&mut self, grants: &[GrantId]) {
@@ -328,7 +318,6 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         if taken.is_empty() {
             return;
         }
-        self.counts.releases += taken.len() as u64;
         self.timed(Call::Release, |b| {
             let tickets: Vec<u64> = taken.iter().map(|t| t.1).collect();
             drop(taken);
@@ -340,11 +329,11 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
     /// the mean time per handle of each kind of call so far (a take's round trip counted in
     /// its handles; the last take's, when that was dearer: through a daemon, a size its pool
     /// does not keep ready is made on the grant's path), and nothing until the first grant.
-    fn cost(&self) -> Option<CallCost> {
+    fn cost(&self, calls: &BackingCounts) -> Option<CallCost> {
         if let Some(model) = self.pricing {
-            return Some(model.call_cost(&self.counts));
+            return Some(model.call_cost(calls));
         }
-        let c = &self.counts;
+        let c = calls;
         if c.grants == 0 {
             return None;
         }

@@ -31,9 +31,10 @@ pub trait Backing {
     fn unmap(&mut self, grant: GrantId, va: u64);
     /// Gives the (unmapped) handles back to the daemon, in one request.
     fn release(&mut self, grants: &[GrantId]);
-    /// What the calls have cost so far and what they cost each ([`CallCost`]), or `None` when the
-    /// backing cannot tell yet; the allocator weighs it against its driver-time budget.
-    fn cost(&self) -> Option<CallCost>;
+    /// What the calls have cost so far and what they cost each ([`CallCost`]), given the
+    /// allocator's counts of the calls it made here, or `None` when the backing cannot tell yet;
+    /// the allocator weighs it against its driver-time budget.
+    fn cost(&self, calls: &BackingCounts) -> Option<CallCost>;
 }
 
 /// A backing's calls in time: measured on a device, or priced by a cost model in a replay.
@@ -212,7 +213,7 @@ impl Backing for ModelBacking {
         }
     }
 
-    fn cost(&self) -> Option<CallCost> {
-        self.pricing.map(|m| m.call_cost(&self.counts))
+    fn cost(&self, calls: &BackingCounts) -> Option<CallCost> {
+        self.pricing.map(|m| m.call_cost(calls))
     }
 }

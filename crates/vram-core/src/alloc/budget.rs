@@ -106,15 +106,20 @@ mod tests {
 
     #[test]
     fn sizes_step_down_one_halving_per_grant() {
+        let next = |clock: &mut Clock| {
+            clock.next_handle_size(1024 * MIB, Some(COST), 0.01, 64 * MIB, 2 * MIB)
+        };
         let mut clock = Clock::default();
         clock.observe(0);
-        let mut next = || clock.next_handle_size(1024 * MIB, Some(COST), 0.01, 64 * MIB, 2 * MIB);
-        assert_eq!(next(), 64 * MIB, "no time yet");
+        assert_eq!(next(&mut clock), 64 * MIB, "no time yet");
         clock.observe(10_000_000);
-        let mut next = || clock.next_handle_size(1024 * MIB, Some(COST), 0.01, 64 * MIB, 2 * MIB);
-        assert_eq!(next(), 32 * MIB);
-        assert_eq!(next(), 16 * MIB);
-        assert_eq!(next(), 16 * MIB, "a quarter of max_handle at least");
+        assert_eq!(next(&mut clock), 32 * MIB);
+        assert_eq!(next(&mut clock), 16 * MIB);
+        assert_eq!(
+            next(&mut clock),
+            16 * MIB,
+            "a quarter of max_handle at least"
+        );
     }
 
     #[test]

@@ -232,7 +232,7 @@ impl<B: Backing> Allocator<B> {
         let gran = self.config.granularity.get();
         let max = self.clock.next_handle_size(
             bytes,
-            self.backing.cost(),
+            self.backing.cost(&self.stats.calls()),
             self.config.driver_budget,
             self.config.max_handle.get(),
             gran,

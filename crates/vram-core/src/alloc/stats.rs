@@ -1,5 +1,6 @@
 //! Counters the allocator keeps; PyTorch-style `memory_stats` are built from them.
 
+use super::BackingCounts;
 use crate::Bytes;
 
 /// A snapshot of the allocator's counters. `allocated` counts rounded block sizes, `requested`
@@ -33,6 +34,19 @@ pub struct AllocStats {
 }
 
 impl AllocStats {
+    /// The calls the allocator made to its backing, counted as a backing counts them.
+    pub fn calls(&self) -> BackingCounts {
+        BackingCounts {
+            grants: self.grants,
+            grant_requests: self.grant_requests,
+            maps: self.maps,
+            unmaps: self.unmaps,
+            releases: self.returns,
+            granted_bytes: self.granted_bytes.get(),
+            mapped_bytes: self.mapped_bytes.get(),
+        }
+    }
+
     pub(crate) fn reset_peaks(&mut self) {
         self.allocated_peak = self.allocated;
         self.requested_peak = self.requested;

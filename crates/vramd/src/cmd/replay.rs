@@ -348,18 +348,9 @@ struct Baseline {
 
 impl Baseline {
     fn read<S: HandleSource>(alloc: &CachingAllocator<S>) -> Baseline {
-        let s = alloc.stats().core;
         let (calls, takes) = alloc.with_backing(|b| (b.call_times(), b.take_times().len()));
         Baseline {
-            counts: BackingCounts {
-                grants: s.grants,
-                grant_requests: s.grant_requests,
-                maps: s.maps,
-                unmaps: s.unmaps,
-                releases: s.returns,
-                granted_bytes: s.granted_bytes.get(),
-                mapped_bytes: s.mapped_bytes.get(),
-            },
+            counts: alloc.stats().core.calls(),
             calls,
             takes,
         }
