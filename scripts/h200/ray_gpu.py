@@ -220,7 +220,7 @@ def noop_task():
     return os.getpid()
 
 
-def end_of(task, options):
+def task_ends(task, options):
     """Runs `task` with vramd's `options` and says whether its tenant ended: (worker pid, None),
     or (None, the line of the error that names vramd)."""
     import ray
@@ -473,7 +473,7 @@ def main():
 
         # --- probe (does not fail the run): a task whose matmul leaves cuBLAS's workspace -------
         if TORCH:
-            pid, refused = end_of(matmul_task, vr.options(memory="1GiB", limit="2GiB", max_retries=1))
+            pid, refused = task_ends(matmul_task, vr.options(memory="1GiB", limit="2GiB", max_retries=1))
             if refused is None:
                 say("measured", f"a task with a matmul ended cleanly (worker {pid})")
             else:
@@ -494,7 +494,7 @@ def main():
             wait_for(lambda: not tenants(sock) and held(sock) == 0, 10)
             # The same without libvram.so preloaded: cuBLAS's own cudaMalloc is then the
             # process's outside use, not the tenant's allocations (docs/ray.md).
-            pid, refused = end_of(
+            pid, refused = task_ends(
                 matmul_task, vr.options(memory="1GiB", limit="2GiB", max_retries=0, preload=False))
             if refused is None:
                 say("measured", f"the same task with preload=False ended cleanly (worker {pid})")
