@@ -13,7 +13,8 @@
 //! From where: below the cap, new handles from the backing (one request). At the cap, wholly free
 //! handles elsewhere are reused first: returned, with the need granted as one request (a handle
 //! returned comes back to the tenant first), except that one free handle of just the size needed
-//! is moved (unmapped and mapped at the site).
+//! is moved (unmapped and mapped at the site). The small heap's free handles are reused by the
+//! large heap only that way, moved when one is just the size needed, never given back for it.
 //!
 //! In what pieces: the largest handle is `max_handle`, or smaller while the driver-time budget
 //! affords more handles (`budget.rs`). A grant up to that size is one handle; a larger one is cut
@@ -194,8 +195,18 @@ impl<B: Backing> Allocator<B> {
                 [None, None]
             };
             for (va, len) in heap.free_handles(gran, skip) {
-                // The small heap takes only what it needs: what it holds serves small blocks only.
-                if len <= room && (kind != HeapKind::Small || len <= site.need) {
+                let usable = match (kind, from) {
+                    // The small heap takes only what it needs: what it holds serves small blocks
+                    // only.
+                    (HeapKind::Small, _) => len <= site.need,
+                    // The large heap takes a small-heap handle only to move it, when it is just
+                    // the size needed: given back to make room for a grant, each would cost a
+                    // return of a granule or two, and the small heap, whose blocks keep coming,
+                    // would grant them again one at a time.
+                    (HeapKind::Large, HeapKind::Small) => len == site.need,
+                    (HeapKind::Large, HeapKind::Large) => true,
+                };
+                if len <= room && usable {
                     candidates.push(FreeHandle {
                         heap: from,
                         va,

@@ -493,6 +493,41 @@ fn a_free_handle_of_just_the_size_needed_is_moved_not_returned() {
 }
 
 #[test]
+fn the_large_heap_at_the_cap_leaves_the_small_heaps_free_granules_alone() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let f = AlwaysComplete;
+    // Three granules of the small heap, wholly free once their blocks are.
+    let small: Vec<Block> = (0..12)
+        .map(|_| a.alloc(Bytes::kib(512), StreamId(0), &f).unwrap())
+        .collect();
+    for b in &small {
+        a.free(b.offset, StreamId(0), Fence(0), &f).unwrap();
+    }
+    // 8 MiB in the large heap is past the cap already (6 + 8 held against 8 in use).
+    let _large = a.alloc(Bytes::mib(8), StreamId(0), &f).unwrap();
+    assert_eq!(a.stats().held, Bytes::mib(14));
+    let before = a.backing().counts();
+    // 12 MiB more is past the cap (14 + 12 held against a peak of 20 in use): the small heap's
+    // granules are not the size needed, so the growth is granted without giving them back.
+    let big = a.alloc(Bytes::mib(12), StreamId(0), &f).unwrap();
+    assert!(a.backing().is_mapped(big.offset, big.size.get()));
+    let c = a.backing().counts();
+    assert_eq!(
+        (c.releases, c.unmaps),
+        (before.releases, before.unmaps),
+        "{c:?}"
+    );
+    let small_heap = a.small_heap();
+    let small_mapped: u64 = a
+        .handles()
+        .iter()
+        .filter(|(va, _)| small_heap.contains(va))
+        .map(|(_, len)| len)
+        .sum();
+    assert_eq!(small_mapped, 6 << 20);
+}
+
+#[test]
 fn growths_at_a_new_peak_double_their_step_within_the_cap_and_others_add_their_need() {
     let f = AlwaysComplete;
     let s = StreamId(0);
