@@ -333,8 +333,7 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         if let Some(model) = self.pricing {
             return Some(model.call_cost(calls));
         }
-        let c = calls;
-        if c.grants == 0 {
+        if calls.grants == 0 {
             return None;
         }
         let per = |d: Duration, n: u64| {
@@ -347,10 +346,10 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         Some(CallCost {
             spent_us: self.spent.total().as_secs_f64() * 1e6,
             request_us: 0.0,
-            handle_us: per(self.spent.take, c.grants).max(per(self.last_take_per_handle, 1))
-                + per(self.spent.map, c.maps)
-                + per(self.spent.unmap, c.unmaps)
-                + per(self.spent.release, c.releases),
+            handle_us: per(self.spent.take, calls.grants).max(per(self.last_take_per_handle, 1))
+                + per(self.spent.map, calls.maps)
+                + per(self.spent.unmap, calls.unmaps)
+                + per(self.spent.release, calls.releases),
         })
     }
 }
