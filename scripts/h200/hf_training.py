@@ -16,7 +16,10 @@ and the first mode rotates between rounds; medians over rounds.
 Usage: python3 scripts/h200/hf_training.py --vramd .gpu/bin/vramd --out $OUT/hf [--rounds 3]
        [--steps 60] [--warmup 10] [--models gpt2 llama]
 Writes OUT/results.json (every run) and OUT/summary.md (the medians and the two checks of
-issue 24: full's peak <= expandable's, full's throughput >= 0.98 of default's and expandable's).
+issue 24: full's peak <= expandable's, full's throughput >= 0.98 of default's and expandable's,
+the latter also as the median of each round's paired ratio).
+       python3 scripts/h200/hf_training.py --merge A/results.json B/results.json prints the
+summary of several such runs together.
 """
 import argparse
 import json
@@ -203,7 +206,38 @@ def summary(results, models):
                           f"throughput {med['full'][1] / med['default'][1]:.3f} of default's, "
                           f"{med['full'][1] / med['expandable'][1]:.3f} of expandable's: "
                           f"{'holds' if min(med['full'][1] / med['default'][1], med['full'][1] / med['expandable'][1]) >= 0.98 else 'MISSED'}")
+            paired = {other: paired_ratios(results, model, other) for other in ("default", "expandable")}
+            if all(paired.values()):
+                checks.append(f"  - paired in each round (full's tokens/s over the other mode's in "
+                              f"the same round), medians: "
+                              f"{statistics.median(paired['default']):.3f} of default's "
+                              f"({len(paired['default'])} rounds), "
+                              f"{statistics.median(paired['expandable']):.3f} of expandable's "
+                              f"({len(paired['expandable'])} rounds) "
+                              f"(rounds: {', '.join(f'{x:.3f}' for x in paired['default'])} / "
+                              f"{', '.join(f'{x:.3f}' for x in paired['expandable'])})")
     return "\n".join(lines + [""] + checks) + "\n"
+
+
+def paired_ratios(results, model, other):
+    """Full mode's tokens/s over `other`'s, one ratio per round that has both."""
+    by_round = {}
+    for r in results:
+        if r["model"] == model and "tokens_per_s" in r:
+            by_round.setdefault(r["round"], {})[r["mode"]] = r["tokens_per_s"]
+    return [m["full"] / m[other] for _, m in sorted(by_round.items()) if "full" in m and other in m]
+
+
+def merged(paths):
+    """The runs of several results.json files, each file's rounds after the ones before."""
+    results, offset = [], 0
+    for path in paths:
+        with open(path) as f:
+            runs = json.load(f)
+        for r in runs:
+            results.append(dict(r, round=r["round"] + offset))
+        offset += 1 + max((r["round"] for r in runs), default=-1)
+    return results
 
 
 def main():
@@ -217,9 +251,14 @@ def main():
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--models", nargs="+", default=["gpt2", "llama"], choices=["gpt2", "llama"])
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES + EXTRA_MODES)
+    p.add_argument("--merge", nargs="+", metavar="RESULTS_JSON",
+                   help="print the summary of earlier runs' results.json files together (their "
+                        "rounds numbered one after another) instead of running anything")
     o = p.parse_args()
     if o.worker:
         return worker(o.worker, o.steps, o.warmup, o.seed)
+    if o.merge:
+        return print(summary(merged(o.merge), o.models))
     os.makedirs(o.out, exist_ok=True)
     o.vramd = os.path.abspath(o.vramd)
     nvml = Nvml()

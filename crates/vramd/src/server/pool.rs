@@ -26,7 +26,8 @@ pub struct Ready {
 
 struct SizeState {
     ready: Vec<Ready>,
-    /// How many handles of this size to keep ready; grows on misses, shrinks when idle.
+    /// How many handles of this size to keep ready: doubles on a miss, halves for each
+    /// [`Pool::idle`] that passes without a take; handles ready beyond it are released.
     target: usize,
     last_demand: Instant,
 }
@@ -53,16 +54,24 @@ struct PoolState {
 pub struct Pool {
     device: Arc<dyn Device>,
     config: PoolConfig,
+    /// How long a size goes without a take before its target halves.
+    idle: Duration,
     state: Mutex<PoolState>,
     wake: Condvar,
     stop: AtomicBool,
 }
 
-/// A size idle this long lets its target shrink by one.
+/// A size idle this long has its target halved (so 1 GiB of 64 MiB handles that nobody asks for
+/// again goes back within a minute).
 const IDLE_DECAY: Duration = Duration::from_secs(10);
 
 impl Pool {
     pub fn new(device: Arc<dyn Device>, config: PoolConfig) -> Arc<Pool> {
+        Self::with_idle(device, config, IDLE_DECAY)
+    }
+
+    /// A pool whose sizes' targets halve after `idle` without a take.
+    fn with_idle(device: Arc<dyn Device>, config: PoolConfig, idle: Duration) -> Arc<Pool> {
         let now = Instant::now();
         let sizes = config
             .sizes
@@ -79,6 +88,7 @@ impl Pool {
         Arc::new(Pool {
             device,
             config,
+            idle,
             state: Mutex::new(PoolState {
                 sizes,
                 pooled: Bytes::ZERO,
@@ -304,17 +314,32 @@ impl Pool {
         drop(victims);
     }
 
+    /// Halves the target of each size that went [`Pool::idle`] without a take, and takes out the
+    /// handles ready beyond their size's target, for the caller to release outside the lock:
+    /// memory made ahead for a demand that stopped goes back to the device.
+    fn release_idle(&self) -> Vec<Ready> {
+        let mut s = self.lock();
+        let now = Instant::now();
+        let mut idle = Vec::new();
+        for st in s.sizes.values_mut() {
+            if now.duration_since(st.last_demand) > self.idle && st.target > 0 {
+                st.target /= 2;
+                st.last_demand = now;
+            }
+            if st.ready.len() > st.target {
+                idle.extend(st.ready.drain(st.target..));
+            }
+        }
+        s.pooled -= idle.iter().map(|r| r.handle.size()).sum();
+        idle
+    }
+
     fn refill_loop(&self) {
         while !self.stop.load(Ordering::Acquire) {
+            let idle = self.release_idle();
+            drop(idle);
             let want = {
                 let mut s = self.lock();
-                let now = Instant::now();
-                for st in s.sizes.values_mut() {
-                    if now.duration_since(st.last_demand) > IDLE_DECAY && st.target > 0 {
-                        st.target -= 1;
-                        st.last_demand = now;
-                    }
-                }
                 let room = s.room.min(self.config.max);
                 let pooled = s.pooled;
                 let want = s
@@ -400,6 +425,49 @@ mod tests {
         let a = pool.take(1, Bytes::mib(2)).unwrap();
         assert_eq!(pool.takes().recycled, 1);
         drop((a, b));
+        pool.stop();
+        t.join().unwrap();
+        assert_eq!(dev.used(), Bytes::ZERO);
+    }
+
+    #[test]
+    fn memory_made_for_a_demand_that_stopped_goes_back() {
+        let dev: Arc<dyn Device> =
+            Arc::new(HostDevice::new(Bytes::mib(64), Bytes::mib(2)).unwrap());
+        let cfg = PoolConfig {
+            max: Bytes::mib(32),
+            sizes: vec![],
+            initial: 0,
+        };
+        let pool = Pool::with_idle(dev.clone(), cfg, Duration::from_millis(100));
+        pool.set_room(Bytes::mib(64));
+        let t = pool.start();
+        let wait_for = |what: &dyn Fn() -> bool| {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !what() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            what()
+        };
+        // Takes of a size the pool never held miss: it makes that size ready ahead.
+        let taken: Vec<Ready> = (0..3)
+            .map(|_| pool.take(1, Bytes::mib(4)).unwrap())
+            .collect();
+        assert!(pool.takes().misses >= 1);
+        assert!(
+            wait_for(&|| pool.pooled() >= Bytes::mib(4)),
+            "{}",
+            pool.pooled()
+        );
+        // Nobody asks again: the target halves each idle period and what is ready beyond it goes
+        // back to the device, while the tenant keeps what it took.
+        assert!(
+            wait_for(&|| pool.pooled() == Bytes::ZERO),
+            "{}",
+            pool.pooled()
+        );
+        assert_eq!(dev.used(), Bytes::mib(12));
+        drop(taken);
         pool.stop();
         t.join().unwrap();
         assert_eq!(dev.used(), Bytes::ZERO);
