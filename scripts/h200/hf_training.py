@@ -34,8 +34,9 @@ import time
 
 MODES = ("default", "expandable", "full")
 # A further mode: full mode against a daemon whose pool keeps nothing ready ahead of demand (its
-# default keeps up to 1 GiB), to tell the pool's memory from the allocator's in NVML's figure.
-EXTRA_MODES = ("full-nopool",)
+# default keeps up to 1 GiB), to tell the pool's memory from the allocator's in NVML's figure;
+# and full mode against another build of vramd (`--alt-vramd`), to compare two builds paired.
+EXTRA_MODES = ("full-nopool", "full-alt")
 
 
 def worker(model_name, steps, warmup, seed):
@@ -157,8 +158,9 @@ def run(o, nvml, mode, model, tmp):
     daemon = None
     if mode.startswith("full"):
         folder = tempfile.mkdtemp(prefix="daemon-", dir=tmp)
-        daemon, sock = daemon_up(o.vramd, folder, pool=mode != "full-nopool")
-        cmd = [o.vramd, "run", "--socket", sock, "--torch-mode", "full", "--"] + cmd
+        vramd = o.alt_vramd if mode == "full-alt" else o.vramd
+        daemon, sock = daemon_up(vramd, folder, pool=mode != "full-nopool")
+        cmd = [vramd, "run", "--socket", sock, "--torch-mode", "full", "--"] + cmd
     time.sleep(1)
     base = nvml.used()
     try:
@@ -245,6 +247,8 @@ def main():
     p.add_argument("--worker")
     p.add_argument("--vramd", default=".gpu/bin/vramd")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hf"))
+    p.add_argument("--alt-vramd", metavar="PATH",
+                   help="the vramd binary of mode full-alt (another build, compared paired)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
@@ -261,6 +265,10 @@ def main():
         return print(summary(merged(o.merge), o.models))
     os.makedirs(o.out, exist_ok=True)
     o.vramd = os.path.abspath(o.vramd)
+    if "full-alt" in o.modes:
+        if not o.alt_vramd:
+            p.error("mode full-alt needs --alt-vramd PATH")
+        o.alt_vramd = os.path.abspath(o.alt_vramd)
     nvml = Nvml()
     results = []
     with tempfile.TemporaryDirectory(prefix="hf-training-") as tmp:
