@@ -9,7 +9,11 @@ daemon this script starts (CUDA backend). NVML's figure is the device's used mem
 5 ms during the run, less what was used just before it started. Each full-mode run has a daemon of
 its own, started before that baseline, so its context and first pool handles are left out (on a
 shared node they serve every tenant) while every handle it creates during the run counts, as the
-process's own memory counts for PyTorch; no handle cached by an earlier run is reused.
+process's own memory counts for PyTorch; no handle cached by an earlier run is reused. With
+`--books`, a full-mode run also records its daemon's books (`vramd status`, polled every 10 ms):
+what the tenant held and what the pool held, at most and where the daemon's memory peaked. Runs
+with it do not compare throughput: in the one round measured with it (docs/benchmarks.md), full
+mode ran at 0.73-0.84 of expandable segments' tokens/s, against 0.86-1.10 without it.
 Throughput is tokens per second over the steps after the warm-up. Modes alternate in each round,
 and the first mode rotates between rounds; medians over rounds.
 
@@ -132,6 +136,42 @@ class Nvml:
         return peak[0], out, err
 
 
+class Books:
+    """A full-mode run's daemon, as its own books see it: `vramd status --json` polled on a thread
+    while the run lasts; the most the tenants held, the most the pool held, and both at the sample
+    where the memory the daemon had made (held and pooled) peaked."""
+
+    def __init__(self, vramd, sock):
+        self.cmd = [vramd, "status", "--socket", sock, "--json"]
+        self.peak = {"held_max": 0, "pooled_max": 0, "made_max": 0, "held_at_made_max": 0,
+                     "pooled_at_made_max": 0, "samples": 0}
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self.sample)
+        self.thread.start()
+
+    def sample(self):
+        p = self.peak
+        while not self.done.is_set():
+            out = subprocess.run(self.cmd, capture_output=True, text=True)
+            try:
+                dev = json.loads(out.stdout)["devices"][0]
+            except (ValueError, KeyError, IndexError):
+                time.sleep(0.01)
+                continue
+            p["samples"] += 1
+            p["held_max"] = max(p["held_max"], dev["held"])
+            p["pooled_max"] = max(p["pooled_max"], dev["pooled"])
+            if dev["device_used"] > p["made_max"]:
+                p.update(made_max=dev["device_used"], held_at_made_max=dev["held"],
+                         pooled_at_made_max=dev["pooled"])
+            time.sleep(0.01)
+
+    def stop(self):
+        self.done.set()
+        self.thread.join()
+        return self.peak
+
+
 def daemon_up(vramd, folder, pool=True):
     sock = os.path.join(folder, "vramd.sock")
     with open(os.path.join(folder, "vramd.toml"), "w") as f:
@@ -155,7 +195,7 @@ def run(o, nvml, mode, model, tmp):
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model,
            "--steps", str(o.steps), "--warmup", str(o.warmup)]
-    daemon = None
+    daemon = books = None
     if mode.startswith("full"):
         folder = tempfile.mkdtemp(prefix="daemon-", dir=tmp)
         vramd = o.alt_vramd if mode == "full-alt" else o.vramd
@@ -166,12 +206,18 @@ def run(o, nvml, mode, model, tmp):
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=env, cwd=tmp)
+        if daemon is not None and o.books:
+            books = Books(vramd, sock)
         peak, out, err = nvml.peak_during(proc)
     finally:
+        if books is not None:
+            books = books.stop()
         if daemon is not None:
             daemon.terminate()
             daemon.wait(15)
     res = {"mode": mode, "model": model, "exit": proc.returncode, "nvml_peak_bytes": peak - base}
+    if books is not None:
+        res["daemon_books"] = books
     for line in out.splitlines():
         if line.startswith("RESULT "):
             res.update(json.loads(line[7:]))
@@ -249,6 +295,8 @@ def main():
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hf"))
     p.add_argument("--alt-vramd", metavar="PATH",
                    help="the vramd binary of mode full-alt (another build, compared paired)")
+    p.add_argument("--books", action="store_true",
+                   help="poll each full-mode daemon's books during the run (its throughput then does not compare)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
