@@ -11,9 +11,19 @@ frees skipped instead — and prints:
 - the "own granules" bound: at that peak, the memory a placement needs that gives every block of at
   least 1 MiB granules of its own (no two such blocks sharing a 2 MiB granule; smaller blocks
   packed perfectly), and the fragmentation that implies (1 - live / that);
-- the live sizes that make up the peak, largest share first.
+- the live sizes that make up the peak, largest share first;
+- the "climb" bound, for each fragmentation F of --climb-frag: an allocator that keeps its
+  fragmentation at most F whatever the program does next may hold at most peak-so-far / (1 - F)
+  at each new peak of live bytes (the program may never go higher), so it must grow whenever live
+  bytes pass that; counted greedily (each growth takes all it may), the fewest growths it needs,
+  and the driver time they cost at the least a growth costs in `vramd replay`'s cost model (one
+  request, one handle imported and mapped: 87.5 us), as a share of the trace's time. Placement is
+  perfect in it (any free byte fits any block) and nothing is ever given back, so no allocator
+  that keeps that promise can do with fewer. Where the share is above the driver-time goal, the
+  two goals cannot both be promised on that trace.
 
 Usage: python3 scripts/trace_bounds.py ../shared/traces/*.pickle.gz [--granule-mib 2] [--top 8]
+       [--climb-frag 3,1]
 """
 import argparse
 import collections
@@ -70,8 +80,33 @@ def replayable(snapshot, window_only):
     return out, len(before), sum(before.values())
 
 
-def analyse(path, granule, top, window_only):
-    events, n_before, before_bytes = replayable(load(path), window_only)
+# The least one growth costs in `vramd replay`'s cost model (crates/vram-core/src/replay/cost.rs,
+# H200_MEASURED): a grant request (30 us), one handle imported (31 us), mapped (1.5 us) with its
+# access set (25 us, plus 0.028 us per MiB, left out here).
+GROWTH_US = 30.0 + 31.0 + 1.5 + 25.0
+
+
+def climb_growths(events, granule, frag):
+    """The fewest growths that keep memory held at most peak-so-far / (1 - frag) at every new
+    peak of live bytes: each growth takes all it may (rounded down to the granule, never below
+    what is live)."""
+    live = peak = held = growths = 0
+    for action, _, size in events:
+        live += size if action == "alloc" else -size
+        peak = max(peak, live)
+        if live > held:
+            need = -(-live // granule) * granule
+            allowed = int(peak / (1 - frag)) // granule * granule
+            held = max(need, allowed)
+            growths += 1
+    return growths
+
+
+def analyse(path, granule, top, window_only, climb_frags):
+    snapshot = load(path)
+    events, n_before, before_bytes = replayable(snapshot, window_only)
+    times = [e["time_us"] for e in snapshot["device_traces"][0]]
+    wall_us = max(times) - min(times) if times else 0
     requested = 0
     peak = (0, 0)
     for n, (action, _, size) in enumerate(events, 1):
@@ -97,6 +132,11 @@ def analyse(path, granule, top, window_only):
     by_size = collections.Counter(sizes)
     for size, count in sorted(by_size.items(), key=lambda kv: -kv[0] * kv[1])[:top]:
         print(f"    {size / MIB:10.3f} MiB x {count:4d} = {size * count / MIB:9.1f} MiB")
+    for frag in climb_frags:
+        n = climb_growths(events, granule, frag / 100)
+        share = f"{100 * n * GROWTH_US / wall_us:.2f} % of its {wall_us / 1e6:.1f} s" if wall_us else "-"
+        print(f"{name}: climb bound at fragmentation {frag:g} %: {n} growths, "
+              f"{n * GROWTH_US / 1000:.1f} ms of driver time, {share}")
 
 
 def main():
@@ -104,11 +144,16 @@ def main():
     p.add_argument("traces", nargs="+")
     p.add_argument("--granule-mib", type=int, default=2)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--climb-frag", default="3,1", metavar="PERCENTS",
+                   help="fragmentations (percent, comma-separated) to give the climb bound for")
     p.add_argument("--window-only", action="store_true",
                    help="replay the recorded events alone, as vramd replay --window-only")
     a = p.parse_args()
+    frags = [float(x) for x in a.climb_frag.split(",") if x.strip()]
+    if any(not 0 <= f < 100 for f in frags):
+        p.error(f"--climb-frag: each fragmentation must be at least 0 and below 100 %, got {a.climb_frag}")
     for t in a.traces:
-        analyse(t, a.granule_mib * MIB, a.top, a.window_only)
+        analyse(t, a.granule_mib * MIB, a.top, a.window_only, frags)
 
 
 if __name__ == "__main__":
