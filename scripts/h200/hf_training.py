@@ -138,13 +138,15 @@ class Nvml:
 
 class Books:
     """A full-mode run's daemon, as its own books see it: `vramd status --json` polled on a thread
-    while the run lasts; the most the tenants held, the most the pool held, and both at the sample
-    where the memory the daemon had made (held and pooled) peaked."""
+    while the run lasts; the most the tenants held, the most the pool held, both at the sample
+    where the memory the daemon had made (held and pooled) peaked, and the most of the driver's
+    used memory and of what in it the daemon could not attribute, as the daemon last read them."""
 
     def __init__(self, vramd, sock):
         self.cmd = [vramd, "status", "--socket", sock, "--json"]
         self.peak = {"held_max": 0, "pooled_max": 0, "made_max": 0, "held_at_made_max": 0,
-                     "pooled_at_made_max": 0, "samples": 0}
+                     "pooled_at_made_max": 0, "driver_used_max": 0, "unattributed_max": 0,
+                     "samples": 0}
         self.done = threading.Event()
         self.thread = threading.Thread(target=self.sample)
         self.thread.start()
@@ -161,6 +163,9 @@ class Books:
             p["samples"] += 1
             p["held_max"] = max(p["held_max"], dev["held"])
             p["pooled_max"] = max(p["pooled_max"], dev["pooled"])
+            # The driver's reading as the daemon last took it, and what of it nobody explains.
+            p["driver_used_max"] = max(p["driver_used_max"], dev.get("driver_used") or 0)
+            p["unattributed_max"] = max(p["unattributed_max"], dev.get("unattributed") or 0)
             if dev["device_used"] > p["made_max"]:
                 p.update(made_max=dev["device_used"], held_at_made_max=dev["held"],
                          pooled_at_made_max=dev["pooled"])
