@@ -139,21 +139,29 @@ def analyse(path, granule, top, window_only, climb_frags):
               f"{n * GROWTH_US / 1000:.1f} ms of driver time, {share}")
 
 
+def percents(text):
+    """Comma-separated fragmentations in percent, each at least 0 and below 100."""
+    try:
+        frags = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if any(not 0 <= f < 100 for f in frags):
+        raise argparse.ArgumentTypeError(f"each must be at least 0 and below 100 %, got {text!r}")
+    return frags
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+")
     p.add_argument("--granule-mib", type=int, default=2)
     p.add_argument("--top", type=int, default=8)
-    p.add_argument("--climb-frag", default="3,1", metavar="PERCENTS",
+    p.add_argument("--climb-frag", default="3,1", metavar="PERCENTS", type=percents,
                    help="fragmentations (percent, comma-separated) to give the climb bound for")
     p.add_argument("--window-only", action="store_true",
                    help="replay the recorded events alone, as vramd replay --window-only")
     a = p.parse_args()
-    frags = [float(x) for x in a.climb_frag.split(",") if x.strip()]
-    if any(not 0 <= f < 100 for f in frags):
-        p.error(f"--climb-frag: each fragmentation must be at least 0 and below 100 %, got {a.climb_frag}")
     for t in a.traces:
-        analyse(t, a.granule_mib * MIB, a.top, a.window_only, frags)
+        analyse(t, a.granule_mib * MIB, a.top, a.window_only, a.climb_frag)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ daemon this script starts (CUDA backend). NVML's figure is the device's used mem
 its own, started before that baseline, so its context and first pool handles are left out (on a
 shared node they serve every tenant) while every handle it creates during the run counts, as the
 process's own memory counts for PyTorch; no handle cached by an earlier run is reused. With
-`--books`, a full-mode run also records its daemon's books (`vramd status`, polled every 10 ms):
+`--books`, a full-mode run also records its daemon's books (`vramd status`, polled 10 ms apart):
 what the tenant held and what the pool held, at most and where the daemon's memory peaked. Runs
 with it do not compare throughput: in the one round measured with it (docs/benchmarks.md), full
 mode ran at 0.73-0.84 of expandable segments' tokens/s, against 0.86-1.10 without it.
