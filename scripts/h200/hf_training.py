@@ -39,7 +39,8 @@ import time
 MODES = ("default", "expandable", "full")
 # A further mode: full mode against a daemon whose pool keeps nothing ready ahead of demand (its
 # default keeps up to 1 GiB), to tell the pool's memory from the allocator's in NVML's figure;
-# and full mode against another build of vramd (`--alt-vramd`), to compare two builds paired.
+# and full mode against another build of vramd (`--alt-vramd`) or a daemon whose pool keeps another
+# amount ready (`--alt-pool-max`), to compare the two paired.
 EXTRA_MODES = ("full-nopool", "full-alt")
 
 
@@ -177,12 +178,13 @@ class Books:
         return self.peak
 
 
-def daemon_up(vramd, folder, pool=True):
+def daemon_up(vramd, folder, pool_max=None):
+    """A daemon on the CUDA backend; `pool_max` its `[pool] max` (TOML text), or its default."""
     sock = os.path.join(folder, "vramd.sock")
     with open(os.path.join(folder, "vramd.toml"), "w") as f:
         f.write('capacity = "120 GiB"\n')
-        if not pool:
-            f.write('[pool]\nmax = 0\n')
+        if pool_max is not None:
+            f.write(f'[pool]\nmax = {pool_max}\n')
     log = open(os.path.join(folder, "vramd.log"), "w")
     d = subprocess.Popen([vramd, "serve", "--backend", "cuda", "--socket", sock,
                           "--config", os.path.join(folder, "vramd.toml")], stdout=log, stderr=log)
@@ -204,7 +206,8 @@ def run(o, nvml, mode, model, tmp):
     if mode.startswith("full"):
         folder = tempfile.mkdtemp(prefix="daemon-", dir=tmp)
         vramd = o.alt_vramd if mode == "full-alt" else o.vramd
-        daemon, sock = daemon_up(vramd, folder, pool=mode != "full-nopool")
+        pool_max = {"full-nopool": "0", "full-alt": o.alt_pool_max}.get(mode)
+        daemon, sock = daemon_up(vramd, folder, pool_max)
         cmd = [vramd, "run", "--socket", sock, "--torch-mode", "full", "--"] + cmd
     time.sleep(1)
     base = nvml.used()
@@ -299,7 +302,11 @@ def main():
     p.add_argument("--vramd", default=".gpu/bin/vramd")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "hf"))
     p.add_argument("--alt-vramd", metavar="PATH",
-                   help="the vramd binary of mode full-alt (another build, compared paired)")
+                   help="the vramd binary of mode full-alt (another build, compared paired; "
+                        "default: --vramd)")
+    p.add_argument("--alt-pool-max", metavar="SIZE",
+                   help='the `[pool] max` of mode full-alt\'s daemon, e.g. "256 MiB" (default: '
+                        "the daemon's default)")
     p.add_argument("--books", action="store_true",
                    help="poll each full-mode daemon's books during the run (its throughput then does not compare)")
     p.add_argument("--rounds", type=int, default=3)
@@ -319,9 +326,12 @@ def main():
     os.makedirs(o.out, exist_ok=True)
     o.vramd = os.path.abspath(o.vramd)
     if "full-alt" in o.modes:
-        if not o.alt_vramd:
-            p.error("mode full-alt needs --alt-vramd PATH")
-        o.alt_vramd = os.path.abspath(o.alt_vramd)
+        if not (o.alt_vramd or o.alt_pool_max):
+            p.error("mode full-alt needs --alt-vramd PATH or --alt-pool-max SIZE")
+        o.alt_vramd = os.path.abspath(o.alt_vramd or o.vramd)
+    if o.alt_pool_max is not None:
+        # TOML text: a size with a unit is a string, a bare number of bytes an integer.
+        o.alt_pool_max = o.alt_pool_max if o.alt_pool_max.isdigit() else json.dumps(o.alt_pool_max)
     nvml = Nvml()
     results = []
     with tempfile.TemporaryDirectory(prefix="hf-training-") as tmp:
