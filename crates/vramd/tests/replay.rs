@@ -100,11 +100,23 @@ fn a_replay_through_a_daemon_gives_the_same_figures_and_times_the_round_trips() 
         "unmaps",
         "grants",
         "modelled_driver_time_share",
+        "held_at_peak",
     ] {
         assert!(a.get(key).is_some(), "{key} missing");
         assert_eq!(a[key], b[key], "{key} differs through the daemon");
     }
     assert!(a["peak_requested"].as_u64().unwrap() > 70 << 20);
+    // The memory held at its peak, by where it lay, adds up to the peak.
+    let p = &a["held_at_peak"];
+    let part = |v: &Value, k: &str| v[k].as_u64().unwrap();
+    let parts = part(p, "requested")
+        + part(p, "allocated_beyond_requested")
+        + ["whole_handles", "partly_used_handles", "small_heap"]
+            .iter()
+            .map(|k| part(&p["free"], k))
+            .sum::<u64>();
+    assert_eq!(parts, part(p, "held"), "{p}");
+    assert_eq!(p["held"], a["peak_held"], "{p}");
     assert!(a["grants"].as_u64().unwrap() > 0);
     for o in [a, b] {
         let calls = o["measured_driver_us"].as_f64().unwrap();
@@ -387,6 +399,21 @@ fn pytorch_figures_come_from_the_readme_beside_the_trace_and_scales_are_summed_u
         "one line per trace over its scales: {table}"
     );
     assert!(small[0].split_whitespace().nth(1) == Some("2"), "{table}");
+    // Where the memory held lay at its peak: a row per replay whose shares add up to 100 %.
+    let at_peak: Vec<&str> = table
+        .lines()
+        .skip_while(|l| !l.starts_with("AT PEAK HELD"))
+        .skip(1)
+        .take_while(|l| !l.is_empty())
+        .collect();
+    assert_eq!(at_peak.len(), 2, "the trace and its scaled copy: {table}");
+    for row in at_peak {
+        let shares: f64 = row
+            .split_whitespace()
+            .filter_map(|w| w.strip_suffix('%')?.parse::<f64>().ok())
+            .sum();
+        assert!((shares - 100.0).abs() < 0.05, "{shares} in {row}");
+    }
     // Without a README beside it, a trace has no figures: a dash.
     std::fs::remove_file(dir.path().join("README.md")).unwrap();
     let table = common::vramd_stdout(&["replay", "--compare", "default", path]);

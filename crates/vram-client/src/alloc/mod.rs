@@ -14,7 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use vram_core::alloc::{
-    AllocConfig, AllocError, AllocStats, Allocator, BlockState, Fence, Fences, Segment, StreamId,
+    AllocConfig, AllocError, AllocStats, Allocator, BlockState, Fence, Fences, FreeMemory, Segment,
+    StreamId,
 };
 use vram_core::Bytes;
 
@@ -418,6 +419,14 @@ impl<S: HandleSource> CachingAllocator<S> {
             core_ops: self.core_ops.load(Ordering::Relaxed),
             core_ns: self.core_ns.load(Ordering::Relaxed),
         }
+    }
+
+    /// The core's counters and its free memory by kind, read together. It walks every handle: a
+    /// diagnostic, not a statistic for every call. A block waiting in a thread cache is
+    /// allocated in the core's books, so it counts in neither.
+    pub fn free_memory(&self) -> (AllocStats, FreeMemory) {
+        let core = self.core();
+        (core.stats(), core.free_memory())
     }
 
     /// Starts the peaks over from the current values (PyTorch's `reset_peak_memory_stats`).

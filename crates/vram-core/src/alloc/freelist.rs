@@ -47,6 +47,15 @@ impl FreeList {
         (addr < s + r.len).then_some((s, r))
     }
 
+    /// Free bytes in `[start, end)`.
+    pub(crate) fn bytes_within(&self, start: u64, end: u64) -> u64 {
+        let first = self.containing(start).map_or(start, |(s, _)| s);
+        self.by_addr
+            .range(first..end)
+            .map(|(&s, r)| (s + r.len).min(end) - s.max(start))
+            .sum()
+    }
+
     /// The region that ends exactly at `addr`.
     pub(crate) fn ending_at(&self, addr: u64) -> Option<(u64, Region)> {
         let (&s, &r) = self.by_addr.range(..addr).next_back()?;

@@ -190,6 +190,18 @@ impl Heap {
         m
     }
 
+    /// Free bytes in handles that hold no live block, and in handles that also hold one.
+    pub(crate) fn free_by_handle(&self) -> (u64, u64) {
+        let (mut whole, mut partly) = (0, 0);
+        for (&va, m) in &self.handles {
+            match self.free.bytes_within(va, va + m.len) {
+                f if f == m.len => whole += f,
+                f => partly += f,
+            }
+        }
+        (whole, partly)
+    }
+
     /// Handles lying wholly inside a free region that every stream may use, except the regions
     /// that start at `skip`, as `(va, len)`.
     pub(crate) fn free_handles(&self, gran: u64, skip: [Option<u64>; 2]) -> Vec<(u64, u64)> {

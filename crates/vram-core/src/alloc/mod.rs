@@ -45,7 +45,7 @@ pub use config::AllocConfig;
 pub use fences::{MIXED_WINDOW, POLL_EVERY, SEAL_EVERY};
 pub use layout::{BlockState, Segment, SegmentBlock};
 pub use placement::SMALL_LIMIT;
-pub use stats::AllocStats;
+pub use stats::{AllocStats, FreeMemory};
 pub use stream::{AlwaysComplete, Fence, Fences, StreamId};
 
 use budget::Clock;
@@ -142,6 +142,18 @@ impl<B: Backing> Allocator<B> {
     /// Starts the peaks over from the current values (PyTorch's `reset_peak_memory_stats`).
     pub fn reset_peaks(&mut self) {
         self.stats.reset_peaks();
+    }
+
+    /// The free memory held now, by where it lies. It walks every handle: a diagnostic (what a
+    /// replay reports at its peak), not a statistic for every call.
+    pub fn free_memory(&self) -> FreeMemory {
+        let (whole, partly) = self.heaps.get(HeapKind::Large).free_by_handle();
+        let small = self.heaps.get(HeapKind::Small).free_by_handle();
+        FreeMemory {
+            whole_handles: Bytes(whole),
+            partly_used_handles: Bytes(partly),
+            small_heap: Bytes(small.0 + small.1),
+        }
     }
 
     /// The mapped memory as segments of blocks, large heap first, each in address order.

@@ -33,6 +33,20 @@ pub struct AllocStats {
     pub fence_queries: u64,
 }
 
+/// The free memory an allocator holds, by where it lies: the kinds of waste its policy bounds
+/// (docs/ARCHITECTURE.md, "The allocator's policy"). The three add up to `held - allocated`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct FreeMemory {
+    /// In large-heap handles that hold no live block: cached for reuse, and what goes back when
+    /// memory is given back.
+    pub whole_handles: Bytes,
+    /// In large-heap handles that also hold a live block: a handle goes back only whole, so this
+    /// stays until the block is freed.
+    pub partly_used_handles: Bytes,
+    /// In the small-request heap, whole handles or not: only blocks under 1 MiB use it.
+    pub small_heap: Bytes,
+}
+
 impl AllocStats {
     /// The calls the allocator made to its backing, counted as a backing counts them.
     pub fn calls(&self) -> BackingCounts {

@@ -275,6 +275,12 @@ fn run_ops(ops: Vec<Op>, drawn: Drawn) {
         assert_eq!(st.held, backing.held());
         assert_eq!(st.allocated.get(), live.values().map(|v| v.0).sum::<u64>());
         assert!(st.held >= st.allocated);
+        let free = a.free_memory();
+        assert_eq!(
+            free.whole_handles + free.partly_used_handles + free.small_heap,
+            st.held - st.allocated,
+            "the free memory by kind does not add up to what is held beyond the live blocks"
+        );
         check_segments(&a, &live);
     }
     for c in capturing {

@@ -19,8 +19,8 @@ use std::collections::HashMap;
 pub use cost::CostModel;
 
 use crate::alloc::{
-    AllocConfig, AllocError, Allocator, AlwaysComplete, BackingCounts, Fence, ModelBacking,
-    StreamId,
+    AllocConfig, AllocError, Allocator, AlwaysComplete, BackingCounts, Fence, FreeMemory,
+    ModelBacking, StreamId,
 };
 use crate::trace::{Action, Trace};
 use crate::Bytes;
@@ -52,6 +52,22 @@ pub struct ReplayResult {
     pub modelled_driver_time_share: f64,
     /// The same share under docs/design.md's cost table as written (set-access per MiB).
     pub design_table_driver_time_share: f64,
+    /// Where the memory held lay when it was at its highest.
+    pub held_at_peak: HeldAtPeak,
+}
+
+/// The memory held at its highest, by where it lay, at the moment of that peak when the live
+/// blocks' requested bytes were highest (so its free memory is the waste that the fragmentation
+/// figure counts): those bytes, what the allocator had handed out beyond them, and its free memory
+/// by kind. The four add up to `held`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct HeldAtPeak {
+    pub held: u64,
+    pub requested: u64,
+    /// Allocated beyond the requested bytes: rounding to the block alignment, and blocks waiting
+    /// in a caching allocator's thread caches.
+    pub allocated_beyond_requested: u64,
+    pub free: FreeMemory,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -81,6 +97,7 @@ pub fn replay(
     let mut blocks: HashMap<u64, u64> = HashMap::new();
     let total = trace.events.len();
     let mut at_history = BackingCounts::default();
+    let mut at_peak = HeldAtPeak::default();
     for (index, e) in trace.events.iter().enumerate() {
         if index == trace.before_history {
             at_history = a.backing().counts();
@@ -107,6 +124,15 @@ pub fn replay(
             }
         }
         a.tick(e.time_us, &AlwaysComplete);
+        let st = a.stats();
+        if (st.held.get(), st.requested.get()) > (at_peak.held, at_peak.requested) {
+            at_peak = HeldAtPeak {
+                held: st.held.get(),
+                requested: st.requested.get(),
+                allocated_beyond_requested: (st.allocated - st.requested).get(),
+                free: a.free_memory(),
+            };
+        }
         if index % PROGRESS_EVERY == 0 {
             progress(index, total);
         }
@@ -126,6 +152,7 @@ pub fn replay(
         peak_held,
         &counts,
         costs,
+        at_peak,
     ))
 }
 
@@ -138,6 +165,7 @@ impl ReplayResult {
         peak_held: u64,
         counts: &BackingCounts,
         costs: &CostModel,
+        held_at_peak: HeldAtPeak,
     ) -> ReplayResult {
         let wall_us = trace.wall_us();
         let modelled = costs.driver_us(counts);
@@ -166,6 +194,7 @@ impl ReplayResult {
             modelled_driver_time_share: trace.share_of_wall(modelled),
             design_table_driver_time_share: trace
                 .share_of_wall(CostModel::DESIGN_TABLE.driver_us(counts)),
+            held_at_peak,
         }
     }
 }

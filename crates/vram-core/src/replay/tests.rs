@@ -72,6 +72,7 @@ fn real_traces_meet_the_fragmentation_and_driver_time_goals() {
         let trace = load(&dir, name);
         let r = replay_priced(name, &trace, &AllocConfig::default());
         eprintln!("{}", serde_json::to_string(&r).unwrap());
+        check_held_at_peak(&r);
         let (frag_bound, share_bound) = match KNOWN_MISSES.iter().find(|m| m.0 == name) {
             Some(&(_, f, s)) => {
                 eprintln!("GOAL MISSED on {name} (known): held to fragmentation {f}, share {s}");
@@ -84,6 +85,20 @@ fn real_traces_meet_the_fragmentation_and_driver_time_goals() {
         }
     }
     assert!(failures.is_empty(), "goals missed on {failures:?}");
+}
+
+/// The memory held at its peak is the replay's peak held, and its parts add up to it.
+fn check_held_at_peak(r: &ReplayResult) {
+    let p = r.held_at_peak;
+    assert_eq!(p.held, r.peak_held, "{}: held at the peak", r.trace);
+    let free = p.free.whole_handles + p.free.partly_used_handles + p.free.small_heap;
+    assert_eq!(
+        p.requested + p.allocated_beyond_requested + free.get(),
+        p.held,
+        "{}: the parts of the peak do not add up: {p:?}",
+        r.trace
+    );
+    assert!(p.requested <= r.peak_requested);
 }
 
 fn ev(action: Action, addr: u64, size: u64, time_us: u64) -> Event {
@@ -123,6 +138,12 @@ fn counts_and_fragmentation_of_a_small_trace() {
     assert_eq!(r.wall_us, 1_000_000);
     assert_eq!(calls.last(), Some(&(4, 4)));
     assert!(r.modelled_driver_us > 0.0);
+    check_held_at_peak(&r);
+    // At the peak, 3 MiB and 1 MiB live in the large heap and nothing in the small one.
+    assert_eq!(
+        (r.held_at_peak.requested, r.held_at_peak.free.small_heap),
+        (4 * mib, Bytes::ZERO)
+    );
     let json = serde_json::to_value(&r).unwrap();
     for key in [
         "trace",

@@ -15,7 +15,7 @@ use vram_client::alloc::{
 };
 use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, BackingCounts, StreamId};
-use vram_core::replay::{CostModel, ReplayResult};
+use vram_core::replay::{CostModel, HeldAtPeak, ReplayResult};
 use vram_core::trace::{parse_snapshot, Action, Trace};
 use vram_core::Bytes;
 use vram_device::{BackendKind, Device};
@@ -388,6 +388,7 @@ fn run_trace<S: HandleSource>(
     // Live requested bytes, counted here from the trace itself: blocks waiting in a thread cache
     // are still allocated in the core's books, so its `requested` is not the application's.
     let (mut live, mut peak_requested) = (0u64, 0u64);
+    let mut at_peak = HeldAtPeak::default();
     let mut spent = std::time::Duration::ZERO;
     let (t0, first_us) = (
         std::time::Instant::now(),
@@ -428,6 +429,17 @@ fn run_trace<S: HandleSource>(
         }
         alloc.tick(e.time_us);
         spent += started.elapsed();
+        // Where the memory held lies at its peak, read outside the time measured.
+        let held = alloc.stats().core.held.get();
+        if (held, live) > (at_peak.held, at_peak.requested) {
+            let (core, free) = alloc.free_memory();
+            at_peak = HeldAtPeak {
+                held: core.held.get(),
+                requested: live,
+                allocated_beyond_requested: core.allocated.get().saturating_sub(live),
+                free,
+            };
+        }
         if i % 4096 == 0 {
             bar.set_position(i as u64);
         }
@@ -457,6 +469,7 @@ fn run_trace<S: HandleSource>(
             s.held_peak.get(),
             &counts,
             &CostModel::H200_MEASURED,
+            at_peak,
         ),
         fast_allocs: alloc.stats().fast_allocs,
         backend,
@@ -470,6 +483,47 @@ fn run_trace<S: HandleSource>(
         take_import_us: None,
         pytorch_fragmentation: PytorchFigures::default(),
     })
+}
+
+/// Where the memory held lay at its peak, per trace, as shares of it: what the fragmentation
+/// figure is made of.
+fn held_at_peak_table(outcomes: &[Outcome]) -> String {
+    use std::fmt::Write as _;
+    let mut out = format!(
+        "\n{:<24} {:>12} {:>8} {:>8} {:>12} {:>12} {:>11}\n",
+        "AT PEAK HELD", "HELD", "LIVE", "ROUNDING", "PARTLY USED", "WHOLE FREE", "SMALL HEAP"
+    );
+    for o in outcomes {
+        let p = &o.result.held_at_peak;
+        let share = |b: u64| {
+            if p.held == 0 {
+                0.0
+            } else {
+                b as f64 * 100.0 / p.held as f64
+            }
+        };
+        let _ = writeln!(
+            out,
+            "{:<24} {:>12} {:>7.2}% {:>7.2}% {:>11.2}% {:>11.2}% {:>10.2}%",
+            o.result.trace,
+            Bytes(p.held).to_string(),
+            share(p.requested),
+            share(p.allocated_beyond_requested),
+            share(p.free.partly_used_handles.get()),
+            share(p.free.whole_handles.get()),
+            share(p.free.small_heap.get()),
+        );
+    }
+    let _ = writeln!(
+        out,
+        "\nAT PEAK HELD: the memory held at its highest, when the most of it was live, as shares of it.\n\
+         LIVE: the live blocks' requested bytes. ROUNDING: allocated beyond them (rounding to 512 B,\n\
+         blocks waiting in thread caches). Free memory: PARTLY USED, in handles that also hold a live\n\
+         block (a handle goes back only whole); WHOLE FREE, in handles holding none (cached for reuse);\n\
+         SMALL HEAP, in the heap of blocks under 1 MiB. docs/ARCHITECTURE.md (\"The allocator's\n\
+         policy\") says what bounds each."
+    );
+    out
 }
 
 /// Per trace replayed at several scales, the mean and worst fragmentation and driver time share
@@ -582,6 +636,7 @@ fn table(outcomes: &[Outcome], compare: &[Compare]) -> String {
          on the recorded run (1 - peak allocated / peak reserved, its rounded block sizes; from the\n\
          README beside the trace; - where it gives none)."
     );
+    let _ = write!(out, "{}", held_at_peak_table(outcomes));
     for o in outcomes.iter().map(|o| &o.result) {
         if o.before_history_blocks > 0 {
             let _ = writeln!(
