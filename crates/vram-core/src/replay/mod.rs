@@ -19,8 +19,8 @@ use std::collections::HashMap;
 pub use cost::CostModel;
 
 use crate::alloc::{
-    AllocConfig, AllocError, Allocator, AlwaysComplete, BackingCounts, Fence, FreeMemory,
-    ModelBacking, StreamId,
+    AllocConfig, AllocError, AllocStats, Allocator, AlwaysComplete, BackingCounts, Fence,
+    FreeMemory, ModelBacking, StreamId,
 };
 use crate::trace::{Action, Trace};
 use crate::Bytes;
@@ -68,6 +68,28 @@ pub struct HeldAtPeak {
     /// in a caching allocator's thread caches.
     pub allocated_beyond_requested: u64,
     pub free: FreeMemory,
+}
+
+impl HeldAtPeak {
+    /// Takes the allocator as it is now when `held` and the live blocks' `requested` bytes pass
+    /// the peak kept so far (memory held first, then live bytes); `read` gives the allocator's
+    /// counters and free memory, and is called only then.
+    pub fn observe(
+        &mut self,
+        held: u64,
+        requested: u64,
+        read: impl FnOnce() -> (AllocStats, FreeMemory),
+    ) {
+        if (held, requested) > (self.held, self.requested) {
+            let (stats, free) = read();
+            *self = HeldAtPeak {
+                held: stats.held.get(),
+                requested,
+                allocated_beyond_requested: stats.allocated.get().saturating_sub(requested),
+                free,
+            };
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -125,14 +147,7 @@ pub fn replay(
         }
         a.tick(e.time_us, &AlwaysComplete);
         let st = a.stats();
-        if (st.held.get(), st.requested.get()) > (at_peak.held, at_peak.requested) {
-            at_peak = HeldAtPeak {
-                held: st.held.get(),
-                requested: st.requested.get(),
-                allocated_beyond_requested: (st.allocated - st.requested).get(),
-                free: a.free_memory(),
-            };
-        }
+        at_peak.observe(st.held.get(), st.requested.get(), || (st, a.free_memory()));
         if index % PROGRESS_EVERY == 0 {
             progress(index, total);
         }

@@ -430,16 +430,7 @@ fn run_trace<S: HandleSource>(
         alloc.tick(e.time_us);
         spent += started.elapsed();
         // Where the memory held lies at its peak, read outside the time measured.
-        let held = alloc.stats().core.held.get();
-        if (held, live) > (at_peak.held, at_peak.requested) {
-            let (core, free) = alloc.free_memory();
-            at_peak = HeldAtPeak {
-                held: core.held.get(),
-                requested: live,
-                allocated_beyond_requested: core.allocated.get().saturating_sub(live),
-                free,
-            };
-        }
+        at_peak.observe(alloc.stats().core.held.get(), live, || alloc.free_memory());
         if i % 4096 == 0 {
             bar.set_position(i as u64);
         }
