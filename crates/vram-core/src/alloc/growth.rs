@@ -11,13 +11,15 @@
 //! memory it adds ahead of need stays within the cap.
 //!
 //! From where: below the cap, new handles from the backing (one request). At the cap, wholly free
-//! handles elsewhere are reused first: returned, with the need granted as one request (a handle
-//! returned comes back to the tenant first), except that one free handle of just the size needed
-//! is moved (unmapped and mapped at the site). The small heap's free handles are reused by the
-//! large heap only that way, moved when one is just the size needed, never given back for it.
+//! handles elsewhere are reused first: moved (unmapped and mapped at the site) when they are one
+//! handle of just the size needed, or together at most twice a need of four granules or more;
+//! otherwise returned, with the need granted as one request (a handle returned comes back to the
+//! tenant first). The small heap's free handles are reused by the large heap only when one is
+//! just the size needed, moved, never given back for it.
 //!
-//! In what pieces: the largest handle is `max_handle`, or smaller while the driver-time budget
-//! affords more handles (`budget.rs`). A grant up to that size is one handle; a larger one is cut
+//! In what pieces: the largest handle is `max_handle`, at most 1/32 of the peak in use (so a small
+//! program's handles are as small a share of it as a large one's), or smaller while the
+//! driver-time budget affords more handles (`budget.rs`). A grant up to that size is one handle; a larger one is cut
 //! into handles that are smallest (a quarter of it) at both ends and double toward the middle. A
 //! region is later reused in part, usually from one end, and a handle goes back only whole: small
 //! handles at the ends keep what a partial reuse strands small, and large ones in the middle keep
@@ -111,12 +113,18 @@ impl<B: Backing> Allocator<B> {
         } else {
             Vec::new()
         };
-        // One free handle of just the size needed is moved: returned, the daemon would hand the
-        // same handle back. Otherwise they go back first (room under the tenant's limit too), and
-        // the need is granted below as one request: a move would bring their whole size, and
-        // several small ones in place of one.
-        let exact = matches!(moves.as_slice(), [m] if m.len == site.need);
-        if !exact && !moves.is_empty() {
+        // The handles picked are moved (unmapped and mapped at the site, two driver calls each)
+        // when together they are at most twice a need of at least `MOVE_LEAST` granules, or are
+        // one handle of just the size needed: returned, the daemon would hand the same memory
+        // back for a request and an import per handle more. Otherwise they go back first (room
+        // under the tenant's limit too) and the need is granted below as one request: a move
+        // brings a handle's whole size, which would lie free at the site, and a program that
+        // grows a granule or two at a time would move a handle at every growth while memory held
+        // stays at the cap, where giving back more than it needs leaves room under the cap.
+        let picked: u64 = moves.iter().map(|m| m.len).sum();
+        let move_them = matches!(moves.as_slice(), [m] if m.len == site.need)
+            || (site.need >= MOVE_LEAST * gran && picked <= 2 * site.need);
+        if !move_them && !moves.is_empty() {
             let handles = std::mem::take(&mut moves);
             self.return_handles(&handles);
         }
@@ -241,11 +249,16 @@ impl<B: Backing> Allocator<B> {
     /// the driver-time budget affords ([`budget::Clock::next_handle_size`]).
     fn grant(&mut self, bytes: u64, wanted: u64) -> Result<Vec<Mapped>, AllocError> {
         let gran = self.config.granularity.get();
+        let peak = self
+            .stats
+            .allocated_peak
+            .get()
+            .max(self.stats.allocated.get() + wanted);
         let max = self.clock.next_handle_size(
             bytes,
             self.backing.cost(&self.stats.calls()),
             self.config.driver_budget,
-            self.config.max_handle.get(),
+            largest_handle(self.config.max_handle.get(), peak, gran),
             gran,
         );
         let sizes: Vec<Bytes> = split_grant(bytes, max, gran)
@@ -283,6 +296,22 @@ impl<B: Backing> Allocator<B> {
             source,
         }
     }
+}
+
+/// A handle is at most this share of the peak in use (see [`largest_handle`]).
+pub(super) const HANDLE_SHARE: u64 = 32;
+
+/// The least need, in granules, for which a growth at the cap moves several free handles, or one
+/// larger than the need, rather than giving them back (see `grow`).
+const MOVE_LEAST: u64 = 4;
+
+/// The largest handle for a program whose memory in use peaks at `peak`: `max_handle`, or for a
+/// program under `HANDLE_SHARE` times it, the power of two at or above `peak / HANDLE_SHARE` (at
+/// least a granule). A handle goes back only whole, so the free memory it strands beside a live
+/// block is then a share of the program's own memory, the same for a small program as a large one.
+pub(super) fn largest_handle(max_handle: u64, peak: u64, gran: u64) -> u64 {
+    let max = (max_handle / gran * gran).max(gran);
+    (peak / HANDLE_SHARE).next_power_of_two().max(gran).min(max)
 }
 
 /// The handle sizes, in address order, that a grant of `bytes` (a multiple of the granularity
