@@ -23,7 +23,8 @@ pub struct AllocConfig {
     /// Setting: the largest handle (the unit memory is taken from the daemon, moved and given
     /// back in). A handle goes back only whole, so the free memory a live block strands beside it
     /// is at most a handle; smaller handles strand less and cost driver calls each. Grants are
-    /// cut into handles between a quarter of it and all of it, as `driver_budget` affords.
+    /// cut into handles between a quarter of it and all of it, as `driver_budget` affords, and
+    /// never above 1/32 of the peak in use (rounded up to a power of two).
     pub max_handle: Bytes,
     /// Setting: the share of the program's time the allocator may spend in the calls that grant,
     /// map and give back memory (measured on a device, priced by the cost model in a replay).
