@@ -14,8 +14,9 @@
 //! handles elsewhere are reused first: moved (unmapped and mapped at the site) when they are one
 //! handle of just the size needed, or together at most twice a need of four granules or more;
 //! otherwise returned, with the need granted as one request (a handle returned comes back to the
-//! tenant first). The small heap's free handles are reused by the large heap only when one is
-//! just the size needed, moved, never given back for it.
+//! tenant first). Memory passes between the heaps only by moves: the large heap takes a small-heap
+//! handle only when one is just the size needed, and the small heap, which takes handles within
+//! its need, takes the large heap's smallest larger one when no handle within its need is free.
 //!
 //! In what pieces: the largest handle is `max_handle`, at most 1/32 of the peak in use (so a small
 //! program's handles are as small a share of it as a large one's), or smaller while the
@@ -115,14 +116,14 @@ impl<B: Backing> Allocator<B> {
         };
         // The handles picked are moved (unmapped and mapped at the site, two driver calls each)
         // when together they are at most twice a need of at least `MOVE_LEAST` granules, or are
-        // one handle of just the size needed: returned, the daemon would hand the same memory
+        // one handle of just the size needed or of the other heap: returned, the daemon would hand the same memory
         // back for a request and an import per handle more. Otherwise they go back first (room
         // under the tenant's limit too) and the need is granted below as one request: a move
         // brings a handle's whole size, which would lie free at the site, and a program that
         // grows a granule or two at a time would move a handle at every growth while memory held
         // stays at the cap, where giving back more than it needs leaves room under the cap.
         let picked: u64 = moves.iter().map(|m| m.len).sum();
-        let move_them = matches!(moves.as_slice(), [m] if m.len == site.need)
+        let move_them = matches!(moves.as_slice(), [m] if m.len == site.need || m.heap != kind)
             || (site.need >= MOVE_LEAST * gran && picked <= 2 * site.need);
         if !move_them && !moves.is_empty() {
             let handles = std::mem::take(&mut moves);
@@ -196,6 +197,9 @@ impl<B: Backing> Allocator<B> {
         let gran = self.config.granularity.get();
         let room = site.gap.len;
         let mut candidates: Vec<FreeHandle> = Vec::new();
+        // The small heap's last resort: the smallest wholly free handle of the large heap larger
+        // than its need.
+        let mut larger: Option<FreeHandle> = None;
         for (from, heap) in self.heaps.iter() {
             let skip = if from == kind {
                 site.uses
@@ -214,14 +218,23 @@ impl<B: Backing> Allocator<B> {
                     (HeapKind::Large, HeapKind::Small) => len == site.need,
                     (HeapKind::Large, HeapKind::Large) => true,
                 };
+                let handle = FreeHandle {
+                    heap: from,
+                    va,
+                    len,
+                };
                 if len <= room && usable {
-                    candidates.push(FreeHandle {
-                        heap: from,
-                        va,
-                        len,
-                    });
+                    candidates.push(handle);
+                } else if len <= room && (kind, from) == (HeapKind::Small, HeapKind::Large) {
+                    larger = Some(larger.map_or(handle, |l| if len < l.len { handle } else { l }));
                 }
             }
+        }
+        // Nothing within its need anywhere: rather than grow past the cap a granule at a time
+        // while the large heap's memory lies free in whole handles, the small heap moves in the
+        // smallest of them. Its free granules come back to the large heap as whole free handles.
+        if candidates.is_empty() {
+            return larger.into_iter().collect();
         }
         if let Some(&one) = candidates
             .iter()

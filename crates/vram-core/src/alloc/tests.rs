@@ -513,6 +513,33 @@ fn free_handles_far_larger_than_the_need_go_back_and_the_need_is_granted() {
 }
 
 #[test]
+fn at_the_cap_the_small_heap_moves_in_a_larger_free_handle_rather_than_grow() {
+    let config = AllocConfig {
+        grow_slack: 0.0,
+        ..small_config()
+    };
+    let mut a = Allocator::new(config, ModelBacking::new());
+    let f = AlwaysComplete;
+    // A 1 GiB program (16 MiB handles) with a 16 MiB block freed: 1040 MiB held at a peak of
+    // 1040 MiB in use, the growth cap, and one wholly free 16 MiB handle in the large heap.
+    let _ballast = a.alloc(Bytes::gib(1), StreamId(0), &f).unwrap();
+    let x = a.alloc(Bytes::mib(16), StreamId(0), &f).unwrap();
+    a.free(x.offset, StreamId(0), Fence(0), &f).unwrap();
+    let before = a.backing().counts();
+    // The first small block needs a granule, and no free handle is that small: the large heap's
+    // free handle is moved into the small heap instead of a granule granted past the cap.
+    let small = a.alloc(Bytes::kib(512), StreamId(0), &f).unwrap();
+    assert!(a.small_heap().contains(&small.offset));
+    let c = a.backing().counts();
+    assert_eq!(
+        (c.grants, c.releases, c.unmaps, c.maps),
+        (before.grants, 0, before.unmaps + 1, before.maps + 1),
+        "{c:?}"
+    );
+    assert_eq!(a.stats().held, Bytes::mib(1040));
+}
+
+#[test]
 fn free_handles_within_twice_the_need_are_moved_not_returned() {
     let mut a = Allocator::new(small_config(), ModelBacking::new());
     let f = AlwaysComplete;

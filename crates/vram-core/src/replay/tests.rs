@@ -10,7 +10,7 @@ const DRIVER_SHARE_GOAL: f64 = 0.01;
 /// says loudly that the goal is missed. Remove an entry once the allocator meets the goals on it.
 /// docs/ARCHITECTURE.md ("The allocator's policy") says what each miss is made of.
 const KNOWN_MISSES: [(&str, f64, f64); 3] = [
-    ("bert_train_varlen", 0.0280, 0.0132),
+    ("bert_train_varlen", 0.0300, 0.0132),
     ("efficientnet_progressive", 0.0100, 0.0124),
     ("gpt2_generate", 0.0240, 0.0140),
 ];
