@@ -62,17 +62,34 @@ fn real_traces_meet_the_fragmentation_and_driver_time_goals() {
         eprintln!("skipped: no traces (set VRAMD_TRACES to the folder of *.pickle.gz)");
         return;
     };
+    let present: Vec<&str> = TRACES
+        .into_iter()
+        .filter(|name| {
+            let there = dir.join(format!("{name}.pickle.gz")).is_file();
+            if !there {
+                eprintln!("skipped {name}: not in {}", dir.display());
+            }
+            there
+        })
+        .collect();
+    let failures = goals_missed(&dir, &present, &KNOWN_MISSES);
+    assert!(failures.is_empty(), "goals missed on {failures:?}");
+}
+
+/// Replays each of `names` from `dir` at the default configuration and returns those that miss
+/// the goals, or for a trace in `known`, the figures it is held to.
+fn goals_missed<'a>(
+    dir: &std::path::Path,
+    names: &[&'a str],
+    known: &[(&str, f64, f64)],
+) -> Vec<&'a str> {
     let mut failures = Vec::new();
-    for name in TRACES {
-        if !dir.join(format!("{name}.pickle.gz")).is_file() {
-            eprintln!("skipped {name}: not in {}", dir.display());
-            continue;
-        }
-        let trace = load(&dir, name);
+    for &name in names {
+        let trace = load(dir, name);
         let r = replay_priced(name, &trace, &AllocConfig::default());
         eprintln!("{}", serde_json::to_string(&r).unwrap());
         check_held_at_peak(&r);
-        let (frag_bound, share_bound) = match KNOWN_MISSES.iter().find(|m| m.0 == name) {
+        let (frag_bound, share_bound) = match known.iter().find(|m| m.0 == name) {
             Some(&(_, f, s)) => {
                 eprintln!("GOAL MISSED on {name} (known): held to fragmentation {f}, share {s}");
                 (f, s)
@@ -83,6 +100,29 @@ fn real_traces_meet_the_fragmentation_and_driver_time_goals() {
             failures.push(name);
         }
     }
+    failures
+}
+
+/// Traces recorded by `scripts/h200/record_traces.py` of workloads the policy was not tuned on,
+/// kept in the repository (docs/results/2026-12-04-h200-traces), with the figures the default
+/// configuration reaches where it misses a goal (fragmentation, driver time share), as above.
+const HELD_OUT: [&str; 8] = [
+    "dcgan_train",
+    "vit_serve",
+    "unet_train",
+    "llama_generate",
+    "gpt2_ckpt_train",
+    "gnn_train",
+    "dlrm_train",
+    "lora_finetune",
+];
+const HELD_OUT_MISSES: [(&str, f64, f64); 1] = [("dcgan_train", 0.0445, 0.0112)];
+
+#[test]
+fn traces_the_policy_was_not_tuned_on_meet_the_goals_or_their_known_figures() {
+    let dir =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/results/2026-12-04-h200-traces");
+    let failures = goals_missed(&dir, &HELD_OUT, &HELD_OUT_MISSES);
     assert!(failures.is_empty(), "goals missed on {failures:?}");
 }
 
