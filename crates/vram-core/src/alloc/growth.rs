@@ -20,11 +20,11 @@
 //!
 //! In what pieces: the largest handle is `max_handle`, at most 1/32 of the peak in use (so a small
 //! program's handles are as small a share of it as a large one's), or smaller while the
-//! driver-time budget affords more handles (`budget.rs`). A grant up to that size is one handle; a larger one is cut
-//! into handles that are smallest (a quarter of it) at both ends and double toward the middle. A
-//! region is later reused in part, usually from one end, and a handle goes back only whole: small
-//! handles at the ends keep what a partial reuse strands small, and large ones in the middle keep
-//! the count of handles (driver calls each) low.
+//! driver-time budget affords more handles (`budget.rs`). A grant up to that size is one handle;
+//! a larger one is cut into handles that are smallest (a quarter of it) at both ends and double
+//! toward the middle. A region is later reused in part, usually from one end, and a handle goes
+//! back only whole: small handles at the ends keep what a partial reuse strands small, and large
+//! ones in the middle keep the count of handles (driver calls each) low.
 
 use super::backing::{Backing, GrantId, Refused};
 use super::heap::{Mapped, Site};
@@ -116,12 +116,13 @@ impl<B: Backing> Allocator<B> {
         };
         // The handles picked are moved (unmapped and mapped at the site, two driver calls each)
         // when together they are at most twice a need of at least `MOVE_LEAST` granules, or are
-        // one handle of just the size needed or of the other heap: returned, the daemon would hand the same memory
-        // back for a request and an import per handle more. Otherwise they go back first (room
-        // under the tenant's limit too) and the need is granted below as one request: a move
-        // brings a handle's whole size, which would lie free at the site, and a program that
-        // grows a granule or two at a time would move a handle at every growth while memory held
-        // stays at the cap, where giving back more than it needs leaves room under the cap.
+        // one handle of just the size needed or of the other heap: returned, the daemon would
+        // hand the same memory back for a request and an import per handle more. Otherwise they
+        // go back first (room under the tenant's limit too) and the need is granted below as one
+        // request: a move brings a handle's whole size, which would lie free at the site, and a
+        // program that grows a granule or two at a time would move a handle at every growth
+        // while memory held stays at the cap, where giving back more than it needs leaves room
+        // under the cap.
         let picked: u64 = moves.iter().map(|m| m.len).sum();
         let move_them = matches!(moves.as_slice(), [m] if m.len == site.need || m.heap != kind)
             || (site.need >= MOVE_LEAST * gran && picked <= 2 * site.need);
@@ -225,14 +226,18 @@ impl<B: Backing> Allocator<B> {
                 };
                 if len <= room && usable {
                     candidates.push(handle);
-                } else if len <= room && (kind, from) == (HeapKind::Small, HeapKind::Large) {
-                    larger = Some(larger.map_or(handle, |l| if len < l.len { handle } else { l }));
+                } else if len <= room
+                    && (kind, from) == (HeapKind::Small, HeapKind::Large)
+                    && larger.is_none_or(|l| len < l.len)
+                {
+                    larger = Some(handle);
                 }
             }
         }
         // Nothing within its need anywhere: rather than grow past the cap a granule at a time
         // while the large heap's memory lies free in whole handles, the small heap moves in the
-        // smallest of them. Its free granules come back to the large heap as whole free handles.
+        // smallest of them. Once wholly free again, it goes back with the timed release, or to
+        // the large heap when it is just the size a growth there needs.
         if candidates.is_empty() {
             return larger.into_iter().collect();
         }
@@ -312,7 +317,7 @@ impl<B: Backing> Allocator<B> {
 }
 
 /// A handle is at most this share of the peak in use (see [`largest_handle`]).
-pub(super) const HANDLE_SHARE: u64 = 32;
+const HANDLE_SHARE: u64 = 32;
 
 /// The least need, in granules, for which a growth at the cap moves several free handles, or one
 /// larger than the need, rather than giving them back (see `grow`).
@@ -322,7 +327,7 @@ const MOVE_LEAST: u64 = 4;
 /// program under `HANDLE_SHARE` times it, the power of two at or above `peak / HANDLE_SHARE` (at
 /// least a granule). A handle goes back only whole, so the free memory it strands beside a live
 /// block is then a share of the program's own memory, the same for a small program as a large one.
-pub(super) fn largest_handle(max_handle: u64, peak: u64, gran: u64) -> u64 {
+fn largest_handle(max_handle: u64, peak: u64, gran: u64) -> u64 {
     let max = (max_handle / gran * gran).max(gran);
     (peak / HANDLE_SHARE).next_power_of_two().max(gran).min(max)
 }
