@@ -326,9 +326,9 @@ fn blocks_live_before_a_snapshots_history_are_placed_first_unless_window_only() 
         (6 << 20) + 4096 * 29
     );
     // Placing the weights came before the history: the calls that mapped them are not counted
-    // in it (they took 161 MiB; the history's few activations fit in the slack above them).
+    // in it (they took 161 MiB; the history's few activations take a few handles at most).
     for o in [whole, through] {
-        assert!(o["mapped_bytes"].as_u64().unwrap() < 16 * mib, "{o}");
+        assert!(o["mapped_bytes"].as_u64().unwrap() < 32 * mib, "{o}");
         assert_eq!(
             o["wall_us"],
             window["wall_us"].as_u64().unwrap() + 20,
