@@ -59,12 +59,16 @@ impl<B: Backing> Allocator<B> {
     /// The most the tenant may hold, while growth adds memory, with `len` more bytes allocated:
     /// `grow_slack` above the peak allocated. Past it, growth reuses wholly free handles first.
     pub(super) fn growth_cap(&self, len: u64) -> u64 {
-        let peak = self
-            .stats
+        let peak = self.peak_in_use(len);
+        peak + (peak as f64 * self.config.grow_slack) as u64
+    }
+
+    /// The peak of memory in use, counting `len` more bytes allocated.
+    fn peak_in_use(&self, len: u64) -> u64 {
+        self.stats
             .allocated_peak
             .get()
-            .max(self.stats.allocated.get() + len);
-        peak + (peak as f64 * self.config.grow_slack) as u64
+            .max(self.stats.allocated.get() + len)
     }
 
     /// [`Self::grow`] by the usual step; when that is refused (the tenant's limit, or the
@@ -267,11 +271,7 @@ impl<B: Backing> Allocator<B> {
     /// the driver-time budget affords ([`budget::Clock::next_handle_size`]).
     fn grant(&mut self, bytes: u64, wanted: u64) -> Result<Vec<Mapped>, AllocError> {
         let gran = self.config.granularity.get();
-        let peak = self
-            .stats
-            .allocated_peak
-            .get()
-            .max(self.stats.allocated.get() + wanted);
+        let peak = self.peak_in_use(wanted);
         let max = self.clock.next_handle_size(
             bytes,
             self.backing.cost(&self.stats.calls()),

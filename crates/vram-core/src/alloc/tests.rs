@@ -476,18 +476,26 @@ fn growth_at_the_cap_reuses_free_handles_instead_of_adding_memory() {
     assert!((4 << 20..=12 << 20).contains(&granted), "{granted}");
 }
 
-#[test]
-fn free_handles_far_larger_than_the_need_go_back_and_the_need_is_granted() {
+/// An allocator with no growth slack (held may not run above the peak in use while growth takes
+/// new memory) holding a 1 GiB block, which gives it 16 MiB handles (`max_handle`), and a 16 MiB
+/// block beside it in a handle of its own; returns the allocator and that block.
+fn a_gigabyte_and_16_mib_at_the_cap() -> (Allocator<ModelBacking>, Block) {
     let config = AllocConfig {
         grow_slack: 0.0,
         ..small_config()
     };
     let mut a = Allocator::new(config, ModelBacking::new());
     let f = AlwaysComplete;
-    // A 1 GiB program gets 16 MiB handles (`max_handle`). Beside its first gigabyte: a 16 MiB
-    // block, a 2 MiB one and a 14 MiB one, the first and the last freed.
-    let _ballast = a.alloc(Bytes::gib(1), StreamId(0), &f).unwrap();
+    a.alloc(Bytes::gib(1), StreamId(0), &f).unwrap();
     let x = a.alloc(Bytes::mib(16), StreamId(0), &f).unwrap();
+    (a, x)
+}
+
+#[test]
+fn free_handles_far_larger_than_the_need_go_back_and_the_need_is_granted() {
+    let (mut a, x) = a_gigabyte_and_16_mib_at_the_cap();
+    let f = AlwaysComplete;
+    // Beside them a 2 MiB block and a 14 MiB one; the 16 MiB block and the 14 MiB one freed.
     let _pin = a.alloc(Bytes::mib(2), StreamId(0), &f).unwrap();
     let y = a.alloc(Bytes::mib(14), StreamId(0), &f).unwrap();
     a.free(x.offset, StreamId(0), Fence(0), &f).unwrap();
@@ -514,16 +522,10 @@ fn free_handles_far_larger_than_the_need_go_back_and_the_need_is_granted() {
 
 #[test]
 fn at_the_cap_the_small_heap_moves_in_a_larger_free_handle_rather_than_grow() {
-    let config = AllocConfig {
-        grow_slack: 0.0,
-        ..small_config()
-    };
-    let mut a = Allocator::new(config, ModelBacking::new());
+    let (mut a, x) = a_gigabyte_and_16_mib_at_the_cap();
     let f = AlwaysComplete;
-    // A 1 GiB program (16 MiB handles) with a 16 MiB block freed: 1040 MiB held at a peak of
-    // 1040 MiB in use, the growth cap, and one wholly free 16 MiB handle in the large heap.
-    let _ballast = a.alloc(Bytes::gib(1), StreamId(0), &f).unwrap();
-    let x = a.alloc(Bytes::mib(16), StreamId(0), &f).unwrap();
+    // The 16 MiB block freed: 1040 MiB held at a peak of 1040 MiB in use, the growth cap, and one
+    // wholly free 16 MiB handle in the large heap.
     a.free(x.offset, StreamId(0), Fence(0), &f).unwrap();
     let before = a.backing().counts();
     // The first small block needs a granule, and no free handle is that small: the large heap's
