@@ -107,6 +107,9 @@ struct Live {
     /// Whether the daemon's figure of what the tenant holds must equal `held`: not once another
     /// connection may share the tenant (an invitation) or shared buffers charge it.
     exact: bool,
+    /// Whether another connection may share the tenant (a join, an invitation): its returns and
+    /// uncharges then take from what this peer counts, which is no floor of the tenant's books.
+    shared: bool,
     pending: HashMap<u64, Pending>,
     /// Sent a frame the daemon may close the connection for (bad header, fds that do not match).
     bad: bool,
@@ -126,6 +129,7 @@ impl Live {
             charged_floor: 0,
             limit: None,
             exact: true,
+            shared: false,
             pending: HashMap::new(),
             bad: false,
             closing: false,
@@ -523,6 +527,7 @@ impl<'a> Peer<'a> {
                 // Joined, this connection shares the tenant with the one that invited it.
                 if let Some(live) = self.conn.as_mut() {
                     live.exact = false;
+                    live.shared = true;
                 }
                 let token = match p {
                     Pick::Known(i) => choose(&world.seen().tokens, *i).unwrap_or_default(),
@@ -819,6 +824,7 @@ impl<'a> Peer<'a> {
             }
             Reply::Invitation { token } => {
                 live.exact = false;
+                live.shared = true;
                 remember(&mut world.seen().tokens, token);
             }
             Reply::Reclaim { ask, .. } => live.reclaim = Some(ask),
@@ -874,7 +880,8 @@ impl<'a> Peer<'a> {
                 return Err(format!("an admin reply nobody asked for: {:?}", r.msg));
             }
         }
-        if let Some(limit) = live.limit {
+        // Shared, the tenant's books are checked on the daemon's own figures (budgets, status).
+        if let Some(limit) = live.limit.filter(|_| !live.shared) {
             if live.held + live.charged_floor > limit.get() as u128 {
                 return Err(format!(
                     "this peer was granted {} and charged at least {}; its limit is {limit}",
