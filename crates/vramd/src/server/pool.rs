@@ -2,9 +2,10 @@
 //! fd passed over a socket, not a create and an export on the grant's path (the export is the
 //! driver's expensive call: docs/design.md, "What the hardware costs").
 //!
-//! The pool only ever holds memory that no tenant has seen: a handle a tenant gives back is
-//! released, never pooled again, so a tenant that kept an import of it reaches nothing of the
-//! next owner's. Pooled memory is the daemon's; it is given up whenever a grant needs the room.
+//! Fresh handles are memory no tenant has seen. A handle a tenant gives back is kept only for
+//! that same tenant's next grant of its size (`recycle`), or released; never handed to another
+//! tenant, so a tenant that kept an import of it reaches nothing of the next owner's. Pooled memory
+//! is the daemon's; it is given up whenever a grant needs the room.
 
 use std::collections::HashMap;
 use std::os::fd::OwnedFd;
