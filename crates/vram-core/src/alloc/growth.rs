@@ -110,30 +110,7 @@ impl<B: Backing> Allocator<B> {
                     requested: Bytes(len),
                     va: self.config.va_bytes,
                 })?;
-        // Below the cap, grant: the slack lets later blocks wrap around into old holes instead of
-        // every growth reusing handles. At the cap, reuse wholly free handles first.
-        let at_cap = self.stats.held.get() + site.need > self.growth_cap(len);
-        let mut moves = if at_cap {
-            self.pick_moves(kind, &site)
-        } else {
-            Vec::new()
-        };
-        // The handles picked are moved (unmapped and mapped at the site, two driver calls each)
-        // when together they are at most twice a need of at least `MOVE_LEAST` granules, or are
-        // one handle of just the size needed or of the other heap: returned, the daemon would
-        // hand the same memory back for a request and an import per handle more. Otherwise they
-        // go back first (room under the tenant's limit too) and the need is granted below as one
-        // request: a move brings a handle's whole size, which would lie free at the site, and a
-        // program that grows a granule or two at a time would move a handle at every growth
-        // while memory held stays at the cap, where giving back more than it needs leaves room
-        // under the cap.
-        let picked: u64 = moves.iter().map(|m| m.len).sum();
-        let move_them = matches!(moves.as_slice(), [m] if m.len == site.need || m.heap != kind)
-            || (site.need >= MOVE_LEAST * gran && picked <= 2 * site.need);
-        if !move_them && !moves.is_empty() {
-            let handles = std::mem::take(&mut moves);
-            self.return_handles(&handles);
-        }
+        let moves = self.handles_to_move(kind, &site, len);
         let moved: u64 = moves.iter().map(|m| m.len).sum();
         let missing = site.need.saturating_sub(moved);
         let room = site.gap.len - moved;
@@ -156,6 +133,46 @@ impl<B: Backing> Allocator<B> {
             })
             .collect();
         pieces.extend(grants);
+        self.map_at_site(kind, &site, pieces, len)
+    }
+
+    /// The wholly free handles that a growth at `site` for a block of `len` bytes moves there:
+    /// none below the growth cap, where new memory is granted (the slack lets later blocks wrap
+    /// around into old holes instead of every growth reusing handles). At the cap, the handles
+    /// picked are moved (unmapped and mapped at the site, two driver calls each) when together
+    /// they are at most twice a need of at least `MOVE_LEAST` granules, or are one handle of just
+    /// the size needed or of the other heap: returned, the daemon would hand the same memory back
+    /// for a request and an import per handle more. Otherwise they go back here (room under the
+    /// tenant's limit too) and the growth grants its need as one request: a move brings a
+    /// handle's whole size, which would lie free at the site, and a program that grows a granule
+    /// or two at a time would move a handle at every growth while memory held stays at the cap,
+    /// where giving back more than it needs leaves room under the cap.
+    fn handles_to_move(&mut self, kind: HeapKind, site: &Site, len: u64) -> Vec<FreeHandle> {
+        let gran = self.config.granularity.get();
+        if self.stats.held.get() + site.need <= self.growth_cap(len) {
+            return Vec::new();
+        }
+        let moves = self.pick_moves(kind, site);
+        let picked: u64 = moves.iter().map(|m| m.len).sum();
+        let move_them = matches!(moves.as_slice(), [m] if m.len == site.need || m.heap != kind)
+            || (site.need >= MOVE_LEAST * gran && picked <= 2 * site.need);
+        if move_them {
+            return moves;
+        }
+        self.return_handles(&moves);
+        Vec::new()
+    }
+
+    /// Maps `pieces` side by side into the gap of `site` (from its start, or up to its end when
+    /// the region it extends starts there); when a map fails, the pieces not mapped are released
+    /// and the growth for a block of `len` bytes fails.
+    fn map_at_site(
+        &mut self,
+        kind: HeapKind,
+        site: &Site,
+        pieces: Vec<Mapped>,
+        len: u64,
+    ) -> Result<(), AllocError> {
         let total: u64 = pieces.iter().map(|m| m.len).sum();
         let mut va = if site.at_gap_end {
             site.gap.end() - total
