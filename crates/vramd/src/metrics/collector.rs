@@ -9,7 +9,8 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Unit;
-use vram_proto::StatusReport;
+use vram_proto::{DeviceStatus, StatusReport, TenantStatus};
+use MetricType::{Counter, Gauge};
 
 use super::{tenant_labels, TenantLabels};
 use crate::server::Daemon;
@@ -115,40 +116,217 @@ fn family<L: EncodeLabelSet>(
     Ok(())
 }
 
-fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
-    use MetricType::{Counter, Gauge};
-    let bytes = Some(&Unit::Bytes);
+/// A family with one sample per device, per tenant or per daemon, read from the report: its
+/// name, help text, whether it counts bytes, its type, and the figure.
+struct Series<T> {
+    name: &'static str,
+    help: &'static str,
+    bytes: bool,
+    kind: MetricType,
+    value: fn(&T) -> u64,
+}
 
-    let dev = |f: fn(&vram_proto::DeviceStatus) -> u64| {
-        r.devices.iter().map(move |d| {
-            let labels = [("gpu", d.index.to_string()), ("uuid", d.uuid.clone())];
-            (labels, f(d))
-        })
-    };
-    family(
-        e,
-        "device_capacity",
-        "Memory vramd may hand out on the device",
-        bytes,
-        Gauge,
-        dev(|d| d.capacity.get()),
-    )?;
-    family(
-        e,
-        "device_held",
-        "Memory granted to tenants",
-        bytes,
-        Gauge,
-        dev(|d| d.held.get()),
-    )?;
-    family(
-        e,
-        "device_pooled",
-        "Memory created ahead of demand and not yet granted",
-        bytes,
-        Gauge,
-        dev(|d| d.pooled.get()),
-    )?;
+impl<T> Series<T> {
+    fn encode<'a, L: EncodeLabelSet>(
+        &self,
+        e: &mut DescriptorEncoder,
+        items: impl IntoIterator<Item = (L, &'a T)>,
+    ) -> fmt::Result
+    where
+        T: 'a,
+    {
+        let unit = self.bytes.then_some(&Unit::Bytes);
+        let samples = items.into_iter().map(|(l, t)| (l, (self.value)(t)));
+        family(e, self.name, self.help, unit, self.kind, samples)
+    }
+}
+
+const DEVICE_SERIES: &[Series<DeviceStatus>] = &[
+    Series {
+        name: "device_capacity",
+        help: "Memory vramd may hand out on the device",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.capacity.get(),
+    },
+    Series {
+        name: "device_held",
+        help: "Memory granted to tenants",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.held.get(),
+    },
+    Series {
+        name: "device_pooled",
+        help: "Memory created ahead of demand and not yet granted",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.pooled.get(),
+    },
+    Series {
+        name: "device_reserved",
+        help: "Guarantees not taken up yet",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.reserved.get(),
+    },
+    Series {
+        name: "device_free",
+        help: "Memory a tenant without a guarantee could still borrow",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.free.get(),
+    },
+    Series {
+        name: "device_used",
+        help: "Physical memory the daemon has created and not released",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.device_used.get(),
+    },
+    Series {
+        name: "device_outside_use",
+        help: "Memory in use that is no tenant's (other processes, what the driver does not \
+               attribute): lent to no one",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.outside_use.get(),
+    },
+    Series {
+        name: "device_unattributed",
+        help: "The part of the outside use that no process accounts for",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.unattributed.get(),
+    },
+    Series {
+        name: "device_guarantee_deficit",
+        help: "By how much outside use has grown into memory already promised to tenants",
+        bytes: true,
+        kind: Gauge,
+        value: |d| d.deficit.get(),
+    },
+];
+
+const TENANT_SERIES: &[Series<TenantStatus>] = &[
+    Series {
+        name: "tenant_guarantee",
+        help: "Memory reserved for the tenant",
+        bytes: true,
+        kind: Gauge,
+        value: |t| t.guarantee.get(),
+    },
+    Series {
+        name: "tenant_limit",
+        help: "The most the tenant may hold",
+        bytes: true,
+        kind: Gauge,
+        value: |t| t.limit.get(),
+    },
+    Series {
+        name: "tenant_held",
+        help: "Memory granted to the tenant",
+        bytes: true,
+        kind: Gauge,
+        value: |t| t.held.get(),
+    },
+    Series {
+        name: "tenant_charged",
+        help: "Memory the tenant created itself and charged (a framework's own cuMemCreate)",
+        bytes: true,
+        kind: Gauge,
+        value: |t| t.charged.get(),
+    },
+    Series {
+        name: "tenant_outside",
+        help: "What the driver attributes to the tenant's process beyond its charges (its CUDA \
+               context, anything not intercepted); counted against its limit",
+        bytes: true,
+        kind: Gauge,
+        value: |t| t.outside.get(),
+    },
+    Series {
+        name: "tenant_in_use",
+        help: "Memory the tenant's allocator reports in use",
+        bytes: true,
+        kind: Gauge,
+        value: |t| t.in_use.get(),
+    },
+    Series {
+        name: "tenant_cached",
+        help: "Memory the tenant's allocator holds idle (reclaimable)",
+        bytes: true,
+        kind: Gauge,
+        value: |t| t.cached.get(),
+    },
+    Series {
+        name: "tenant_handles",
+        help: "Grants (device handles) the tenant holds",
+        bytes: false,
+        kind: Gauge,
+        value: |t| t.handles,
+    },
+    Series {
+        name: "tenant_grants",
+        help: "Grants made to the tenant",
+        bytes: false,
+        kind: Counter,
+        value: |t| t.grants,
+    },
+    Series {
+        name: "tenant_returns",
+        help: "Grants the tenant gave back",
+        bytes: false,
+        kind: Counter,
+        value: |t| t.returns,
+    },
+];
+
+const DAEMON_SERIES: &[Series<StatusReport>] = &[
+    Series {
+        name: "tenants",
+        help: "Connected tenants",
+        bytes: false,
+        kind: Gauge,
+        value: |r| r.tenants.len() as u64,
+    },
+    Series {
+        name: "connections",
+        help: "Open connections (tenants and observers)",
+        bytes: false,
+        kind: Gauge,
+        value: |r| r.daemon.connections,
+    },
+    Series {
+        name: "protocol_errors",
+        help: "Frames refused (malformed, oversized, wrong version)",
+        bytes: false,
+        kind: Counter,
+        value: |r| r.daemon.protocol_errors,
+    },
+    Series {
+        name: "connections_refused",
+        help: "Connections refused at accept (uid not allowed, [connections] caps, out of file \
+               descriptors)",
+        bytes: false,
+        kind: Counter,
+        value: |r| r.daemon.connections_refused,
+    },
+    Series {
+        name: "log_lines_dropped",
+        help: "Log lines dropped because the daemon's stderr refused them",
+        bytes: false,
+        kind: Counter,
+        value: |r| r.daemon.log_lines_dropped,
+    },
+];
+
+fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
+    let bytes = Some(&Unit::Bytes);
+    let device_labels = |d: &DeviceStatus| [("gpu", d.index.to_string()), ("uuid", d.uuid.clone())];
+    for series in DEVICE_SERIES {
+        series.encode(e, r.devices.iter().map(|d| (device_labels(d), d)))?;
+    }
     let takes = r.devices.iter().flat_map(|d| {
         let p = d.pool;
         [
@@ -176,64 +354,13 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
     )?;
     family(
         e,
-        "device_reserved",
-        "Guarantees not taken up yet",
-        bytes,
-        Gauge,
-        dev(|d| d.reserved.get()),
-    )?;
-    family(
-        e,
-        "device_free",
-        "Memory a tenant without a guarantee could still borrow",
-        bytes,
-        Gauge,
-        dev(|d| d.free.get()),
-    )?;
-    family(
-        e,
-        "device_used",
-        "Physical memory the daemon has created and not released",
-        bytes,
-        Gauge,
-        dev(|d| d.device_used.get()),
-    )?;
-
-    family(
-        e,
         "device_driver_used",
         "The driver's figure for the device's used memory (NVML), as last read",
         bytes,
         Gauge,
-        r.devices.iter().filter_map(|d| {
-            let labels = [("gpu", d.index.to_string()), ("uuid", d.uuid.clone())];
-            d.driver_used.map(|u| (labels, u.get()))
-        }),
-    )?;
-    family(
-        e,
-        "device_outside_use",
-        "Memory in use that is no tenant's (other processes, what the driver does not attribute): \
-         lent to no one",
-        bytes,
-        Gauge,
-        dev(|d| d.outside_use.get()),
-    )?;
-    family(
-        e,
-        "device_unattributed",
-        "The part of the outside use that no process accounts for",
-        bytes,
-        Gauge,
-        dev(|d| d.unattributed.get()),
-    )?;
-    family(
-        e,
-        "device_guarantee_deficit",
-        "By how much outside use has grown into memory already promised to tenants",
-        bytes,
-        Gauge,
-        dev(|d| d.deficit.get()),
+        r.devices
+            .iter()
+            .filter_map(|d| d.driver_used.map(|u| (device_labels(d), u.get()))),
     )?;
     let outside = r.devices.iter().flat_map(|d| {
         d.outside_processes.iter().map(move |p| {
@@ -268,92 +395,13 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
         at_risk,
     )?;
 
-    let ten = |f: fn(&vram_proto::TenantStatus) -> u64| {
-        r.tenants
-            .iter()
-            .map(move |t| (tenant_labels(&t.name, &t.class, t.gpu), f(t)))
-    };
-    family(
-        e,
-        "tenant_guarantee",
-        "Memory reserved for the tenant",
-        bytes,
-        Gauge,
-        ten(|t| t.guarantee.get()),
-    )?;
-    family(
-        e,
-        "tenant_limit",
-        "The most the tenant may hold",
-        bytes,
-        Gauge,
-        ten(|t| t.limit.get()),
-    )?;
-    family(
-        e,
-        "tenant_held",
-        "Memory granted to the tenant",
-        bytes,
-        Gauge,
-        ten(|t| t.held.get()),
-    )?;
-    family(
-        e,
-        "tenant_charged",
-        "Memory the tenant created itself and charged (a framework's own cuMemCreate)",
-        bytes,
-        Gauge,
-        ten(|t| t.charged.get()),
-    )?;
-    family(
-        e,
-        "tenant_outside",
-        "What the driver attributes to the tenant's process beyond its charges (its CUDA \
-         context, anything not intercepted); counted against its limit",
-        bytes,
-        Gauge,
-        ten(|t| t.outside.get()),
-    )?;
-    family(
-        e,
-        "tenant_in_use",
-        "Memory the tenant's allocator reports in use",
-        bytes,
-        Gauge,
-        ten(|t| t.in_use.get()),
-    )?;
-    family(
-        e,
-        "tenant_cached",
-        "Memory the tenant's allocator holds idle (reclaimable)",
-        bytes,
-        Gauge,
-        ten(|t| t.cached.get()),
-    )?;
-    family(
-        e,
-        "tenant_handles",
-        "Grants (device handles) the tenant holds",
-        None,
-        Gauge,
-        ten(|t| t.handles),
-    )?;
-    family(
-        e,
-        "tenant_grants",
-        "Grants made to the tenant",
-        None,
-        Counter,
-        ten(|t| t.grants),
-    )?;
-    family(
-        e,
-        "tenant_returns",
-        "Grants the tenant gave back",
-        None,
-        Counter,
-        ten(|t| t.returns),
-    )?;
+    for series in TENANT_SERIES {
+        let tenants = r.tenants.iter();
+        series.encode(
+            e,
+            tenants.map(|t| (tenant_labels(&t.name, &t.class, t.gpu), t)),
+        )?;
+    }
     let refusals = r.tenants.iter().flat_map(|t| {
         t.refusals.iter().map(|(reason, n)| {
             let [a, b, c]: TenantLabels = tenant_labels(&t.name, &t.class, t.gpu);
@@ -370,48 +418,9 @@ fn encode_report(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
         refusals,
     )?;
 
-    let none = |v: u64| [([] as [(&str, &str); 0], v)];
-    family(
-        e,
-        "tenants",
-        "Connected tenants",
-        None,
-        Gauge,
-        none(r.tenants.len() as u64),
-    )?;
-    family(
-        e,
-        "connections",
-        "Open connections (tenants and observers)",
-        None,
-        Gauge,
-        none(r.daemon.connections),
-    )?;
-    family(
-        e,
-        "protocol_errors",
-        "Frames refused (malformed, oversized, wrong version)",
-        None,
-        Counter,
-        none(r.daemon.protocol_errors),
-    )?;
-    family(
-        e,
-        "connections_refused",
-        "Connections refused at accept (uid not allowed, [connections] caps, out of file \
-         descriptors)",
-        None,
-        Counter,
-        none(r.daemon.connections_refused),
-    )?;
-    family(
-        e,
-        "log_lines_dropped",
-        "Log lines dropped because the daemon's stderr refused them",
-        None,
-        Counter,
-        none(r.daemon.log_lines_dropped),
-    )?;
+    for series in DAEMON_SERIES {
+        series.encode(e, [([] as [(&str, &str); 0], r)])?;
+    }
     encode_shared(r, e)?;
     let mut info = e.encode_descriptor("build", "The daemon's version", None, MetricType::Info)?;
     info.encode_info(&[("version", r.daemon.version.as_str())])?;
