@@ -6,15 +6,33 @@ import os
 import sys
 
 
+# The first words of this file: how a sitecustomize knows another copy of itself (a nested
+# `vramd run`, or python/ also on PYTHONPATH, puts more than one on the path).
+_MARK = "Put on PYTHONPATH by `vramd run`"
+
+
+def _ours(origin):
+    try:
+        with open(origin, encoding="utf-8") as f:
+            return _MARK in f.read(200)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
 def _chain():
+    """Runs the first sitecustomize on the path that is not a copy of this one."""
     import importlib.machinery
     import importlib.util
 
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
-    if spec is None or spec.loader is None:
-        return
+    path = list(sys.path)
+    while True:
+        spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+        if spec is None or spec.loader is None:
+            return
+        if not (spec.origin and _ours(spec.origin)):
+            break
+        here = os.path.dirname(os.path.abspath(spec.origin))
+        path = [p for p in path if os.path.abspath(p or ".") != here]
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
 

@@ -287,3 +287,44 @@ print("emptied" if emptied else "not emptied", flush=True)
     );
     beta.exit();
 }
+
+#[test]
+fn a_nested_run_chains_to_the_users_sitecustomize_once() {
+    let d = Daemon::start(CONFIG);
+    // The user's own sitecustomize, which vramd's must run after itself, once.
+    let user = tempfile::tempdir().unwrap();
+    std::fs::write(
+        user.path().join("sitecustomize.py"),
+        "print('user sitecustomize', flush=True)\n",
+    )
+    .unwrap();
+    let socket = d.socket.to_str().unwrap();
+    let inner = [
+        VRAMD,
+        "run",
+        "--socket",
+        socket,
+        "--tenant",
+        "inner",
+        "--",
+        "python3",
+        "-c",
+        "print('ran', flush=True)",
+    ];
+    let out = vramd_run(
+        &d,
+        &["--tenant", "outer"],
+        &inner,
+        &[("PYTHONPATH", user.path())],
+    );
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(!stderr.contains("sitecustomize"), "{stderr}");
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        ["user sitecustomize", "ran"]
+    );
+}
