@@ -50,3 +50,43 @@ impl Write for Line {
 pub fn eprint_line(message: &str) {
     let _ = Line.write(format!("{message}\n").as_bytes());
 }
+
+/// An error and its causes on one line, `what: why: why`, each said once: an error here often
+/// says its source in its own message as well (thiserror's `{source}`), which `{:#}` would repeat.
+#[derive(Debug, Clone, Copy)]
+pub struct Chain<'a>(pub &'a anyhow::Error);
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut said = String::new();
+        for cause in self.0.chain() {
+            let text = cause.to_string();
+            if said.contains(&text) {
+                continue;
+            }
+            if !said.is_empty() {
+                said.push_str(": ");
+            }
+            said.push_str(&text);
+        }
+        f.write_str(&said)
+    }
+}
+
+#[cfg(test)]
+mod chain_tests {
+    use super::Chain;
+
+    #[derive(Debug, thiserror::Error)]
+    #[error("outer: {0}")]
+    struct Outer(#[source] std::io::Error);
+
+    #[test]
+    fn each_cause_is_said_once() {
+        let io = std::io::Error::other("disk full");
+        let e = anyhow::Error::new(Outer(io)).context("saving x");
+        assert_eq!(Chain(&e).to_string(), "saving x: outer: disk full");
+        let plain = anyhow::anyhow!("inner").context("middle").context("top");
+        assert_eq!(Chain(&plain).to_string(), "top: middle: inner");
+    }
+}

@@ -64,7 +64,7 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            vramd::logging::eprint_line(&format!("vramd: {e:#}"));
+            vramd::logging::eprint_line(&format!("vramd: {}", vramd::logging::Chain(&e)));
             std::process::ExitCode::from(2)
         }
     }

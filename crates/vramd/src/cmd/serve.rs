@@ -9,6 +9,7 @@ use vram_core::Bytes;
 use vram_device::{BackendKind, BackendSelection, Device};
 
 use crate::config::{CheckedDevice, Config, ConfigError};
+use crate::logging::Chain;
 use crate::metrics::{Exporter, MetricsAddr};
 use crate::server::driver::{DriverProbe, NvmlProbe};
 use crate::server::{ServeOptions, Server};
@@ -123,7 +124,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         probe_period: PROBE_PERIOD,
     };
     let server = Server::bind(opts).inspect_err(|e| {
-        tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
+        tracing::error!(error = %Chain(e), "cannot start the daemon");
     })?;
     server.configure_shared(&config.shared);
     server.configure_connections(config.connections);
@@ -135,7 +136,7 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     };
     let exporter =
         start_metrics(&server, args.metrics.or(config.metrics), detail).inspect_err(|e| {
-            tracing::error!(error = format!("{e:#}"), "cannot start the daemon");
+            tracing::error!(error = %Chain(e), "cannot start the daemon");
         })?;
     let reloader = Reloader {
         path: args.config.clone(),
@@ -174,7 +175,10 @@ fn start_metrics(
             Ok(Some(e))
         }
         Err(e) if asked.is_none() => {
-            tracing::warn!("{e:#}; running without metrics (set --metrics ADDR or `off`)");
+            tracing::warn!(
+                "{}; running without metrics (set --metrics ADDR or `off`)",
+                Chain(&e)
+            );
             Ok(None)
         }
         Err(e) => Err(e),
@@ -182,7 +186,7 @@ fn start_metrics(
 }
 
 fn config_error(path: &Path, e: &anyhow::Error) {
-    tracing::error!(path = %path.display(), error = format!("{e:#}"), "configuration error");
+    tracing::error!(path = %path.display(), error = %Chain(e), "configuration error");
 }
 
 /// Refuses to go on with a configuration that cannot work: each problem logged, all of them in
@@ -208,7 +212,7 @@ fn check_config(args: &Args, path: &Path) -> std::process::ExitCode {
     let config = match Config::load(path) {
         Ok(c) => c,
         Err(e) => {
-            println!("{}: invalid: {e:#}", path.display());
+            println!("{}: invalid: {}", path.display(), Chain(&e));
             return std::process::ExitCode::from(1);
         }
     };
@@ -273,7 +277,7 @@ impl Reloader {
                 }
             }
             Err(e) => tracing::error!(
-                path = %path.display(), error = format!("{e:#}"),
+                path = %path.display(), error = %Chain(&e),
                 "configuration reload refused; the configuration in force stays"
             ),
         }
@@ -400,8 +404,11 @@ fn open_devices(
         match open_backend(kind, host_capacity) {
             Ok(devices) => return Ok(devices),
             Err(e) => {
-                tracing::warn!("backend auto: no {kind} device ({e:#}); trying the next backend");
-                failures.push(format!("{kind}: {e:#}"));
+                tracing::warn!(
+                    "backend auto: no {kind} device ({}); trying the next backend",
+                    Chain(&e)
+                );
+                failures.push(format!("{kind}: {}", Chain(&e)));
             }
         }
     }

@@ -231,7 +231,10 @@ impl Keeper {
         }
         if changed {
             if let Err(e) = save(&self.path, &Saved::new(next, tenants)) {
-                tracing::warn!("cannot save the daemon's state: {e:#}");
+                tracing::warn!(
+                    "cannot save the daemon's state: {}",
+                    crate::logging::Chain(&e)
+                );
             }
         }
     }
