@@ -1,8 +1,8 @@
 //! Whether a configuration can work, before the daemon starts with it (or reloads it): every
 //! problem named with its setting and numbers. A configuration that parses is not yet one that
-//! works: a capacity of 0, an empty `allowed_uids`, a pool that can hold no handle, a declared
-//! tenant no process can connect as, guarantees that do not fit, all start a daemon that serves
-//! nobody, so they are refused here.
+//! works: a capacity of 0 (or below one granule), an empty `allowed_uids`, a pool that can hold no
+//! handle, a declared tenant no process can connect as, guarantees that do not fit, all start a
+//! daemon that serves nobody, so they are refused here.
 
 use vram_core::Bytes;
 
@@ -28,6 +28,11 @@ pub struct Device {
 pub enum ConfigError {
     #[error("capacity is 0: there would be nothing to serve")]
     ZeroCapacity,
+    #[error(
+        "capacity {capacity} is below the device's granularity ({granularity}): nothing could be \
+         granted (a size without a unit is in bytes: write \"8 GiB\", not 8)"
+    )]
+    CapacityBelowGranularity { capacity: Bytes, granularity: Bytes },
     #[error("[users.{key}]: a user is a uid (a number) or `default`")]
     UserKey { key: String },
     #[error(
@@ -105,6 +110,12 @@ impl Config {
             let mut found = Vec::new();
             if let Some(g) = d.granularity {
                 self.pool_problems(g, &mut found);
+                if let Some(c) = d.capacity.filter(|c| *c < g) {
+                    found.push(ConfigError::CapacityBelowGranularity {
+                        capacity: c,
+                        granularity: g,
+                    });
+                }
             }
             // Without the capacity, what does not depend on it: names, classes, overflow.
             let capacity = d.capacity.unwrap_or(Bytes(u64::MAX));
@@ -224,6 +235,29 @@ mod tests {
         for (got, want) in p.iter().zip(want) {
             assert!(got.starts_with(want), "`{got}` is not `{want}…`");
         }
+    }
+
+    #[test]
+    fn a_capacity_below_one_granule_is_refused_with_the_unit_it_lacks() {
+        let c: Config = toml::from_str("capacity = 8\n").unwrap();
+        let host = Device {
+            capacity: c.capacity,
+            granularity: Some(Bytes::mib(2)),
+        };
+        let p = c.problems(&[host]);
+        assert!(
+            matches!(
+                p.as_slice(),
+                [ConfigError::CapacityBelowGranularity { capacity, .. }] if *capacity == Bytes(8)
+            ),
+            "{p:?}"
+        );
+        assert!(p[0].to_string().contains("write \"8 GiB\""), "{}", p[0]);
+        let one_granule = Device {
+            capacity: Some(Bytes::mib(2)),
+            ..host
+        };
+        assert!(c.problems(&[one_granule]).is_empty());
     }
 
     #[test]
