@@ -109,6 +109,11 @@ fn what_cannot_work_stops_before_the_program_starts() {
             "asks for a guarantee of 64 GiB",
         ),
         (
+            vec!["--limit", "8"],
+            vec![],
+            "asks for a limit of 8 B, below the device's granularity (2 MiB)",
+        ),
+        (
             vec![],
             vec![("VRAMD_ALLOC", "min_grow=banana")],
             "VRAMD_ALLOC",

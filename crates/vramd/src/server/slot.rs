@@ -281,6 +281,19 @@ impl Slot {
             reason: Some(reason.to_string()),
             message,
         };
+        // Every grant and charge is a whole number of granules.
+        let granularity = self.device.info().granularity;
+        if let Some(limit) = req.limit.filter(|l| *l < granularity) {
+            return Err(admission(
+                "limit_below_granularity",
+                format!(
+                    "tenant `{}` asks for a limit of {limit}, below the device's granularity \
+                     ({granularity}): it could hold nothing (a size without a unit is in bytes: \
+                     8GiB, not 8)",
+                    req.name
+                ),
+            ));
+        }
         let mut s = self.lock();
         let st = &mut *s;
         let adopted = st
