@@ -1,8 +1,8 @@
 //! Whether a configuration can work, before the daemon starts with it (or reloads it): every
 //! problem named with its setting and numbers. A configuration that parses is not yet one that
-//! works: a capacity of 0 (or below one granule), an empty `allowed_uids`, a pool that can hold no
-//! handle, a declared tenant no process can connect as, guarantees that do not fit, all start a
-//! daemon that serves nobody, so they are refused here.
+//! works: a capacity of 0, a capacity or limit below one granule, an empty `allowed_uids`, a pool
+//! that can hold no handle, a declared tenant no process can connect as, guarantees that do not
+//! fit, all start a daemon that serves nobody, so they are refused here.
 
 use vram_core::Bytes;
 
@@ -29,10 +29,15 @@ pub enum ConfigError {
     #[error("capacity is 0: there would be nothing to serve")]
     ZeroCapacity,
     #[error(
-        "capacity {capacity} is below the device's granularity ({granularity}): nothing could be \
-         granted (a size without a unit is in bytes: write \"8 GiB\", not 8)"
+        "{key} = {size} is below the device's granularity ({granularity}): {why} (a size without \
+         a unit is in bytes: write \"8 GiB\", not 8)"
     )]
-    CapacityBelowGranularity { capacity: Bytes, granularity: Bytes },
+    SizeBelowGranularity {
+        key: String,
+        size: Bytes,
+        granularity: Bytes,
+        why: &'static str,
+    },
     #[error("[users.{key}]: a user is a uid (a number) or `default`")]
     UserKey { key: String },
     #[error(
@@ -111,11 +116,14 @@ impl Config {
             if let Some(g) = d.granularity {
                 self.pool_problems(g, &mut found);
                 if let Some(c) = d.capacity.filter(|c| *c < g) {
-                    found.push(ConfigError::CapacityBelowGranularity {
-                        capacity: c,
+                    found.push(ConfigError::SizeBelowGranularity {
+                        key: "capacity".into(),
+                        size: c,
                         granularity: g,
+                        why: "nothing could be granted",
                     });
                 }
+                self.limit_problems(g, &mut found);
             }
             // Without the capacity, what does not depend on it: names, classes, overflow.
             let capacity = d.capacity.unwrap_or(Bytes(u64::MAX));
@@ -167,6 +175,39 @@ impl Config {
                     key,
                     ms,
                     max: MAX_CONNECTION_TIMEOUT_MS,
+                });
+            }
+        }
+    }
+
+    /// Limits of one byte to below a granule: a size written without its unit (0 is taken as
+    /// meant).
+    fn limit_problems(&self, granularity: Bytes, out: &mut Vec<ConfigError>) {
+        let limits = self
+            .tenants
+            .iter()
+            .map(|(n, t)| {
+                (
+                    format!("[tenants.{n}] limit"),
+                    t.limit,
+                    "the tenant could hold nothing",
+                )
+            })
+            .chain(self.classes.iter().map(|(n, c)| {
+                let why = "a tenant of the class that asks for no limit could hold nothing";
+                (format!("[classes.{n}] default_limit"), c.default_limit, why)
+            }))
+            .chain(self.users.iter().map(|(n, u)| {
+                let why = "the uid's tenants could hold nothing";
+                (format!("[users.{n}] max_memory"), u.max_memory, why)
+            }));
+        for (key, size, why) in limits {
+            if let Some(size) = size.filter(|s| *s > Bytes::ZERO && *s < granularity) {
+                out.push(ConfigError::SizeBelowGranularity {
+                    key,
+                    size,
+                    granularity,
+                    why,
                 });
             }
         }
@@ -248,7 +289,8 @@ mod tests {
         assert!(
             matches!(
                 p.as_slice(),
-                [ConfigError::CapacityBelowGranularity { capacity, .. }] if *capacity == Bytes(8)
+                [ConfigError::SizeBelowGranularity { key, size, .. }]
+                    if key == "capacity" && *size == Bytes(8)
             ),
             "{p:?}"
         );
@@ -258,6 +300,24 @@ mod tests {
             ..host
         };
         assert!(c.problems(&[one_granule]).is_empty());
+    }
+
+    #[test]
+    fn limits_below_one_granule_are_refused_and_zero_is_taken_as_meant() {
+        let got = problems(
+            "[tenants.a]\nclass = \"normal\"\nlimit = 8\n\
+             [classes.tiny]\npriority = 1\ndefault_limit = 1024\n\
+             [users.1001]\nmax_memory = 0\n",
+        );
+        assert_eq!(got.len(), 2, "{got:?}");
+        assert!(
+            got[0].starts_with("[tenants.a] limit = 8 B is below"),
+            "{got:?}"
+        );
+        assert!(
+            got[1].starts_with("[classes.tiny] default_limit = 1 KiB is below"),
+            "{got:?}"
+        );
     }
 
     #[test]
