@@ -15,6 +15,9 @@ pub const MAX_RECLAIM_TIMEOUT_MS: u64 = 60_000;
 /// The longest of the `[connections]` timeouts.
 pub const MAX_CONNECTION_TIMEOUT_MS: u64 = 3_600_000;
 
+/// Said of a size below one granule: most likely a number written without its unit.
+pub const BARE_SIZE: &str = "a size without a unit is in bytes: write \"8 GiB\", not 8";
+
 /// What is known of a device the configuration would run on. `None`: not known without starting
 /// (a GPU's memory is measured at start).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -29,8 +32,7 @@ pub enum ConfigError {
     #[error("capacity is 0: there would be nothing to serve")]
     ZeroCapacity,
     #[error(
-        "{key} = {size} is below the device's granularity ({granularity}): {why} (a size without \
-         a unit is in bytes: write \"8 GiB\", not 8)"
+        "{key} = {size} is below the device's granularity ({granularity}): {why} ({BARE_SIZE})"
     )]
     SizeBelowGranularity {
         key: String,
@@ -115,15 +117,7 @@ impl Config {
             let mut found = Vec::new();
             if let Some(g) = d.granularity {
                 self.pool_problems(g, &mut found);
-                if let Some(c) = d.capacity.filter(|c| *c < g) {
-                    found.push(ConfigError::SizeBelowGranularity {
-                        key: "capacity".into(),
-                        size: c,
-                        granularity: g,
-                        why: "nothing could be granted",
-                    });
-                }
-                self.limit_problems(g, &mut found);
+                self.size_problems(d.capacity, g, &mut found);
             }
             // Without the capacity, what does not depend on it: names, classes, overflow.
             let capacity = d.capacity.unwrap_or(Bytes(u64::MAX));
@@ -180,19 +174,20 @@ impl Config {
         }
     }
 
-    /// Limits of one byte to below a granule: a size written without its unit (0 is taken as
-    /// meant).
-    fn limit_problems(&self, granularity: Bytes, out: &mut Vec<ConfigError>) {
-        let limits = self
-            .tenants
-            .iter()
-            .map(|(n, t)| {
-                (
-                    format!("[tenants.{n}] limit"),
-                    t.limit,
-                    "the tenant could hold nothing",
-                )
-            })
+    /// The device's `capacity` and the limits, where one byte to below a granule: a size written
+    /// without its unit (0 is taken as meant, a capacity of 0 refused on its own).
+    fn size_problems(
+        &self,
+        capacity: Option<Bytes>,
+        granularity: Bytes,
+        out: &mut Vec<ConfigError>,
+    ) {
+        let capacity = ("capacity".to_string(), capacity, "nothing could be granted");
+        let sizes = std::iter::once(capacity)
+            .chain(self.tenants.iter().map(|(n, t)| {
+                let why = "the tenant could hold nothing";
+                (format!("[tenants.{n}] limit"), t.limit, why)
+            }))
             .chain(self.classes.iter().map(|(n, c)| {
                 let why = "a tenant of the class that asks for no limit could hold nothing";
                 (format!("[classes.{n}] default_limit"), c.default_limit, why)
@@ -201,7 +196,7 @@ impl Config {
                 let why = "the uid's tenants could hold nothing";
                 (format!("[users.{n}] max_memory"), u.max_memory, why)
             }));
-        for (key, size, why) in limits {
+        for (key, size, why) in sizes {
             if let Some(size) = size.filter(|s| *s > Bytes::ZERO && *s < granularity) {
                 out.push(ConfigError::SizeBelowGranularity {
                     key,

@@ -288,9 +288,9 @@ impl Slot {
                 "limit_below_granularity",
                 format!(
                     "tenant `{}` asks for a limit of {limit}, below the device's granularity \
-                     ({granularity}): it could hold nothing (a size without a unit is in bytes: \
-                     8GiB, not 8)",
-                    req.name
+                     ({granularity}): it could hold nothing ({})",
+                    req.name,
+                    crate::config::BARE_SIZE
                 ),
             ));
         }
