@@ -37,10 +37,14 @@ def _chain():
     spec.loader.exec_module(module)
 
 
-try:
-    from vramd_torch import _hook
+# `vramd run` always names the mode. Without it this file was put on the path by hand, with no
+# tenant to serve: PyTorch is left as it is.
+_mode = os.environ.get("VRAMD_TORCH_MODE")
+if _mode:
+    try:
+        from vramd_torch import _hook
 
-    _hook.install_on_import(os.environ.get("VRAMD_TORCH_MODE", "pool"))
-except Exception as e:  # never break the program's start
-    print(f"vramd: cannot set up PyTorch integration: {e}", file=sys.stderr)
+        _hook.install_on_import(_mode)
+    except Exception as e:  # never break the program's start
+        print(f"vramd: cannot set up PyTorch integration: {e}", file=sys.stderr)
 _chain()

@@ -1,5 +1,6 @@
-//! Checksum throughput of shared-buffer versions (the position-keyed word sum over host memory), the daemon's cost per
-//! byte at publish, verify and scrub on the host backend (plus the copy out of the mapping).
+//! Checksum throughput of shared-buffer versions (the position-keyed word sum over host memory),
+//! the daemon's cost per byte at publish, verify and scrub on the host backend (plus the copy out
+//! of the mapping).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use vram_core::shared::checksum;

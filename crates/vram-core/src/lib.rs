@@ -1,4 +1,5 @@
-//! vram-core: the pure logic of vramd. No I/O, no unsafe, no clocks read here: callers pass time in.
+//! vram-core: the pure logic of vramd. No I/O, no unsafe, no clocks read here: callers pass time
+//! in.
 #![forbid(unsafe_code)]
 
 pub mod alloc;

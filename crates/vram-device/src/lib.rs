@@ -1,10 +1,11 @@
-//! vram-device: physical memory, shareable between processes, and the virtual ranges it is mapped into.
+//! vram-device: physical memory, shareable between processes, and the virtual ranges it is mapped
+//! into.
 //!
-//! A [`Device`] creates physical memory as [`Handle`]s (the smallest unit that can be granted, mapped
-//! or returned), exports a handle as a file descriptor that another process can import, reserves
-//! virtual address ranges ([`Reservation`]) and maps handles into them read-write or read-only. A
-//! device that can also reach the bytes of mapped memory (copies, fills, checksums) is a
-//! [`ByteAccess`]; one that cannot (a CUDA device opened without a context) is only a `Device`,
+//! A [`Device`] creates physical memory as [`Handle`]s (the smallest unit that can be granted,
+//! mapped or returned), exports a handle as a file descriptor that another process can import,
+//! reserves virtual address ranges ([`Reservation`]) and maps handles into them read-write or
+//! read-only. A device that can also reach the bytes of mapped memory (copies, fills, checksums) is
+//! a [`ByteAccess`]; one that cannot (a CUDA device opened without a context) is only a `Device`,
 //! so a copy through it does not compile.
 //!
 //! Backends: [`host`] (one memfd per handle; the default where no GPU is found, and real
@@ -18,7 +19,8 @@
 //! `set_access` and `unmap` act on whole mappings; copies reach only mapped memory, and writes only
 //! memory mapped read-write.
 //!
-//! All unsafe code of vramd's device layer lives in this crate, each block with a `// SAFETY:` comment.
+//! All unsafe code of vramd's device layer lives in this crate, each block with a `// SAFETY:`
+//! comment.
 
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -156,7 +158,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
     /// Physical memory created through this device object and not yet released (imports excluded).
     fn used(&self) -> Bytes;
 
-    /// Creates physical memory of `size` (a multiple of the granularity), exportable to other processes.
+    /// Creates physical memory of `size` (a multiple of the granularity), exportable to other
+    /// processes.
     fn create(&self, size: Bytes) -> Result<Handle>;
 
     /// Refuses every later write access to `handle`'s memory by anyone (new writable mappings,
@@ -168,7 +171,8 @@ pub trait Device: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
-    /// A file descriptor that another process passes to [`Device::import`] to reach the same memory.
+    /// A file descriptor that another process passes to [`Device::import`] to reach the same
+    /// memory.
     fn export(&self, handle: &Handle) -> Result<OwnedFd>;
 
     /// A file descriptor for a process that may only read `handle`'s memory (a shared-buffer

@@ -19,9 +19,7 @@ use vram_device::{Access, ByteAccess, Device, DeviceError};
 
 /// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {
-    vram_device::cuda::testing::gpu_or_skip(
-        &std::env::var("VRAMD_TEST_GPU").unwrap_or_else(|_| "0".to_owned()),
-    )
+    vram_testing::gpu_or_skip(&std::env::var("VRAMD_TEST_GPU").unwrap_or_else(|_| "0".to_owned()))
 }
 
 /// Environment that tells a child which GPU and handle size to use.
@@ -270,7 +268,8 @@ fn child() {
     }
 }
 
-/// Writes to `ptr` with the driver directly, bypassing the API's checks; returns each call's result.
+/// Writes to `ptr` with the driver directly, bypassing the API's checks; returns each call's
+/// result.
 fn raw_write(dev: &CudaDevice, ptr: u64, method: &str) -> Vec<(&'static str, CUresult)> {
     let devices = cuda::probe().unwrap();
     let ordinal = devices

@@ -17,9 +17,7 @@ use vram_device::{Access, ByteAccess, Device, Reservation};
 
 /// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {
-    vram_device::cuda::testing::gpu_or_skip(
-        &std::env::var("VRAMD_TEST_GPU").unwrap_or_else(|_| "0".to_owned()),
-    )
+    vram_testing::gpu_or_skip(&std::env::var("VRAMD_TEST_GPU").unwrap_or_else(|_| "0".to_owned()))
 }
 
 const MIB: u64 = 1 << 20;

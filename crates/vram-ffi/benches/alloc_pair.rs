@@ -1,6 +1,7 @@
 //! An alloc+free pair of a cached size through the C ABI (`vram_alloc` / `vram_free`), on one
-//! thread and on each of eight threads at once, and of a size the core allocator serves. Runs against an in-process daemon on the host
-//! backend; the pair itself never reaches the daemon once the size is cached.
+//! thread and on each of eight threads at once, and of a size the core allocator serves. Runs
+//! against an in-process daemon on the host backend; the pair itself never reaches the daemon once
+//! the size is cached.
 
 use std::ffi::c_void;
 use std::time::Instant;

@@ -491,7 +491,8 @@ pub unsafe extern "C" fn vram_string_free(s: *mut c_char) {
     if s.is_null() {
         return;
     }
-    // SAFETY: the caller passes a pointer from `CString::into_raw` in `vram_stats_json`, freed once.
+    // SAFETY: the caller passes a pointer from `CString::into_raw` in `vram_stats_json`, freed
+    // once.
     drop(unsafe { CString::from_raw(s) });
 }
 

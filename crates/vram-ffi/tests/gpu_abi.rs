@@ -17,7 +17,7 @@ mod common;
 
 /// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {
-    vram_device::cuda::testing::gpu_or_skip("0")
+    vram_testing::gpu_or_skip("0")
 }
 
 /// The per-thread default stream's handle (`CU_STREAM_PER_THREAD`): a valid stream without setup.

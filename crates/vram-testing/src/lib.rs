@@ -1,7 +1,7 @@
 //! The runner of vramd's GPU test targets (`harness = false`), so that a run without a GPU says
 //! so in its summary: where the driver finds no GPU, every GPU test is reported as ignored
 //! ("0 passed; 0 failed; N ignored"), not as passed. With `VRAMD_REQUIRE_GPU=1` they run anyway
-//! and fail, each in its own way (`vram_device::cuda::testing::gpu_or_skip` panics).
+//! and fail, each in its own way ([`gpu_or_skip`] panics).
 //!
 //! The runner is libtest-mimic, which takes libtest's arguments: a name filter, `--exact`,
 //! `--ignored`, `--include-ignored`, `--nocapture`, `--test-threads=N`, `--list`. A target's
@@ -21,11 +21,43 @@
 use std::process::ExitCode;
 
 use libtest_mimic::{Arguments, Trial};
+use vram_device::CudaDevice;
 
 /// One test: its name (the function's) and its body.
 pub type Test = (&'static str, fn());
 
-pub use vram_device::cuda::testing::{gpu_required, no_gpu};
+/// Why the GPU tests cannot run here, or `None` where the driver finds a GPU.
+pub fn no_gpu() -> Option<String> {
+    match vram_device::cuda::probe() {
+        Ok(found) if found.is_empty() => Some("the driver sees no GPU".to_owned()),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// Whether a missing GPU must fail the tests (`VRAMD_REQUIRE_GPU=1`; `.gpu/run` sets it).
+pub fn gpu_required() -> bool {
+    std::env::var("VRAMD_REQUIRE_GPU").as_deref() == Ok("1")
+}
+
+/// The GPU named by `which` (ordinal or UUID), or `None` after printing why there is none.
+///
+/// # Panics
+/// Where there is no usable GPU and `VRAMD_REQUIRE_GPU=1` is set.
+pub fn gpu_or_skip(which: &str) -> Option<CudaDevice> {
+    let reason = match no_gpu() {
+        Some(reason) => reason,
+        None => match CudaDevice::open(which) {
+            Ok(dev) => return Some(dev),
+            Err(e) => e.to_string(),
+        },
+    };
+    if gpu_required() {
+        panic!("no GPU: {reason} (VRAMD_REQUIRE_GPU=1)");
+    }
+    println!("skipping: no GPU: {reason}");
+    None
+}
 
 /// Runs `tests` (ignored where there is no GPU, unless one is required) and `children` (always
 /// ignored: run only when named with `--ignored`), with the process's arguments.

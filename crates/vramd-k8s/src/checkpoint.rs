@@ -69,15 +69,15 @@ impl Checkpoint {
         self.file.unprepared.iter().any(|u| u == uid)
     }
 
-    /// Records claim `uid` as prepared, on disk before returning.
-    pub fn insert(&mut self, uid: &str, p: Prepared) -> std::io::Result<()> {
+    /// Records claim `uid` as prepared; on disk once the returned [`Save`] is written.
+    pub fn insert(&mut self, uid: &str, p: Prepared) -> Save {
         self.file.unprepared.retain(|u| u != uid);
         self.file.prepared.insert(uid.to_string(), p);
         self.save()
     }
 
-    /// Records claim `uid` as unprepared, on disk before returning.
-    pub fn remove(&mut self, uid: &str) -> std::io::Result<()> {
+    /// Records claim `uid` as unprepared; on disk once the returned [`Save`] is written.
+    pub fn remove(&mut self, uid: &str) -> Save {
         self.file.prepared.remove(uid);
         if !self.was_unprepared(uid) {
             self.file.unprepared.push_back(uid.to_string());
@@ -88,15 +88,30 @@ impl Checkpoint {
         self.save()
     }
 
-    fn save(&self) -> std::io::Result<()> {
+    fn save(&self) -> Save {
+        Save {
+            path: self.path.clone(),
+            bytes: serde_json::to_vec_pretty(&self.file).expect("serializes"),
+        }
+    }
+}
+
+/// The checkpoint as it stands after a change, to be written (a separate step, so that a caller
+/// on an async runtime can write it off the runtime's threads).
+#[must_use = "the change is on disk only once written"]
+pub struct Save {
+    path: PathBuf,
+    bytes: Vec<u8>,
+}
+
+impl Save {
+    /// Writes the checkpoint whole: a temporary file renamed over it.
+    pub fn write(self) -> std::io::Result<()> {
         if let Some(dir) = self.path.parent() {
             std::fs::create_dir_all(dir)?;
         }
         let tmp = self.path.with_extension("tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec_pretty(&self.file).expect("serializes"),
-        )?;
+        std::fs::write(&tmp, &self.bytes)?;
         std::fs::rename(&tmp, &self.path)
     }
 }
@@ -127,11 +142,11 @@ mod tests {
             cdi_device_ids: vec!["vramd.io/claim=u".into()],
         };
         let mut c = Checkpoint::load(&path).unwrap();
-        c.insert("u", p.clone()).unwrap();
+        c.insert("u", p.clone()).write().unwrap();
         let c2 = Checkpoint::load(&path).unwrap();
         assert_eq!(c2.get("u"), Some(&p));
         let mut c2 = c2;
-        c2.remove("u").unwrap();
+        c2.remove("u").write().unwrap();
         let c3 = Checkpoint::load(&path).unwrap();
         assert!(c3.get("u").is_none());
         assert!(c3.was_unprepared("u"));

@@ -14,6 +14,16 @@ use crate::checkpoint::{Checkpoint, Prepared};
 use crate::claim;
 use crate::daemon::DaemonLink;
 
+/// Runs `f`, file I/O on the node's disk, on tokio's blocking threads, so that a slow disk holds
+/// up the claim being served, never the runtime's workers.
+async fn on_disk<T: Send + 'static>(
+    f: impl FnOnce() -> std::io::Result<T> + Send + 'static,
+) -> std::io::Result<T> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(std::io::Error::other)?
+}
+
 /// The prefix of the tenants this plugin declares: `k8s-` and the claim's uid.
 pub const TENANT_PREFIX: &str = "k8s-";
 
@@ -110,7 +120,9 @@ impl Plugin {
             self.daemon.declare(&p.declaration).await.map_err(|e| {
                 format!("claim {c} was prepared, but declaring it again failed: {e}")
             })?;
-            if cdi::read(&self.layout, &c.uid).is_none() {
+            let (layout, uid) = (self.layout.clone(), c.uid.clone());
+            let spec = on_disk(move || Ok(cdi::read(&layout, &uid))).await;
+            if !matches!(spec, Ok(Some(_))) {
                 self.write_spec(&c.uid, &p.declaration).await?;
             }
             return Ok(devices_of(&p));
@@ -198,14 +210,18 @@ impl Plugin {
             cdi_device_ids: vec![cdi::device_id(&c.uid)],
         };
         let written = match self.write_spec(&c.uid, &declaration).await {
-            Ok(()) => cp
-                .insert(&c.uid, prepared.clone())
-                .map_err(|e| format!("claim {c}: cannot write the checkpoint: {e}")),
+            Ok(()) => {
+                let save = cp.insert(&c.uid, prepared.clone());
+                on_disk(move || save.write())
+                    .await
+                    .map_err(|e| format!("claim {c}: cannot write the checkpoint: {e}"))
+            }
             Err(e) => Err(e),
         };
         if let Err(e) = written {
             // Nothing stays behind for a claim the kubelet is told failed.
-            let _ = cdi::remove(&self.layout, &c.uid);
+            let (layout, uid) = (self.layout.clone(), c.uid.clone());
+            let _ = on_disk(move || cdi::remove(&layout, &uid)).await;
             let _ = self.daemon.withdraw(&declaration.name).await;
             return Err(e);
         }
@@ -223,14 +239,20 @@ impl Plugin {
             .iter()
             .find(|x| x.index == d.gpu)
             .ok_or_else(|| format!("the daemon no longer serves {}", device_name(d.gpu)))?;
-        let nodes = cdi::device_nodes(dev.backend, &dev.uuid)?;
+        let (backend, gpu_uuid) = (dev.backend, dev.uuid.clone());
+        let nodes = on_disk(move || Ok(cdi::device_nodes(backend, &gpu_uuid)))
+            .await
+            .map_err(|e| e.to_string())??;
         let spec = cdi::spec(&self.layout, uid, &d.name, d.gpu, &nodes);
-        cdi::write(&self.layout, uid, &spec).map_err(|e| {
-            format!(
-                "cannot write the CDI spec in {}: {e}",
-                self.layout.cdi_dir.display()
-            )
-        })
+        let (layout, uid) = (self.layout.clone(), uid.to_string());
+        on_disk(move || cdi::write(&layout, &uid, &spec))
+            .await
+            .map_err(|e| {
+                format!(
+                    "cannot write the CDI spec in {}: {e}",
+                    self.layout.cdi_dir.display()
+                )
+            })
     }
 
     /// Unprepares `c`: its tenant withdrawn (what its processes still held reclaimed) and its
@@ -258,9 +280,13 @@ impl Plugin {
             }
             Err(e) => return Err(format!("claim {c}: {e}")),
         }
-        cdi::remove(&self.layout, &c.uid)
+        let (layout, uid) = (self.layout.clone(), c.uid.clone());
+        on_disk(move || cdi::remove(&layout, &uid))
+            .await
             .map_err(|e| format!("claim {c}: cannot remove its CDI spec: {e}"))?;
-        cp.remove(&c.uid)
+        let save = cp.remove(&c.uid);
+        on_disk(move || save.write())
+            .await
             .map_err(|e| format!("claim {c}: cannot write the checkpoint: {e}"))
     }
 

@@ -1,5 +1,6 @@
-//! What metrics add to one grant: a clock read before and after `Slot::grant_many` and one histogram
-//! observation (session.rs), against the grant itself (tens of microseconds on the host backend).
+//! What metrics add to one grant: a clock read before and after `Slot::grant_many` and one
+//! histogram observation (session.rs), against the grant itself (tens of microseconds on the host
+//! backend).
 
 use std::time::Instant;
 

@@ -1,6 +1,6 @@
-//! The books checked against the driver, end to end: an in-process daemon on the host backend
-//! whose driver figures come from a scripted probe (the host backend has no driver to ask; on a GPU
-//! the probe is NVML: docs/benchmarks.md, "Accounting against the driver and NVML"), with real tenant
+//! The books checked against the driver, end to end: an in-process daemon on the host backend whose
+//! driver figures come from a scripted probe (the host backend has no driver to ask; on a GPU the
+//! probe is NVML: docs/benchmarks.md, "Accounting against the driver and NVML"), with real tenant
 //! processes. What is tested is what the daemon does with a reading: tenants' own memory counted
 //! against their limits, outside use lent to no one, guarantees at risk named, borrowing stopped,
 //! borrowers asked for their idle memory.

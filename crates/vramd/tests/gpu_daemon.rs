@@ -12,7 +12,7 @@ use vram_device::cuda::{self, CudaDevice};
 
 /// The GPU to test on, or `None` (after saying why) where there is none.
 fn gpu() -> Option<CudaDevice> {
-    vram_device::cuda::testing::gpu_or_skip("0")
+    vram_testing::gpu_or_skip("0")
 }
 
 fn free_on_gpu(dev: &CudaDevice) -> Bytes {

@@ -18,7 +18,7 @@ const CONFIG: &str =
 const ROLE: &str = "VRAMD_GPU_SHARED_ROLE";
 
 fn gpu() -> Option<CudaDevice> {
-    vram_device::cuda::testing::gpu_or_skip("0")
+    vram_testing::gpu_or_skip("0")
 }
 
 fn free_on_gpu(dev: &CudaDevice) -> Bytes {

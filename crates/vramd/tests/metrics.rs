@@ -280,7 +280,8 @@ fn metrics_off_serves_nothing_and_a_taken_address_is_an_error() {
     assert!(!d.log().contains("serving metrics"), "{}", d.log());
     d.stop();
 
-    // An address asked for explicitly must be served: a daemon that cannot bind it refuses to start.
+    // An address asked for explicitly must be served: a daemon that cannot bind it refuses to
+    // start.
     let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dir = tempfile::tempdir().unwrap();
     let out = Command::new(VRAMD)

@@ -333,3 +333,28 @@ fn a_nested_run_chains_to_the_users_sitecustomize_once() {
         ["user sitecustomize", "ran"]
     );
 }
+
+#[test]
+fn the_sitecustomize_hooks_torch_only_under_vramd_run() {
+    // python/ put on PYTHONPATH by hand (to import the `vramd` package, say) carries no torch mode:
+    // vramd's sitecustomize then leaves PyTorch alone; with the mode `vramd run` sets, it hooks it.
+    let python = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python");
+    let hooked = |mode: Option<&str>| {
+        let mut cmd = std::process::Command::new("python3");
+        cmd.args([
+            "-c",
+            "import sys; print(any(type(f).__name__ == '_Finder' for f in sys.meta_path))",
+        ])
+        .env("PYTHONPATH", &python)
+        .env_remove("VRAMD_TORCH_MODE");
+        if let Some(mode) = mode {
+            cmd.env("VRAMD_TORCH_MODE", mode);
+        }
+        let out = cmd.output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && stderr.is_empty(), "{stderr}");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    assert_eq!(hooked(None), "False");
+    assert_eq!(hooked(Some("full")), "True");
+}

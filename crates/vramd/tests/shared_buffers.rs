@@ -288,7 +288,8 @@ fn a_reader_cannot_write_through_its_mapping() {
     drop(pinned);
 
     // On the host the mapping is a CPU pointer: a raw write through it must fault. (On a GPU the
-    // driver refuses writes into a read-only mapping: vram-device's read_only_mapping_refuses_writes.)
+    // driver refuses writes into a read-only mapping: vram-device's
+    // read_only_mapping_refuses_writes.)
     if backend() == "host" {
         let child = spawn(&d, "raw-writer", &[]);
         let (status, out) = finish(child);

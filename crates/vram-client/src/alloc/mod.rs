@@ -3,8 +3,8 @@
 //! The algorithms (stitched heaps, size classes, stream-safe reuse, hysteresis) are
 //! `vram_core::alloc`, behind one mutex: the slow path. In front of it, each thread keeps a small
 //! cache of blocks it freed, by size class and stream (the fast path): an alloc of a cached size on
-//! the same stream takes no global lock and makes no system call. A table of live blocks, sharded by
-//! address, checks every free (unknown pointer, double free) before anything is cached.
+//! the same stream takes no global lock and makes no system call. A table of live blocks, sharded
+//! by address, checks every free (unknown pointer, double free) before anything is cached.
 
 mod backing;
 mod live;
@@ -227,9 +227,9 @@ pub struct CachingAllocator<S: HandleSource> {
     live: LiveTable,
     caches: ThreadCaches,
     events: Box<dyn StreamEvents>,
-    /// The tenant's limit, if known: a request that cannot fit under it however well the heap
-    /// were packed is refused at once, without taking (and giving back) memory in pieces.
-    /// `u64::MAX`: not known. Changes when the process becomes another tenant ([`Self::set_limit`]).
+    /// The tenant's limit, if known: a request that cannot fit under it however well the heap were
+    /// packed is refused at once, without taking (and giving back) memory in pieces. `u64::MAX`:
+    /// not known. Changes when the process becomes another tenant ([`Self::set_limit`]).
     limit: AtomicU64,
     /// Whether calls to the core are timed (`VRAMD_TIME_CORE=1`), and what they took.
     timed: bool,

@@ -19,8 +19,8 @@ pub struct Refused {
 }
 
 /// Physical memory for the allocator. Offsets are relative to the one virtual reservation of
-/// `AllocConfig::va_bytes` that the implementation made. A handle is mapped whole, at one offset, at
-/// most once at a time; the allocator never asks otherwise.
+/// `AllocConfig::va_bytes` that the implementation made. A handle is mapped whole, at one offset,
+/// at most once at a time; the allocator never asks otherwise.
 pub trait Backing {
     /// New handles of exactly these sizes (multiples of the granularity), in one request to the
     /// daemon: all of them, in order, or none (`Refused` with nothing held).

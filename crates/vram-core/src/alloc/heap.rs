@@ -3,7 +3,8 @@
 //!
 //! Invariants: handles never overlap and lie inside the heap; every byte of the heap is in exactly
 //! one of a handle or a gap; free regions lie in mapped memory, so a free region's neighbours by
-//! address are mapped too, and merging them (across handles that were never adjacent before) is sound.
+//! address are mapped too, and merging them (across handles that were never adjacent before) is
+//! sound.
 
 use std::collections::BTreeMap;
 
@@ -25,8 +26,8 @@ pub(crate) struct Site {
     pub uses: [Option<u64>; 2],
     /// Bytes of new mapped memory needed, a multiple of the granularity.
     pub need: u64,
-    /// The gap the new memory goes in, and whether it is placed at the gap's start (growing a region
-    /// that ends there) or its end (growing a region that starts there).
+    /// The gap the new memory goes in, and whether it is placed at the gap's start (growing a
+    /// region that ends there) or its end (growing a region that starts there).
     pub gap: Gap,
     pub at_gap_end: bool,
     pub owner: Owner,
@@ -167,7 +168,8 @@ impl Heap {
         self.free.insert(va, m.len, owner, seq);
     }
 
-    /// Takes the handle at `va`, which must be wholly free, out of the heap; its range becomes a gap.
+    /// Takes the handle at `va`, which must be wholly free, out of the heap; its range becomes a
+    /// gap.
     pub(crate) fn remove(&mut self, va: u64) -> Mapped {
         let m = self
             .handles

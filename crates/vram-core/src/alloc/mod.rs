@@ -18,10 +18,11 @@
 //! - Streams and fences (`stream.rs`, `fences.rs`): a block freed on stream `S` is reusable at
 //!   once by `S`, and by other streams once a fence recorded on `S` at or after the free completes.
 //!
-//! Invariants (checked by the property tests): live blocks never overlap; every byte of a live block
-//! is mapped; a block is never handed to another stream before the fence of its free completed;
-//! memory that work may still use (a free whose fence is pending) is never unmapped or returned;
-//! after every block is freed, its fences completed and `trim` ran, every handle is returned.
+//! Invariants (checked by the property tests): live blocks never overlap; every byte of a live
+//! block is mapped; a block is never handed to another stream before the fence of its free
+//! completed; memory that work may still use (a free whose fence is pending) is never unmapped or
+//! returned; after every block is freed, its fences completed and `trim` ran, every handle is
+//! returned.
 
 mod backing;
 mod budget;

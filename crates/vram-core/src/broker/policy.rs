@@ -179,9 +179,9 @@ pub enum PolicyError {
 
 impl Policy {
     /// Whether this policy can work: a capacity, declared tenants with valid names and known
-    /// classes, each guarantee within its limit, guarantees that sum (without overflow) to no
-    /// more than the capacity, a reserve within the capacity. [`Broker::new`](super::Broker::new) checks less; the
-    /// daemon checks this first, at start and on reload.
+    /// classes, each guarantee within its limit, guarantees that sum (without overflow) to no more
+    /// than the capacity, a reserve within the capacity. [`Broker::new`](super::Broker::new) checks
+    /// less; the daemon checks this first, at start and on reload.
     pub fn check(&self) -> Result<(), PolicyError> {
         if self.capacity == Bytes::ZERO {
             return Err(PolicyError::ZeroCapacity);
@@ -310,8 +310,8 @@ impl super::Broker {
         Ok(changes)
     }
 
-    /// Whether [`Broker::replace_policy`](super::Broker::replace_policy) would put `new` in force now, without changing
-    /// anything.
+    /// Whether [`Broker::replace_policy`](super::Broker::replace_policy) would put `new` in force
+    /// now, without changing anything.
     pub fn check_policy(&self, new: &Policy) -> Result<(), PolicyError> {
         self.revised(new).map(|_| ())
     }

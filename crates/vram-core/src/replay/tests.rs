@@ -5,9 +5,9 @@ use crate::trace::{parse_snapshot, Event};
 
 const FRAGMENTATION_GOAL: f64 = 0.03;
 const DRIVER_SHARE_GOAL: f64 = 0.01;
-/// Traces on which the default configuration misses a goal today, with the figures it reached
+/// Traces on which the default configuration misses a goal, with the figures it reaches
 /// (fragmentation, driver time share): the test holds them to those figures (no regression) and
-/// says loudly that the goal is missed. Remove an entry once the allocator meets the goals on it.
+/// says loudly that the goal is missed. An entry goes once the allocator meets the goals on it.
 /// docs/ARCHITECTURE.md ("The allocator's policy") says what each miss is made of.
 const KNOWN_MISSES: [(&str, f64, f64); 3] = [
     ("bert_train_varlen", 0.0300, 0.0132),

@@ -3,10 +3,10 @@
 //! copying the version to the host: `vram_device::Device::checksum`).
 //!
 //! The bytes are read as little-endian 64-bit words `w_i` (a partial last word padded with zero
-//! bytes). Each word gives one term, `mix64(w_i ^ i·K)`, where `i` is the word's index from the start
-//! of the version and `mix64` is SplitMix64's finaliser (xor-shift-multiply, a bijection of 64-bit
-//! values); the terms are added with wrapping arithmetic, and the sum is finished with the length:
-//! `mix64(sum + mix64(len ^ L))`.
+//! bytes). Each word gives one term, `mix64(w_i ^ i·K)`, where `i` is the word's index from the
+//! start of the version and `mix64` is SplitMix64's finaliser (xor-shift-multiply, a bijection of
+//! 64-bit values); the terms are added with wrapping arithmetic, and the sum is finished with the
+//! length: `mix64(sum + mix64(len ^ L))`.
 //!
 //! Properties:
 //! - any change confined to one word (a flipped bit or byte anywhere) changes the checksum with
@@ -109,8 +109,8 @@ impl Checksummer {
         self.len == 0
     }
 
-    /// Whether the bytes fed so far end on a word boundary: only then can [`Checksummer::add_words`]
-    /// take a sum computed elsewhere.
+    /// Whether the bytes fed so far end on a word boundary: only then can
+    /// [`Checksummer::add_words`] take a sum computed elsewhere.
     pub fn at_word_boundary(&self) -> bool {
         self.len.is_multiple_of(8)
     }

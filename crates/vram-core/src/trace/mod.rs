@@ -1,5 +1,5 @@
-//! Allocation traces: PyTorch memory snapshots (`torch.cuda.memory._snapshot()`, pickled, optionally
-//! gzipped) read into a plain list of allocations and frees.
+//! Allocation traces: PyTorch memory snapshots (`torch.cuda.memory._snapshot()`, pickled,
+//! optionally gzipped) read into a plain list of allocations and frees.
 //!
 //! Input is bytes, so this module does no I/O. The pickle is decoded strictly: any class or other
 //! global reference (`GLOBAL`, `STACK_GLOBAL`, `REDUCE` on anything but the builtin containers

@@ -219,8 +219,8 @@ pub(crate) fn log_failure(call: &'static str, r: CUresult) {
 pub(crate) struct Allocation {
     pub handle: sys::CUmemGenericAllocationHandle,
     pub ctx: Arc<Context>,
-    /// The handle exported once (an export is a costly driver call); later exports are duplicates of it. For
-    /// an imported handle, the fd it was imported from.
+    /// The handle exported once (an export is a costly driver call); later exports are duplicates
+    /// of it. For an imported handle, the fd it was imported from.
     pub fd: OnceLock<OwnedFd>,
 }
 

@@ -74,7 +74,8 @@ impl EventPool {
             Some(i) => i,
             None => {
                 let mut event = std::ptr::null_mut();
-                // SAFETY: the context is current; `event` is a valid out pointer. Destroyed in Drop.
+                // SAFETY: the context is current; `event` is a valid out pointer. Destroyed in
+                // Drop.
                 check("cuEventCreate", unsafe {
                     sys::cuEventCreate(
                         &mut event,

@@ -17,7 +17,6 @@
 mod checksum;
 mod driver;
 mod events;
-pub mod testing;
 
 pub use events::{EventPool, DEFAULT_STREAM};
 

@@ -17,8 +17,8 @@
 //! descriptor through `/proc` with write access still cannot write it (on a GPU, a process that
 //! imports a handle chooses its own mapping's access).
 //!
-//! Every copy into or out of mapped memory goes through the `volatile` module: other processes map the
-//! same memfds and write them while this one reads, so the compiler must not assume it is the
+//! Every copy into or out of mapped memory goes through the `volatile` module: other processes map
+//! the same memfds and write them while this one reads, so the compiler must not assume it is the
 //! memory's only user.
 
 mod volatile;

@@ -10,8 +10,9 @@ use std::process::{Command, Output};
 const ROLE: &str = "VRAMD_TEST_CHILD_ROLE";
 const FD: &str = "VRAMD_TEST_CHILD_FD";
 
-/// Runs the child test `child_test` (flagged ignored) of this binary in a child process with `role`,
-/// giving it `fd` (read back with [`inherited_fd`]) and `env`. Core dumps are off in the child.
+/// Runs the child test `child_test` (flagged ignored) of this binary in a child process with
+/// `role`, giving it `fd` (read back with [`inherited_fd`]) and `env`. Core dumps are off in the
+/// child.
 pub fn run_child(
     child_test: &str,
     role: &str,

@@ -133,7 +133,11 @@ pub(crate) struct Answer {
 /// The decision for one `dlsym(handle, symbol)` called from `caller`. Called by the trampoline
 /// only; must not unwind (it is `extern "C"`, so a panic would abort) and, on the pass-through
 /// path, neither allocates nor locks.
-pub(crate) extern "C" fn decide(
+///
+/// # Safety
+/// As for glibc's `dlsym`: `symbol` is null or a NUL-terminated string, `handle` a handle from
+/// `dlopen` or a pseudo-handle.
+pub(crate) unsafe extern "C" fn decide(
     handle: *mut c_void,
     symbol: *const c_char,
     caller: *const c_void,

@@ -71,7 +71,8 @@ const ALLOCATOR: [Hook; 10] = [
 ];
 
 /// Per hook: served by vramd (allocated or freed by its allocator; charged, or a charged
-/// allocation's references and mappings counted; answered with the tenant's view), passed to the function underneath unchanged, refused.
+/// allocation's references and mappings counted; answered with the tenant's view), passed to the
+/// function underneath unchanged, refused.
 static SERVED: [AtomicU64; HOOKS.len()] = [const { AtomicU64::new(0) }; HOOKS.len()];
 static PASSED: [AtomicU64; HOOKS.len()] = [const { AtomicU64::new(0) }; HOOKS.len()];
 static REFUSED: [AtomicU64; HOOKS.len()] = [const { AtomicU64::new(0) }; HOOKS.len()];

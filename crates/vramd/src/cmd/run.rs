@@ -3,19 +3,18 @@
 //! First the tenant is registered (`registration.rs`): a tenant the daemon cannot admit, a daemon
 //! that is not running, allocator settings (`VRAMD_ALLOC`) that do not parse or a variable no
 //! longer read (`vram_proto::env::RENAMED`) stop here, with the reason and a non-zero exit, before
-//! the program runs. The program then gets the
-//! registration's invitation (`VRAMD_JOIN`), which its libvram.so joins with when it first needs
-//! memory, and libvram.so preloaded (`LD_PRELOAD`, in both torch modes): its `dlsym`,
-//! `cuGetProcAddress` and the driver's allocation, `cuMemCreate` and memory-info calls are
-//! libvram.so's, so every device allocation of the program goes through vramd, whichever library
-//! makes it (PyTorch, JAX, CuPy, NCCL). An invitation is taken once: a process the program starts
-//! that uses the GPU too is refused its memory, with the reason. For Python, a private directory
-//! goes first on `PYTHONPATH`, holding the `vramd_torch` package and a `sitecustomize` that
-//! installs vramd's allocator into PyTorch right after `torch` is imported, before any CUDA
-//! allocation (see the repository's `python/vramd_torch/`). The program's exit status is ours, and the daemon is
-//! told it (a normal end is logged as such, a signal as a crash); SIGTERM, SIGHUP and SIGQUIT
-//! sent to us are passed on, and SIGINT too unless it came from our terminal, which delivers it to
-//! the program itself.
+//! the program runs. The program then gets the registration's invitation (`VRAMD_JOIN`), which its
+//! libvram.so joins with when it first needs memory, and libvram.so preloaded (`LD_PRELOAD`, in
+//! both torch modes): its `dlsym`, `cuGetProcAddress` and the driver's allocation, `cuMemCreate`
+//! and memory-info calls are libvram.so's, so every device allocation of the program goes through
+//! vramd, whichever library makes it (PyTorch, JAX, CuPy, NCCL). An invitation is taken once: a
+//! process the program starts that uses the GPU too is refused its memory, with the reason. For
+//! Python, a private directory goes first on `PYTHONPATH`, holding the `vramd_torch` package and a
+//! `sitecustomize` that installs vramd's allocator into PyTorch right after `torch` is imported,
+//! before any CUDA allocation (see the repository's `python/vramd_torch/`). The program's exit
+//! status is ours, and the daemon is told it (a normal end is logged as such, a signal as a crash);
+//! SIGTERM, SIGHUP and SIGQUIT sent to us are passed on, and SIGINT too unless it came from our
+//! terminal, which delivers it to the program itself.
 
 use std::ffi::{OsStr, OsString};
 use std::io::IsTerminal;
@@ -57,10 +56,11 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = TorchMode::Full)]
     pub torch_mode: TorchMode,
     /// Where NVIDIA MPS runs, also set the driver's own cap for this client
-    /// (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) to the tenant's limit, as a hard backstop behind vramd's books:
-    /// memory imported from vramd counts against that cap, and so does the client's context
-    /// (docs/benchmarks.md, "Outside use, guarantees that fill the device, and MPS"). The cap names the device by the program's CUDA ordinal,
-    /// taken as `--gpu` (0 by default): under CUDA_VISIBLE_DEVICES they may differ.
+    /// (CUDA_MPS_PINNED_DEVICE_MEM_LIMIT) to the tenant's limit, as a hard backstop behind vramd's
+    /// books: memory imported from vramd counts against that cap, and so does the client's context
+    /// (docs/benchmarks.md, "Outside use, guarantees that fill the device, and MPS"). The cap names
+    /// the device by the program's CUDA ordinal, taken as `--gpu` (0 by default): under
+    /// CUDA_VISIBLE_DEVICES they may differ.
     #[arg(long)]
     pub mps_limit: bool,
     /// The program and its arguments.

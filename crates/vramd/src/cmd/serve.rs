@@ -16,7 +16,8 @@ use crate::server::{ServeOptions, Server};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Where to listen [default: the config's `socket`, else VRAMD_SOCKET, else /run/vramd/vramd.sock]
+    /// Where to listen [default: the config's `socket`, else VRAMD_SOCKET, else
+    /// /run/vramd/vramd.sock]
     #[arg(long, short = 's')]
     pub socket: Option<PathBuf>,
     /// A TOML configuration file (classes, declared tenants, socket mode, allowed uids, pool).

@@ -113,14 +113,21 @@ impl Drop for Exporter {
 }
 
 async fn metrics(State(s): State<Arc<Scrape>>) -> Response {
-    let mut body = String::with_capacity(16 * 1024);
-    match prometheus_text::encode(&mut body, &s.registry) {
-        Ok(()) => (
+    // Collecting takes the slots' locks: off the runtime's one thread, as for `status`.
+    let encoded = tokio::task::spawn_blocking(move || {
+        let mut body = String::with_capacity(16 * 1024);
+        prometheus_text::encode(&mut body, &s.registry).map(|()| body)
+    })
+    .await;
+    match encoded {
+        Ok(Ok(body)) => (
             [(header::CONTENT_TYPE, prometheus_text::CONTENT_TYPE)],
             body,
         )
             .into_response(),
-        Err(_) => (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n").into_response(),
+        Ok(Err(_)) | Err(_) => {
+            (StatusCode::INTERNAL_SERVER_ERROR, "cannot encode metrics\n").into_response()
+        }
     }
 }
 
@@ -132,9 +139,12 @@ async fn status(
     State(s): State<Arc<Scrape>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
 ) -> Response {
-    let report = match status_for(&s, peer) {
-        Ok(r) => r,
-        Err(refusal) => return refusal.into_response(),
+    // The report takes the slots' locks and may read the kernel's socket table: off the runtime's
+    // one thread, which also answers `/metrics` and `/healthz`.
+    let report = match tokio::task::spawn_blocking(move || status_for(&s, peer)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(refusal)) => return refusal.into_response(),
+        Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     };
     match serde_json::to_string_pretty(&report) {
         Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
