@@ -284,12 +284,28 @@ def paired_ratios(results, model, other):
     return [m["full"] / m[other] for _, m in sorted(by_round.items()) if "full" in m and other in m]
 
 
+def read_runs(path):
+    """The runs in `path`: a results.json (one list), or the lines a run prints (one run each,
+    other lines skipped), as kept when a call ended before results.json was written."""
+    with open(path) as f:
+        text = f.read()
+    try:
+        runs = json.loads(text)
+    except json.JSONDecodeError:
+        runs = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    if not isinstance(runs, list) or not runs or not all(
+        isinstance(r, dict) and "round" in r for r in runs
+    ):
+        sys.exit(f"{path}: neither a results.json nor the runs' printed lines")
+    return runs
+
+
 def merged(paths):
-    """The runs of several results.json files, each file's rounds after the ones before."""
+    """The runs of several results files (`read_runs`), each file's rounds after the ones
+    before."""
     results, offset = [], 0
     for path in paths:
-        with open(path) as f:
-            runs = json.load(f)
+        runs = read_runs(path)
         for r in runs:
             results.append(dict(r, round=r["round"] + offset))
         offset += 1 + max((r["round"] for r in runs), default=-1)
