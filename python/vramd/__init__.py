@@ -142,10 +142,12 @@ class Tenant(_Closes):
 
 
 def connect(name=None, guarantee=None, limit=None, priority=None, gpu=None, socket=None, lib=None):
-    """Makes this process a tenant of the daemon at `socket` now. Each argument left out takes
-    what libvram.so's first use would (VRAMD_SOCKET, VRAMD_TENANT, VRAMD_GUARANTEE, VRAMD_LIMIT,
-    VRAMD_CLASS, VRAMD_GPU, then the defaults). VramdError with the daemon's reason when it
-    does not admit the tenant (a guarantee it cannot give, a name in use, no daemon)."""
+    """Makes this process a tenant of the daemon at `socket` now. With no argument it is the
+    tenant libvram.so's first use would make (under `vramd run`, the run's). With any argument it
+    is a tenant of its own, each argument left out taken as first use would (VRAMD_SOCKET,
+    VRAMD_TENANT, VRAMD_GUARANTEE, VRAMD_LIMIT, VRAMD_CLASS, VRAMD_GPU, then the defaults).
+    VramdError with the daemon's reason when it does not admit the tenant (a guarantee it cannot
+    give, a name in use, no daemon)."""
     l = load(lib)
     ok = l.vram_connect(
         _lib.text(socket),

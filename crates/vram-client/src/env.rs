@@ -22,8 +22,11 @@ fn bytes(name: &str) -> Result<Option<Bytes>, ClientError> {
 impl TenantOptions {
     /// What this process's environment asks for: `VRAMD_TENANT` (default `pid-<pid>`),
     /// `VRAMD_CLASS`, `VRAMD_GUARANTEE`, `VRAMD_LIMIT`, `VRAMD_GPU` and `VRAMD_JOIN`; a variable
-    /// unset or empty leaves its field to the default. A value that does not parse, or a
-    /// variable of `vram_proto::env::RENAMED` still set, is an error naming it.
+    /// unset or empty leaves its field to the default. `VRAMD_JOIN` counts only without
+    /// `VRAMD_TENANT`: `vramd run` never sets the name, so a process given one (a second process
+    /// of the program, which the run's one-time invitation cannot admit) is a tenant of its own. A
+    /// value that does not parse, or a variable of `vram_proto::env::RENAMED` still set, is an
+    /// error naming it.
     pub fn from_env() -> Result<TenantOptions, ClientError> {
         env::check_renamed().map_err(ClientError::Environment)?;
         let gpu = var(env::GPU)
@@ -32,13 +35,14 @@ impl TenantOptions {
                     .map_err(|e| ClientError::Environment(format!("{} `{v}`: {e}", env::GPU)))
             })
             .transpose()?;
+        let name = var(env::TENANT);
         Ok(TenantOptions {
-            name: var(env::TENANT).unwrap_or_else(|| format!("pid-{}", std::process::id())),
+            join: var(env::JOIN).filter(|_| name.is_none()),
+            name: name.unwrap_or_else(|| format!("pid-{}", std::process::id())),
             class: var(env::CLASS),
             guarantee: bytes(env::GUARANTEE)?,
             limit: bytes(env::LIMIT)?,
             gpu,
-            join: var(env::JOIN),
         })
     }
 }
@@ -82,6 +86,16 @@ mod tests {
             (Some(Bytes::gib(2)), Some(Bytes::gib(4)))
         );
         assert_eq!(o.gpu, Some(1));
+
+        // An invitation is `vramd run`'s, which sets no name: with a name the process is its own.
+        std::env::set_var(env::JOIN, "token");
+        assert_eq!(TenantOptions::from_env().unwrap().join, None);
+        std::env::remove_var(env::TENANT);
+        assert_eq!(
+            TenantOptions::from_env().unwrap().join.as_deref(),
+            Some("token")
+        );
+        std::env::remove_var(env::JOIN);
 
         std::env::set_var(env::LIMIT, "lots");
         let e = TenantOptions::from_env().unwrap_err().to_string();

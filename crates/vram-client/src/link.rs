@@ -50,8 +50,10 @@ pub(crate) struct Link {
     /// Grants held and not given back, by id (ids stay valid across daemon restarts).
     held: Mutex<BTreeMap<GrantId, Bytes>>,
     charged: AtomicU64,
-    /// Serialises reconnects: one thread reconnects, the others wait for its outcome.
-    reconnecting: Mutex<()>,
+    /// Serialises reconnects: one thread reconnects, the others wait for its outcome. Holds why
+    /// the last reconnect gave up, while its transport is still the one in use: later calls then
+    /// try once each, not for another [`RECONNECT_FOR`].
+    reconnecting: Mutex<Option<String>>,
     reconnects: AtomicU64,
     closed: AtomicBool,
 }
@@ -80,7 +82,7 @@ impl Link {
             reclaim_tx: Mutex::new(Some(reclaim_tx)),
             held: Mutex::new(BTreeMap::new()),
             charged: AtomicU64::new(0),
-            reconnecting: Mutex::new(()),
+            reconnecting: Mutex::new(None),
             reconnects: AtomicU64::new(0),
             closed: AtomicBool::new(false),
         });
@@ -204,38 +206,44 @@ impl Link {
     }
 
     /// Replaces the dead transport `dead` with a new registration, retrying with backoff for
-    /// [`RECONNECT_FOR`]. Another thread's reconnect, finished or under way, counts.
+    /// [`RECONNECT_FOR`]. Another thread's reconnect, finished or under way, counts: once one has
+    /// given up on `dead`, a later call tries once, so that a call fails at once while the daemon
+    /// stays away and the link comes back when it returns.
     fn reconnect(
         self: &Arc<Self>,
         dead: &Arc<Transport>,
         why: &ClientError,
     ) -> Result<(), ClientError> {
-        let _one = lock(&self.reconnecting);
+        let mut gave_up = lock(&self.reconnecting);
         if !Arc::ptr_eq(&self.transport(), dead) {
             return Ok(());
         }
+        let closing = || ClientError::Lost("the client is closing".into());
+        if self.closed.load(Ordering::Acquire) {
+            return Err(closing());
+        }
         let started = Instant::now();
+        if let Some(reason) = gave_up.as_ref() {
+            return match self.register_again() {
+                Ok(()) => {
+                    *gave_up = None;
+                    Ok(())
+                }
+                Err(e) if !worth_retrying(&e) => Err(e),
+                Err(e) => Err(ClientError::Lost(format!(
+                    "{reason}; still unreachable: {e}"
+                ))),
+            };
+        }
         tracing::warn!("vramd: connection to the daemon lost ({why}); reconnecting");
         let mut pause = BACKOFF_START;
         loop {
             if self.closed.load(Ordering::Acquire) {
-                return Err(ClientError::Lost("the client is closing".into()));
+                return Err(closing());
             }
-            let resume = Resume {
-                grants: lock(&self.held).iter().map(|(id, b)| (*id, *b)).collect(),
-                charged: Bytes(self.charged.load(Ordering::Relaxed)),
-            };
-            let tx = lock(&self.reclaim_tx).clone();
-            match register(&self.socket, &self.opts, tx, Some(resume)) {
-                Ok((transport, welcome)) => {
-                    self.watch(&transport);
-                    *self
-                        .transport
-                        .write()
-                        .unwrap_or_else(PoisonError::into_inner) = transport;
-                    self.reconnects.fetch_add(1, Ordering::Relaxed);
+            match self.register_again() {
+                Ok(()) => {
                     tracing::warn!(
-                        tenant = welcome.name,
                         "vramd: reconnected after {:.0} ms",
                         started.elapsed().as_secs_f64() * 1e3
                     );
@@ -244,16 +252,38 @@ impl Link {
                 Err(e) if !worth_retrying(&e) => return Err(e),
                 Err(e) => {
                     if started.elapsed() > RECONNECT_FOR {
-                        return Err(ClientError::Lost(format!(
-                            "the daemon did not come back within {} s: {e}",
+                        let reason = format!(
+                            "the daemon did not come back within {} s",
                             RECONNECT_FOR.as_secs()
-                        )));
+                        );
+                        let err = ClientError::Lost(format!("{reason}: {e}"));
+                        *gave_up = Some(reason);
+                        return Err(err);
                     }
                 }
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(BACKOFF_MAX);
         }
+    }
+
+    /// One attempt to register again as this tenant, saying what it holds; on success the new
+    /// transport replaces the old.
+    fn register_again(self: &Arc<Self>) -> Result<(), ClientError> {
+        let resume = Resume {
+            grants: lock(&self.held).iter().map(|(id, b)| (*id, *b)).collect(),
+            charged: Bytes(self.charged.load(Ordering::Relaxed)),
+        };
+        let tx = lock(&self.reclaim_tx).clone();
+        let (transport, welcome) = register(&self.socket, &self.opts, tx, Some(resume))?;
+        self.watch(&transport);
+        *self
+            .transport
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = transport;
+        self.reconnects.fetch_add(1, Ordering::Relaxed);
+        tracing::debug!(tenant = welcome.name, "vramd: registered again");
+        Ok(())
     }
 }
 

@@ -226,9 +226,10 @@ int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint6
 
 /* Tenants one after another. A process is one tenant at a time; the first is set up on first use
  * (above) or here. vram_connect makes this process a tenant now, as the daemon at `socket` admits
- * it: each argument NULL (or `gpu` -1) takes what first use would (VRAMD_SOCKET, VRAMD_TENANT,
- * VRAMD_CLASS, VRAMD_GUARANTEE, VRAMD_LIMIT, VRAMD_GPU, then the defaults); sizes like
- * "20GiB". It fails while the process is a tenant already. vram_disconnect ends the tenant: every
+ * it. With every argument NULL (and `gpu` -1) it is first use's tenant (under `vramd run`, the
+ * run's); with any argument given, a tenant of its own, each argument NULL (or `gpu` -1) taking
+ * what first use would (VRAMD_SOCKET, VRAMD_TENANT, VRAMD_CLASS, VRAMD_GUARANTEE, VRAMD_LIMIT,
+ * VRAMD_GPU, then the defaults); sizes like "20GiB". It fails while the process is a tenant already. vram_disconnect ends the tenant: every
  * idle byte goes back, the daemon hears Bye and closes the registration, and the process is no
  * tenant until vram_connect or the next call that needs one (which connects as at first use).
  * It refuses while memory from the tenant is in use (allocated and not freed, charged) or a

@@ -281,6 +281,17 @@ pub unsafe extern "C" fn vram_connect(
 ) -> c_int {
     guarded(-1, || {
         let mut opts = options_from_env()?;
+        // With nothing asked, the tenant is first use's: under `vramd run`, the run's (its
+        // invitation). Anything asked is a tenant of its own, which the invitation is not for.
+        let asked = !(socket.is_null()
+            && name.is_null()
+            && tenant_class.is_null()
+            && guarantee.is_null()
+            && limit.is_null()
+            && gpu < 0);
+        if asked {
+            opts.join = None;
+        }
         // SAFETY: the arguments are NULL or NUL-terminated strings alive for this call (this
         // function's contract).
         if let Some(n) = unsafe { optional_text(name, "name") }? {
@@ -301,8 +312,6 @@ pub unsafe extern "C" fn vram_connect(
         if gpu >= 0 {
             opts.gpu = Some(gpu as u32);
         }
-        // An invitation is for the first tenant `vramd run` registered, not for one asked here.
-        opts.join = None;
         // SAFETY: as above.
         let socket = unsafe { optional_text(socket, "socket") }?.map(std::path::PathBuf::from);
         match connect_now(socket.as_deref(), &opts)? {

@@ -108,11 +108,44 @@ fn check_config_says_why_a_file_is_invalid() {
 }
 
 #[test]
-fn check_config_accepts_a_good_file_and_the_shipped_one() {
+fn check_config_names_every_fault_at_once() {
     let (code, text) = check(
-        "capacity = \"8 GiB\"\n[tenants.a]\nclass = \"high\"\nguarantee = \"4 GiB\"\n",
+        "capacity = \"8 GiB\"\npriority_reserve = \"9 GiB\"\n\
+         [tenants.a]\nclass = \"nope\"\nguarantee = \"6 GiB\"\nlimit = \"1 GiB\"\n\
+         [tenants.b]\nguarantee = \"6 GiB\"\n",
         &["--backend", "host"],
     );
+    assert_eq!(code, Some(1), "{text}");
+    for says in [
+        "priority_reserve 9 GiB",
+        "unknown class `nope`",
+        "[tenants.a]: guarantee 6 GiB is above its limit 1 GiB",
+        "declared guarantees sum to 12 GiB",
+    ] {
+        assert!(text.contains(says), "`{says}` not said:\n{text}");
+    }
+}
+
+#[test]
+fn auto_is_checked_as_the_backend_a_start_here_would_take() {
+    // Without a GPU a start takes the host backend, whose granularity the check then knows.
+    if vram_device::cuda::probe().is_ok_and(|d| !d.is_empty()) {
+        return;
+    }
+    let (code, text) = check("capacity = 8\n", &[]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("backend auto is host"), "{text}");
+    assert!(text.contains("below the device's granularity"), "{text}");
+}
+
+#[test]
+fn check_config_accepts_a_good_file_and_the_shipped_one() {
+    let (code, text) = check(
+        "capacity = \"8 GiB\"\n[tenants.a]\nclass = \"high\"\nguarantee = \"4 GiB\"\n\
+         [tenants.b]\nguarantee = \"1 GiB\"\n",
+        &["--backend", "host"],
+    );
+    // A declared tenant without a class takes the default one.
     assert_eq!(code, Some(0), "{text}");
     assert!(text.contains("valid"), "{text}");
     let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/../../deploy/vramd.toml");

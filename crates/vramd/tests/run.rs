@@ -358,3 +358,36 @@ fn the_sitecustomize_hooks_torch_only_under_vramd_run() {
     assert_eq!(hooked(None), "False");
     assert_eq!(hooked(Some("full")), "True");
 }
+
+#[test]
+fn the_program_joins_the_run_and_a_process_given_a_name_is_a_tenant_of_its_own() {
+    assert!(library().is_some(), "libvram.so could not be built");
+    let d = Daemon::start(CONFIG);
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python");
+    // The first process connects with nothing asked: the run's tenant, with its limit. A second
+    // one named by VRAMD_TENANT is its own tenant; a third, unnamed, is refused, told why.
+    let script = "python3 -c 'import vramd; t = vramd.connect(); print(t.name, t.limit)' && \
+        VRAMD_TENANT=kid python3 -c 'import vramd; t = vramd.current(); t.alloc(2 << 20); \
+        print(t.name)' && \
+        python3 -c 'import vramd; vramd.current().alloc(2 << 20)'";
+    let out = vramd_run(
+        &d,
+        &["--tenant", "jt", "--limit", "1GiB"],
+        &["sh", "-c", script],
+        &[("PYTHONPATH", &python)],
+    );
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert_eq!(
+        stdout.lines().collect::<Vec<_>>(),
+        ["jt 1073741824", "kid"],
+        "{stderr}"
+    );
+    assert!(!out.status.success());
+    assert!(
+        stderr.contains("no such invitation") && stderr.contains("VRAMD_TENANT"),
+        "{stderr}"
+    );
+}

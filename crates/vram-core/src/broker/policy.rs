@@ -31,6 +31,9 @@ pub struct Class {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DeclaredTenant {
+    /// [`Policy::DEFAULT_CLASS`] when the configuration names none, as for a tenant that
+    /// connects without one.
+    #[serde(default = "default_class")]
     pub class: String,
     #[serde(default)]
     pub guarantee: Bytes,
@@ -42,6 +45,10 @@ pub struct DeclaredTenant {
     /// The groups (gids, primary or supplementary) whose members may connect as this tenant.
     #[serde(default)]
     pub groups: Vec<u32>,
+}
+
+fn default_class() -> String {
+    Policy::DEFAULT_CLASS.to_owned()
 }
 
 impl DeclaredTenant {
@@ -181,43 +188,55 @@ impl Policy {
     /// Whether this policy can work: a capacity, declared tenants with valid names and known
     /// classes, each guarantee within its limit, guarantees that sum (without overflow) to no more
     /// than the capacity, a reserve within the capacity. [`Broker::new`](super::Broker::new) checks
-    /// less; the daemon checks this first, at start and on reload.
+    /// less; the daemon checks this first, at start and on reload. The first of
+    /// [`Policy::problems`].
     pub fn check(&self) -> Result<(), PolicyError> {
-        if self.capacity == Bytes::ZERO {
-            return Err(PolicyError::ZeroCapacity);
+        match self.problems().into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
+    }
+
+    /// Every reason this policy cannot work (see [`Policy::check`]), so that a configuration
+    /// is mended in one pass.
+    pub fn problems(&self) -> Vec<PolicyError> {
+        if self.capacity == Bytes::ZERO {
+            return vec![PolicyError::ZeroCapacity];
+        }
+        let mut out = Vec::new();
         if self.priority_reserve > self.capacity {
-            return Err(PolicyError::ReserveAboveCapacity {
+            out.push(PolicyError::ReserveAboveCapacity {
                 reserve: self.priority_reserve,
                 capacity: self.capacity,
             });
         }
         for (class, c) in &self.classes {
             if let Some(limit) = c.default_limit.filter(|l| c.default_guarantee > *l) {
-                return Err(PolicyError::ClassGuaranteeAboveLimit {
+                out.push(PolicyError::ClassGuaranteeAboveLimit {
                     class: class.clone(),
                     guarantee: c.default_guarantee,
                     limit,
                 });
             }
             if c.default_guarantee > self.capacity {
-                return Err(PolicyError::ClassGuaranteeAboveCapacity {
+                out.push(PolicyError::ClassGuaranteeAboveCapacity {
                     class: class.clone(),
                     guarantee: c.default_guarantee,
                     capacity: self.capacity,
                 });
             }
         }
-        let mut total = Bytes::ZERO;
+        // `None` once the sum overflowed: the overflow is said, not a total.
+        let mut total = Some(Bytes::ZERO);
         for (name, t) in &self.tenants {
             if let Some(reason) = super::name_problem(name) {
-                return Err(PolicyError::BadTenantName {
+                out.push(PolicyError::BadTenantName {
                     name: name.clone(),
                     reason,
                 });
             }
             if !self.classes.contains_key(&t.class) {
-                return Err(PolicyError::UnknownClass {
+                out.push(PolicyError::UnknownClass {
                     name: name.clone(),
                     class: t.class.clone(),
                     known: self.classes.keys().cloned().collect::<Vec<_>>().join(", "),
@@ -225,28 +244,30 @@ impl Policy {
             }
             let limit = t.limit.unwrap_or(self.capacity);
             if t.guarantee > limit {
-                return Err(PolicyError::GuaranteeAboveLimit {
+                out.push(PolicyError::GuaranteeAboveLimit {
                     name: name.clone(),
                     guarantee: t.guarantee,
                     limit,
                 });
             }
-            total =
-                total
-                    .checked_add(t.guarantee)
-                    .ok_or_else(|| PolicyError::GuaranteesOverflow {
+            if let Some(before) = total {
+                total = before.checked_add(t.guarantee);
+                if total.is_none() {
+                    out.push(PolicyError::GuaranteesOverflow {
                         name: name.clone(),
                         guarantee: t.guarantee,
-                        before: total,
-                    })?;
+                        before,
+                    });
+                }
+            }
         }
-        if total > self.capacity {
-            return Err(PolicyError::GuaranteesAboveCapacity {
+        if let Some(total) = total.filter(|t| *t > self.capacity) {
+            out.push(PolicyError::GuaranteesAboveCapacity {
                 total,
                 capacity: self.capacity,
             });
         }
-        Ok(())
+        out
     }
 }
 

@@ -170,7 +170,10 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         // libvram.so's dlsym, cuGetProcAddress and driver allocation calls go before the
         // driver's (and, in pool mode, its cudaMalloc / cudaFree before the CUDA runtime's).
         .env("LD_PRELOAD", preload(&lib));
-    cmd.env(vram_proto::JOIN_ENV, registration.token());
+    // The program joins the tenant registered here: a name inherited from our environment would
+    // make it a tenant of its own instead (see `TenantOptions::from_env`).
+    cmd.env(vram_proto::JOIN_ENV, registration.token())
+        .env_remove(vram_proto::env::TENANT);
     if args.mps_limit {
         let w = registration.welcome();
         cmd.env(

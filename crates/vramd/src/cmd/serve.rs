@@ -219,18 +219,31 @@ fn check_config(args: &Args, path: &Path) -> std::process::ExitCode {
     };
     let capacity = args.capacity.or(config.capacity);
     let backend = args.backend.or(config.backend).unwrap_or_default();
-    // Auto serves a GPU where there is one, and a GPU's figures are measured at start.
-    let device = match backend {
-        BackendSelection::Only(BackendKind::Host) => CheckedDevice {
+    // Auto is the backend a start here would take: the first with a device.
+    let kind = match backend {
+        BackendSelection::Only(kind) => kind,
+        BackendSelection::Auto => BackendKind::ALL
+            .into_iter()
+            .find(|&k| vram_device::devices(k, DEFAULT_HOST_CAPACITY).is_ok_and(|d| !d.is_empty()))
+            .unwrap_or(BackendKind::Host),
+    };
+    let device = match kind {
+        BackendKind::Host => CheckedDevice {
             capacity: Some(capacity.unwrap_or(DEFAULT_HOST_CAPACITY)),
             granularity: Some(vram_device::host::DEFAULT_GRANULARITY),
         },
-        BackendSelection::Only(BackendKind::Cuda) | BackendSelection::Auto => CheckedDevice {
+        // A GPU's memory is measured at start; its granularity is the driver's, where it answers.
+        BackendKind::Cuda => CheckedDevice {
             capacity,
-            granularity: None,
+            granularity: vram_device::devices(kind, DEFAULT_HOST_CAPACITY)
+                .ok()
+                .and_then(|d| d.iter().map(|i| i.granularity).max()),
         },
     };
     let problems = config.problems(&[device]);
+    if backend == BackendSelection::Auto {
+        println!("{}: backend auto is {kind} on this machine", path.display());
+    }
     if problems.is_empty() {
         println!("{}: valid", path.display());
         if device.capacity.is_none() {

@@ -121,9 +121,12 @@ impl Config {
             }
             // Without the capacity, what does not depend on it: names, classes, overflow.
             let capacity = d.capacity.unwrap_or(Bytes(u64::MAX));
-            if let Err(e) = self.policy(capacity).check() {
-                found.push(ConfigError::Policy(Box::new(e)));
-            }
+            found.extend(
+                self.policy(capacity)
+                    .problems()
+                    .into_iter()
+                    .map(|e| ConfigError::Policy(Box::new(e))),
+            );
             // Devices alike give the same problems: each is said once.
             for p in found {
                 let text = p.to_string();
@@ -266,6 +269,7 @@ mod tests {
             "[pool] sizes: 1 KiB is below the device's granularity (2 MiB)",
             "[pool] sizes: 3 MiB is not a multiple of the device's granularity (2 MiB)",
             "[tenants.a]: guarantee 9 GiB is above its limit 8 GiB",
+            "declared guarantees sum to 9 GiB, above the capacity 8 GiB",
         ];
         assert_eq!(p.len(), want.len(), "{p:#?}");
         for (got, want) in p.iter().zip(want) {

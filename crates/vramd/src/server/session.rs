@@ -295,7 +295,8 @@ impl Session {
                 code: ErrorCode::Admission,
                 reason: None,
                 message: "no such invitation (already taken by another process, or its tenant \
-                          is gone)"
+                          is gone): a second process of a `vramd run` program is a tenant of its \
+                          own, named by VRAMD_TENANT"
                     .into(),
             })?;
         let s = &self.daemon.slots[slot];
