@@ -92,6 +92,23 @@ pub enum BackendSelection {
     Only(BackendKind),
 }
 
+impl BackendSelection {
+    /// The backend a daemon started here would serve, and its devices as the driver describes
+    /// them (none where it does not answer): the one named, or for `auto` the first of
+    /// [`BackendKind::ALL`] with a device (the host backend always has one).
+    pub fn resolve(self, host_capacity: Bytes) -> (BackendKind, Vec<DeviceInfo>) {
+        let found = |k| devices(k, host_capacity).unwrap_or_default();
+        match self {
+            BackendSelection::Only(kind) => (kind, found(kind)),
+            BackendSelection::Auto => BackendKind::ALL
+                .into_iter()
+                .map(|k| (k, found(k)))
+                .find(|(_, d)| !d.is_empty())
+                .unwrap_or((BackendKind::Host, Vec::new())),
+        }
+    }
+}
+
 impl fmt::Display for BackendSelection {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -47,6 +47,41 @@ pub struct DeclaredTenant {
     pub groups: Vec<u32>,
 }
 
+/// A limit as a configuration writes it: a size, or `none` (the whole device).
+fn limit_text(limit: Option<Bytes>) -> String {
+    limit.map_or_else(|| "none".to_owned(), |l| l.to_string())
+}
+
+/// As the keys of `[classes.NAME]` read.
+impl std::fmt::Display for Class {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "priority {}, default_guarantee {}, default_limit {}, users {:?}, groups {:?}",
+            self.priority,
+            self.default_guarantee,
+            limit_text(self.default_limit),
+            self.users,
+            self.groups
+        )
+    }
+}
+
+/// As the keys of `[tenants.NAME]` read.
+impl std::fmt::Display for DeclaredTenant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "class `{}`, guarantee {}, limit {}, owners {:?}, groups {:?}",
+            self.class,
+            self.guarantee,
+            limit_text(self.limit),
+            self.owners,
+            self.groups
+        )
+    }
+}
+
 fn default_class() -> String {
     Policy::DEFAULT_CLASS.to_owned()
 }
@@ -412,7 +447,7 @@ fn describe_classes(old: &Policy, new: &Policy) -> Vec<String> {
     for (name, c) in &new.classes {
         match old.classes.get(name) {
             None => out.push(format!("class `{name}` added (priority {})", c.priority)),
-            Some(o) if o != c => out.push(format!("class `{name}` changed: {o:?} → {c:?}")),
+            Some(o) if o != c => out.push(format!("class `{name}` changed: {o} → {c}")),
             Some(_) => {}
         }
     }
@@ -432,9 +467,7 @@ fn describe_declared(old: &Policy, new: &Policy) -> Vec<String> {
                 "declared tenant `{name}` added (class `{}`, guarantee {})",
                 d.class, d.guarantee
             )),
-            Some(o) if o != d => {
-                out.push(format!("declared tenant `{name}` changed: {o:?} → {d:?}"))
-            }
+            Some(o) if o != d => out.push(format!("declared tenant `{name}` changed: {o} → {d}")),
             Some(_) => {}
         }
     }

@@ -131,6 +131,9 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     if args.sizes.is_empty() || args.iterations == 0 || args.tenants == 0 {
         bail!("--size, --iterations and --tenants must be non-zero");
     }
+    if args.socket.is_none() {
+        check_sizes(args.backend, &args.sizes)?;
+    }
     let machine = Machine::probe();
     let mut own = None;
     let socket: PathBuf = match &args.socket {
@@ -159,6 +162,25 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         print!("{}", render(&report));
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Every size a whole number of granules of the device our own daemon would serve (a daemon's
+/// pool takes no other), said before it starts.
+fn check_sizes(backend: vram_device::BackendSelection, sizes: &[Bytes]) -> anyhow::Result<()> {
+    // Only the devices' granularity is read: the host capacity does not matter here.
+    let (kind, devices) = backend.resolve(Bytes::ZERO);
+    let Some(gran) = devices.iter().map(|d| d.granularity).max() else {
+        return Ok(());
+    };
+    for size in sizes {
+        if size.get() == 0 || size.get() % gran.get() != 0 {
+            bail!(
+                "--size {size}: a grant is a whole number of the {kind} device's granules \
+                 ({gran}); a size without a unit is in bytes: write \"2MiB\", not 2"
+            );
+        }
+    }
+    Ok(())
 }
 
 fn start_own_daemon(args: &Args) -> anyhow::Result<OwnDaemon> {

@@ -96,7 +96,10 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     report.live = false;
     report.check(
         status == Some(0),
-        format!("the daemon stopped cleanly on SIGTERM ({status:?})"),
+        match status {
+            Some(code) => format!("the daemon stopped cleanly on SIGTERM (exit status {code})"),
+            None => "the daemon stopped cleanly on SIGTERM (it was killed by a signal)".to_owned(),
+        },
     );
     let failed = report.checks.iter().filter(|c| !c.ok).count();
     println!("\n== Report");

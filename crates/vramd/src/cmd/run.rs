@@ -64,7 +64,7 @@ pub struct Args {
     #[arg(long)]
     pub mps_limit: bool,
     /// The program and its arguments.
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true)]
+    #[arg(required = true, trailing_var_arg = true)]
     pub command: Vec<OsString>,
 }
 
@@ -140,7 +140,15 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     if let Ok(settings) = std::env::var(vram_proto::env::ALLOC) {
         vram_core::alloc::AllocConfig::default()
             .set_all(&settings)
-            .map_err(|e| anyhow::anyhow!("VRAMD_ALLOC `{settings}`: {e}"))?;
+            .map_err(|e| {
+                // An error that quotes the setting it is about says the rest.
+                let e = e.to_string();
+                if e.contains(&format!("`{settings}`")) {
+                    anyhow::anyhow!("VRAMD_ALLOC {e}")
+                } else {
+                    anyhow::anyhow!("VRAMD_ALLOC `{settings}`: {e}")
+                }
+            })?;
     }
     let registration = Registration::register(
         &args.socket.path(),
@@ -293,6 +301,36 @@ fn exit_code(status: std::process::ExitStatus) -> ExitCode {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        args: Args,
+    }
+
+    fn parse(argv: &[&str]) -> Result<Vec<String>, String> {
+        use clap::Parser;
+        Cli::try_parse_from(std::iter::once("run").chain(argv.iter().copied()))
+            .map(|c| {
+                c.args
+                    .command
+                    .iter()
+                    .map(|a| a.to_string_lossy().into_owned())
+                    .collect()
+            })
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn the_program_is_what_follows_the_flags_and_a_mistyped_flag_is_an_error() {
+        assert_eq!(
+            parse(&["--limit", "1GiB", "python3", "-c", "pass"]).unwrap(),
+            ["python3", "-c", "pass"]
+        );
+        assert_eq!(parse(&["--", "-weird", "--x"]).unwrap(), ["-weird", "--x"]);
+        let e = parse(&["--limt", "1GiB", "--", "true"]).unwrap_err();
+        assert!(e.contains("unexpected argument '--limt'"), "{e}");
+    }
 
     #[test]
     fn the_mps_cap_names_the_ordinal_and_never_exceeds_the_limit() {

@@ -219,14 +219,8 @@ fn check_config(args: &Args, path: &Path) -> std::process::ExitCode {
     };
     let capacity = args.capacity.or(config.capacity);
     let backend = args.backend.or(config.backend).unwrap_or_default();
-    // Auto is the backend a start here would take: the first with a device.
-    let kind = match backend {
-        BackendSelection::Only(kind) => kind,
-        BackendSelection::Auto => BackendKind::ALL
-            .into_iter()
-            .find(|&k| vram_device::devices(k, DEFAULT_HOST_CAPACITY).is_ok_and(|d| !d.is_empty()))
-            .unwrap_or(BackendKind::Host),
-    };
+    // Auto is the backend a start here would take.
+    let (kind, found) = backend.resolve(DEFAULT_HOST_CAPACITY);
     let device = match kind {
         BackendKind::Host => CheckedDevice {
             capacity: Some(capacity.unwrap_or(DEFAULT_HOST_CAPACITY)),
@@ -235,9 +229,7 @@ fn check_config(args: &Args, path: &Path) -> std::process::ExitCode {
         // A GPU's memory is measured at start; its granularity is the driver's, where it answers.
         BackendKind::Cuda => CheckedDevice {
             capacity,
-            granularity: vram_device::devices(kind, DEFAULT_HOST_CAPACITY)
-                .ok()
-                .and_then(|d| d.iter().map(|i| i.granularity).max()),
+            granularity: found.iter().map(|i| i.granularity).max(),
         },
     };
     let problems = config.problems(&[device]);

@@ -35,7 +35,15 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         .ok_or_else(|| anyhow::anyhow!("--interval must be a positive number of seconds"))?;
     // Fail on the plain terminal, before the screen is taken over.
     let observer = Observer::connect(Some(&socket))?;
-    let mut terminal = ratatui::try_init()?;
+    use std::io::IsTerminal;
+    if !std::io::stdin().is_terminal() || !std::io::stdout().is_terminal() {
+        anyhow::bail!(
+            "vramd top draws on a terminal, and this process's input or output is not one: \
+             `vramd status` (or `vramd status --json`) prints the same figures once"
+        );
+    }
+    let mut terminal =
+        ratatui::try_init().map_err(|e| anyhow::anyhow!("cannot take over the terminal: {e}"))?;
     let result = watch(&mut terminal, observer, &socket, interval);
     ratatui::restore();
     result.map(|()| std::process::ExitCode::SUCCESS)

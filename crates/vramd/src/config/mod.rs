@@ -161,6 +161,24 @@ pub struct ConnectionsConfig {
     pub max_waits: usize,
 }
 
+/// As the keys of `[connections]` read.
+impl std::fmt::Display for ConnectionsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "max_total {}, max_per_uid {}, hello_timeout_ms {}, frame_timeout_ms {}, \
+             send_timeout_ms {}, unread_timeout_ms {}, max_waits {}",
+            self.max_total,
+            self.max_per_uid,
+            self.hello_timeout_ms,
+            self.frame_timeout_ms,
+            self.send_timeout_ms,
+            self.unread_timeout_ms,
+            self.max_waits
+        )
+    }
+}
+
 impl ConnectionsConfig {
     fn default_max_total() -> usize {
         2048

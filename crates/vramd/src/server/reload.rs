@@ -91,7 +91,7 @@ impl Daemon {
         }
         if old.connections != new.connections {
             changes.push(format!(
-                "[connections] {:?} → {:?} (timeouts of connections already open stay)",
+                "[connections] {} → {} (timeouts of connections already open stay)",
                 old.connections, new.connections
             ));
         }

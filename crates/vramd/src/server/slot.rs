@@ -651,11 +651,23 @@ impl Slot {
         reclaim: &dyn ReclaimSender,
     ) -> Result<Vec<(GrantId, Bytes, std::os::fd::OwnedFd)>, ErrorReply> {
         let mut booked = Vec::with_capacity(sizes.len());
-        for &bytes in sizes {
+        for (i, &bytes) in sizes.iter().enumerate() {
             match self.book(tenant, bytes, timeout, reclaim) {
                 Ok(size) => booked.push(size),
-                Err(e) => {
+                Err(mut e) => {
                     self.unbook(tenant, &booked);
+                    if sizes.len() > 1 {
+                        // The refusal's figures are this handle's, with the request's handles
+                        // before it counted as held: say which part of the request it was.
+                        let total = sizes.iter().fold(Bytes::ZERO, |a, b| a.saturating_add(*b));
+                        e.message = format!(
+                            "{} (handle {} of a request for {total} in {} handles; none of it \
+                             is granted)",
+                            e.message,
+                            i + 1,
+                            sizes.len()
+                        );
+                    }
                     return Err(e);
                 }
             }
