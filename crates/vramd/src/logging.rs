@@ -73,6 +73,50 @@ impl std::fmt::Display for Chain<'_> {
     }
 }
 
+/// How often a recurring failure or refusal is logged at most.
+pub const LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// A line logged once per [`LOG_EVERY`]: the first at once, then a count of the rest. What repeats
+/// at a peer's pace (refusals, malformed requests, failed accepts) goes through one, so that a
+/// peer in a loop cannot fill the daemon's log; the metrics count every occurrence.
+#[derive(Debug, Default)]
+pub struct Every {
+    last: Option<std::time::Instant>,
+    suppressed: u64,
+}
+
+impl Every {
+    /// `Some(n)`: log now, mentioning the `n` occurrences not logged since the last line.
+    pub fn due(&mut self) -> Option<u64> {
+        let now = std::time::Instant::now();
+        if self
+            .last
+            .is_some_and(|at| now.duration_since(at) < LOG_EVERY)
+        {
+            self.suppressed += 1;
+            return None;
+        }
+        self.last = Some(now);
+        Some(std::mem::take(&mut self.suppressed))
+    }
+}
+
+#[cfg(test)]
+mod every_tests {
+    use super::*;
+
+    #[test]
+    fn a_recurring_line_is_logged_once_per_interval_with_a_count() {
+        let mut e = Every::default();
+        assert_eq!(e.due(), Some(0));
+        for _ in 0..5 {
+            assert_eq!(e.due(), None);
+        }
+        e.last = Some(std::time::Instant::now() - LOG_EVERY);
+        assert_eq!(e.due(), Some(5));
+    }
+}
+
 #[cfg(test)]
 mod chain_tests {
     use super::Chain;

@@ -79,8 +79,23 @@ fn a_refused_handle_leaves_the_tenant_holding_nothing_of_the_request() {
     };
     assert_eq!(e.code, ErrorCode::Refused, "{e:?}");
     assert!(e.message.contains("limit"), "{}", e.message);
+    assert!(
+        e.message
+            .contains("handle 3 of a request for 34 MiB in 3 handles; none of it is granted"),
+        "{}",
+        e.message
+    );
     assert!(r.fds.is_empty());
     assert_eq!(d.held_by("greedy"), Bytes::mib(8), "only the first request");
+
+    // Asked again and again, the refusal is logged once (within the 10 s between lines).
+    for id in 100..150 {
+        let sizes = vec![Bytes::mib(64)];
+        conn.send(id, &Request::GrantMany { sizes }, &[]).unwrap();
+        assert!(matches!(conn.recv::<Reply>().unwrap().msg, Reply::Error(_)));
+    }
+    let logged = d.log().matches("refused: tenant `greedy`").count();
+    assert!((1..=2).contains(&logged), "{logged} lines:\n{}", d.log());
 
     // Empty and oversized requests get a clear refusal; the connection goes on.
     for (id, n) in [(4, 0), (5, MAX_FDS + 1)] {

@@ -5,7 +5,8 @@
 //! descriptor in reserve (`/dev/null` opened): it lets it go, accepts the waiting peer, tells it
 //! the daemon is out of descriptors, closes it and takes the reserve back. So every peer gets an
 //! answer, and the loop waits in `accept` as usual instead of failing at once again and again.
-//! Failures and refusals are logged once per [`LOG_EVERY`], with how many there were since.
+//! Failures and refusals are logged once per [`crate::logging::LOG_EVERY`], with how many there
+//! were since.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -13,41 +14,16 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use vram_proto::{Conn, ErrorCode, ErrorReply, Reply};
 
 use super::peer::Peer;
 use super::{session, Daemon};
-
-/// How often a recurring failure or refusal is logged at most.
-pub const LOG_EVERY: Duration = Duration::from_secs(10);
+use crate::logging::Every;
 
 /// How long the loop sleeps after a failed accept it could not answer.
 const BACKOFF: Duration = Duration::from_millis(100);
-
-/// A line logged once per [`LOG_EVERY`]: the first at once, then a count of the rest.
-#[derive(Debug, Default)]
-struct Every {
-    last: Option<Instant>,
-    suppressed: u64,
-}
-
-impl Every {
-    /// `Some(n)`: log now, mentioning the `n` occurrences not logged since the last line.
-    fn due(&mut self) -> Option<u64> {
-        let now = Instant::now();
-        if self
-            .last
-            .is_some_and(|at| now.duration_since(at) < LOG_EVERY)
-        {
-            self.suppressed += 1;
-            return None;
-        }
-        self.last = Some(now);
-        Some(std::mem::take(&mut self.suppressed))
-    }
-}
 
 /// Why a connection is refused at accept.
 enum Refusal {
@@ -257,20 +233,4 @@ fn refuse(conn: &Conn, code: ErrorCode, reason: &str, message: String) {
     });
     let _ = conn.try_send(0, &reply, &[]);
     let _ = conn.stream().shutdown(std::net::Shutdown::Both);
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_recurring_line_is_logged_once_per_interval_with_a_count() {
-        let mut e = Every::default();
-        assert_eq!(e.due(), Some(0));
-        for _ in 0..5 {
-            assert_eq!(e.due(), None);
-        }
-        e.last = Some(Instant::now() - LOG_EVERY);
-        assert_eq!(e.due(), Some(5));
-    }
 }

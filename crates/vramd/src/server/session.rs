@@ -13,6 +13,7 @@ use super::exit::Ended;
 use super::peer::Peer;
 use super::slot::ReclaimSender;
 use super::Daemon;
+use crate::logging::Every;
 use crate::metrics::TenantLabels;
 
 /// A registered tenant on this connection.
@@ -40,6 +41,8 @@ struct Session {
     pid: u32,
     uid: u32,
     tenant: Option<Registered>,
+    /// Refusals and malformed requests, logged at most once per `LOG_EVERY`.
+    warnings: Every,
 }
 
 /// Serves connection `conn_id` (admitted by the accept loop) until it ends, then cleans up.
@@ -51,6 +54,7 @@ pub fn run(daemon: Arc<Daemon>, conn_id: u64, peer: Arc<Peer>) {
         uid: peer.uid,
         peer,
         tenant: None,
+        warnings: Every::default(),
     };
     session.serve();
     session.finish();
@@ -85,7 +89,9 @@ impl Session {
                 }
                 Err(e) => {
                     self.daemon.protocol_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(pid = self.pid, "protocol error: {e}");
+                    if let Some(more) = self.warnings.due() {
+                        tracing::warn!(pid = self.pid, more, "protocol error: {e}");
+                    }
                     if e.is_recoverable() {
                         self.send_error(0, ErrorCode::Malformed, format!("malformed request: {e}"));
                         continue;
@@ -138,15 +144,18 @@ impl Session {
             } => self.registered().map(|(slot, t)| {
                 let reason = refusal_reason(&reason);
                 self.daemon.slots[slot].count_refusal(t, reason);
-                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                tracing::warn!(
-                    tenant = name,
-                    gpu = slot,
-                    asked = bytes.get(),
-                    reason,
-                    "refused in the tenant's library: {}",
-                    message.chars().take(512).collect::<String>()
-                );
+                if let Some(more) = self.warnings.due() {
+                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                    tracing::warn!(
+                        tenant = name,
+                        gpu = slot,
+                        asked = bytes.get(),
+                        reason,
+                        more,
+                        "refused in the tenant's library: {}",
+                        message.chars().take(512).collect::<String>()
+                    );
+                }
                 Reply::Ack
             }),
             Request::Budget => self.registered().and_then(|(slot, t)| {
@@ -374,19 +383,22 @@ impl Session {
         let granted = match self.daemon.slots[slot].grant_many(tenant, &sizes, timeout, &asker) {
             Ok(g) => g,
             Err(e) => {
-                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                tracing::warn!(
-                    tenant = name,
-                    gpu = slot,
-                    asked = sizes
-                        .iter()
-                        .fold(Bytes::ZERO, |a, b| a.saturating_add(*b))
-                        .get(),
-                    handles = sizes.len(),
-                    reason = e.reason.as_deref().unwrap_or(""),
-                    "refused: {}",
-                    e.message
-                );
+                if let Some(more) = self.warnings.due() {
+                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                    tracing::warn!(
+                        tenant = name,
+                        gpu = slot,
+                        asked = sizes
+                            .iter()
+                            .fold(Bytes::ZERO, |a, b| a.saturating_add(*b))
+                            .get(),
+                        handles = sizes.len(),
+                        reason = e.reason.as_deref().unwrap_or(""),
+                        more,
+                        "refused: {}",
+                        e.message
+                    );
+                }
                 return self.send(id, &Reply::Error(e), &[]);
             }
         };
@@ -418,15 +430,18 @@ impl Session {
         self.daemon.slots[slot]
             .charge(tenant, bytes, timeout, &asker)
             .inspect_err(|e| {
-                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                tracing::warn!(
-                    tenant = name,
-                    gpu = slot,
-                    asked = bytes.get(),
-                    reason = e.reason.as_deref().unwrap_or(""),
-                    "charge refused: {}",
-                    e.message
-                );
+                if let Some(more) = self.warnings.due() {
+                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                    tracing::warn!(
+                        tenant = name,
+                        gpu = slot,
+                        asked = bytes.get(),
+                        reason = e.reason.as_deref().unwrap_or(""),
+                        more,
+                        "charge refused: {}",
+                        e.message
+                    );
+                }
             })?;
         Ok(Reply::Ack)
     }
