@@ -122,7 +122,11 @@ impl FromStr for Bytes {
             .unwrap_or(t.len());
         let (num, unit) = t.split_at(split);
         if num.is_empty() {
-            return Err(err("no number"));
+            return Err(err(if t.starts_with('-') {
+                "a size cannot be negative"
+            } else {
+                "no number"
+            }));
         }
         let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
             "" | "b" => 1,
@@ -201,6 +205,8 @@ mod tests {
         assert!("".parse::<Bytes>().is_err());
         assert!("12 parsecs".parse::<Bytes>().is_err());
         assert!("99999999999 TiB".parse::<Bytes>().is_err());
+        let negative = "-1".parse::<Bytes>().unwrap_err().to_string();
+        assert!(negative.contains("cannot be negative"), "{negative}");
     }
 
     #[test]

@@ -66,7 +66,15 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     println!(
         "vramd demo: a daemon on a {CAPACITY} host-backend device (memfd-backed; sparse, so it costs only what is touched)"
     );
-    println!("  socket and daemon log in {}", dir.path().display());
+    println!(
+        "  socket and daemon log in {} ({})",
+        dir.path().display(),
+        if args.keep {
+            "kept at the end"
+        } else {
+            "removed at the end; --keep keeps them"
+        }
+    );
     let capacity = CAPACITY.to_string().replace(' ', "");
     // The trainer asks for the `high` class, above the default: this user may.
     let config = dir.path().join("vramd.toml");

@@ -15,8 +15,15 @@ pub const MAX_RECLAIM_TIMEOUT_MS: u64 = 60_000;
 /// The longest of the `[connections]` timeouts.
 pub const MAX_CONNECTION_TIMEOUT_MS: u64 = 3_600_000;
 
-/// Said of a size below one granule: most likely a number written without its unit.
-pub const BARE_SIZE: &str = "a size without a unit is in bytes: write \"8 GiB\", not 8";
+/// Said of a size below one granule that reads like a number written without its unit (under
+/// 1 KiB): "8" is 8 bytes.
+pub fn bare_size_hint(size: Bytes) -> &'static str {
+    if size.get() < Bytes::KIB {
+        " (a size without a unit is in bytes: write \"8 GiB\", not 8)"
+    } else {
+        ""
+    }
+}
 
 /// What is known of a device the configuration would run on. `None`: not known without starting
 /// (a GPU's memory is measured at start).
@@ -32,7 +39,8 @@ pub enum ConfigError {
     #[error("capacity is 0: there would be nothing to serve")]
     ZeroCapacity,
     #[error(
-        "{key} = {size} is below the device's granularity ({granularity}): {why} ({BARE_SIZE})"
+        "{key} = {size} is below the device's granularity ({granularity}): {why}{}",
+        bare_size_hint(*size)
     )]
     SizeBelowGranularity {
         key: String,

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use vram_core::broker::{Class, DeclaredTenant, Policy};
 use vram_core::Bytes;
 
-pub use check::{ConfigError, Device as CheckedDevice, BARE_SIZE};
+pub use check::{bare_size_hint, ConfigError, Device as CheckedDevice};
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]

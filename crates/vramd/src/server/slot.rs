@@ -288,9 +288,9 @@ impl Slot {
                 "limit_below_granularity",
                 format!(
                     "tenant `{}` asks for a limit of {limit}, below the device's granularity \
-                     ({granularity}): it could hold nothing ({})",
+                     ({granularity}): it could hold nothing{}",
                     req.name,
-                    crate::config::BARE_SIZE
+                    crate::config::bare_size_hint(limit)
                 ),
             ));
         }
