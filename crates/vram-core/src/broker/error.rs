@@ -18,6 +18,14 @@ pub enum AdmissionError {
         limit: Bytes,
     },
     #[error(
+        "tenant `{name}` asks for a guarantee of {guarantee}, more than the device's {capacity}"
+    )]
+    GuaranteeAboveCapacity {
+        name: String,
+        guarantee: Bytes,
+        capacity: Bytes,
+    },
+    #[error(
         "tenant `{name}` asks for a guarantee of {guarantee}, but only {free} of the device's {capacity} \
          is free to guarantee ({guaranteed} is guaranteed to others, {borrowed} lent above guarantees, \
          {outside} in use outside vramd's books)"
@@ -79,7 +87,8 @@ impl AdmissionError {
         match self {
             AdmissionError::NameInUse { .. } => "name_in_use",
             AdmissionError::UnknownClass { .. } => "unknown_class",
-            AdmissionError::GuaranteeAboveLimit { .. } => "guarantee_above_limit",
+            AdmissionError::GuaranteeAboveLimit { .. }
+            | AdmissionError::GuaranteeAboveCapacity { .. } => "guarantee_above_limit",
             AdmissionError::GuaranteeUnavailable { .. } => "guarantee_unavailable",
             AdmissionError::BadName { .. } => "bad_name",
             AdmissionError::NotOwner { .. } => "not_owner",

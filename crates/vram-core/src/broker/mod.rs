@@ -418,6 +418,13 @@ impl Broker {
                     .min(capacity),
             ),
         };
+        if guarantee > capacity {
+            return Err(AdmissionError::GuaranteeAboveCapacity {
+                name: req.name,
+                guarantee,
+                capacity,
+            });
+        }
         if guarantee > limit {
             return Err(AdmissionError::GuaranteeAboveLimit {
                 name: req.name,

@@ -44,6 +44,20 @@ fn guarantees_never_exceed_capacity() {
 }
 
 #[test]
+fn a_guarantee_above_the_device_says_the_capacity_and_one_above_a_limit_the_limit() {
+    let mut b = broker(16);
+    let mut r = req("big", "normal", 99, 16);
+    r.limit = None;
+    let e = b.connect(r).unwrap_err().to_string();
+    assert!(e.contains("99 GiB, more than the device's 16 GiB"), "{e}");
+    let e = b
+        .connect(req("capped", "normal", 8, 4))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("8 GiB above its limit of 4 GiB"), "{e}");
+}
+
+#[test]
 fn borrower_cannot_take_a_guarantee() {
     let mut b = broker(16);
     let t = b.connect(req("trainer", "high", 8, 16)).unwrap();
