@@ -126,6 +126,13 @@ impl Client {
         self.link.close();
     }
 
+    /// How long the client keeps trying to reconnect when the daemon is gone, before its calls
+    /// fail (two minutes unless set): a job that would rather fail soon than wait for a restarted
+    /// daemon sets less. Once a window has passed, each later call tries once, at once.
+    pub fn set_reconnect_for(&self, window: Duration) {
+        self.link.set_reconnect_for(window);
+    }
+
     /// How many times this client has reconnected to a restarted daemon.
     pub fn reconnects(&self) -> u64 {
         self.link.reconnects()

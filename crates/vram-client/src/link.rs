@@ -20,8 +20,9 @@ use crate::{ClientError, TenantOptions};
 /// The first pause between reconnect attempts; it doubles up to [`BACKOFF_MAX`].
 const BACKOFF_START: Duration = Duration::from_millis(10);
 const BACKOFF_MAX: Duration = Duration::from_secs(1);
-/// How long a lost link keeps trying before calls fail: long enough for a service manager to
-/// restart the daemon and for it to measure its devices.
+/// How long a lost link keeps trying before calls fail, unless the owner sets another
+/// ([`Link::set_reconnect_for`]): long enough for a service manager to restart the daemon and for
+/// it to measure its devices.
 pub(crate) const RECONNECT_FOR: Duration = Duration::from_secs(120);
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -52,9 +53,11 @@ pub(crate) struct Link {
     charged: AtomicU64,
     /// Serialises reconnects: one thread reconnects, the others wait for its outcome. Holds why
     /// the last reconnect gave up, while its transport is still the one in use: later calls then
-    /// try once each, not for another [`RECONNECT_FOR`].
+    /// try once each, not for another window.
     reconnecting: Mutex<Option<String>>,
     reconnects: AtomicU64,
+    /// How long a reconnect keeps trying, in milliseconds ([`RECONNECT_FOR`] unless set).
+    reconnect_for_ms: AtomicU64,
     closed: AtomicBool,
 }
 
@@ -84,6 +87,7 @@ impl Link {
             charged: AtomicU64::new(0),
             reconnecting: Mutex::new(None),
             reconnects: AtomicU64::new(0),
+            reconnect_for_ms: AtomicU64::new(RECONNECT_FOR.as_millis() as u64),
             closed: AtomicBool::new(false),
         });
         link.watch(&link.transport());
@@ -136,7 +140,7 @@ impl Link {
                         && lost != Lost::Fail
                         && !self.closed.load(Ordering::Acquire) =>
                 {
-                    if started.elapsed() > RECONNECT_FOR {
+                    if started.elapsed() > self.reconnect_for() {
                         return Err(e);
                     }
                     self.reconnect(&t, &e)?;
@@ -186,6 +190,16 @@ impl Link {
             });
     }
 
+    /// How long a lost link keeps trying to reconnect before calls fail.
+    pub(crate) fn set_reconnect_for(&self, window: Duration) {
+        let ms = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+        self.reconnect_for_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn reconnect_for(&self) -> Duration {
+        Duration::from_millis(self.reconnect_for_ms.load(Ordering::Relaxed))
+    }
+
     /// How many times the link has reconnected.
     pub(crate) fn reconnects(&self) -> u64 {
         self.reconnects.load(Ordering::Relaxed)
@@ -206,7 +220,7 @@ impl Link {
     }
 
     /// Replaces the dead transport `dead` with a new registration, retrying with backoff for
-    /// [`RECONNECT_FOR`]. Another thread's reconnect, finished or under way, counts: once one has
+    /// [`Link::set_reconnect_for`]'s window. Another thread's reconnect, finished or under way, counts: once one has
     /// given up on `dead`, a later call tries once, so that a call fails at once while the daemon
     /// stays away and the link comes back when it returns.
     fn reconnect(
@@ -251,10 +265,11 @@ impl Link {
                 }
                 Err(e) if !worth_retrying(&e) => return Err(e),
                 Err(e) => {
-                    if started.elapsed() > RECONNECT_FOR {
+                    let window = self.reconnect_for();
+                    if started.elapsed() > window {
                         let reason = format!(
-                            "the daemon did not come back within {} s",
-                            RECONNECT_FOR.as_secs()
+                            "the daemon did not come back within {:.1} s",
+                            window.as_secs_f64()
                         );
                         let err = ClientError::Lost(format!("{reason}: {e}"));
                         *gave_up = Some(reason);

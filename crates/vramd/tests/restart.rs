@@ -279,3 +279,47 @@ fn a_program_joins_its_registration_after_a_restart() {
         .tenants
         .is_empty()));
 }
+
+/// A daemon that does not come back: calls wait for it only within the client's reconnect
+/// window, then fail at once (one try each), and the client carries on once a daemon is back.
+#[test]
+fn once_the_reconnect_window_passed_calls_fail_at_once_until_a_daemon_is_back() {
+    use std::time::Instant;
+    use vram_client::{Client, TenantOptions};
+
+    let mut d = Restartable::new(CONFIG);
+    let client = Client::connect(Some(d.socket()), &TenantOptions::named("patient")).unwrap();
+    let window = Duration::from_secs(2);
+    client.set_reconnect_for(window);
+    let first = client.grant(Bytes::mib(2)).unwrap();
+    d.stop(rustix::process::Signal::KILL);
+
+    // The first call waits out the window (the reconnect began when the connection was lost, a
+    // moment before the call), the later ones do not wait.
+    let started = Instant::now();
+    let e = client.grant(Bytes::mib(2)).unwrap_err().to_string();
+    let waited = started.elapsed();
+    assert!(e.contains("did not come back within 2.0 s"), "{e}");
+    assert!(
+        waited >= window / 2 && waited < Duration::from_secs(30),
+        "{waited:?}"
+    );
+    for _ in 0..3 {
+        let started = Instant::now();
+        let e = client.grant(Bytes::mib(2)).unwrap_err().to_string();
+        assert!(e.contains("still unreachable"), "{e}");
+        assert!(started.elapsed() < window / 2, "{:?}", started.elapsed());
+    }
+
+    d.start();
+    let again = client.grant(Bytes::mib(2)).unwrap();
+    assert!(client.reconnects() >= 1);
+    assert_eq!(
+        held_by(&d.status(), "patient"),
+        Some(Bytes::mib(4)),
+        "{}",
+        d.log()
+    );
+    client.give_back(vec![first, again]).unwrap();
+    client.close();
+}
