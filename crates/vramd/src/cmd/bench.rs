@@ -176,7 +176,8 @@ fn check_sizes(backend: vram_device::BackendSelection, sizes: &[Bytes]) -> anyho
         if size.get() == 0 || size.get() % gran.get() != 0 {
             bail!(
                 "--size {size}: a grant is a whole number of the {kind} device's granules \
-                 ({gran}); a size without a unit is in bytes: write \"2MiB\", not 2"
+                 ({gran}){}",
+                crate::config::bare_size_hint(*size)
             );
         }
     }

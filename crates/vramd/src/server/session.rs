@@ -144,18 +144,15 @@ impl Session {
             } => self.registered().map(|(slot, t)| {
                 let reason = refusal_reason(&reason);
                 self.daemon.slots[slot].count_refusal(t, reason);
-                if let Some(more) = self.warnings.due() {
-                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                    tracing::warn!(
-                        tenant = name,
-                        gpu = slot,
-                        asked = bytes.get(),
-                        reason,
-                        more,
-                        "refused in the tenant's library: {}",
-                        message.chars().take(512).collect::<String>()
-                    );
-                }
+                let message: String = message.chars().take(512).collect();
+                self.log_refusal(
+                    "refused in the tenant's library",
+                    slot,
+                    bytes,
+                    None,
+                    reason,
+                    &message,
+                );
                 Reply::Ack
             }),
             Request::Budget => self.registered().and_then(|(slot, t)| {
@@ -383,22 +380,16 @@ impl Session {
         let granted = match self.daemon.slots[slot].grant_many(tenant, &sizes, timeout, &asker) {
             Ok(g) => g,
             Err(e) => {
-                if let Some(more) = self.warnings.due() {
-                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                    tracing::warn!(
-                        tenant = name,
-                        gpu = slot,
-                        asked = sizes
-                            .iter()
-                            .fold(Bytes::ZERO, |a, b| a.saturating_add(*b))
-                            .get(),
-                        handles = sizes.len(),
-                        reason = e.reason.as_deref().unwrap_or(""),
-                        more,
-                        "refused: {}",
-                        e.message
-                    );
-                }
+                let asked = sizes.iter().fold(Bytes::ZERO, |a, b| a.saturating_add(*b));
+                let reason = e.reason.as_deref().unwrap_or("");
+                self.log_refusal(
+                    "refused",
+                    slot,
+                    asked,
+                    Some(sizes.len()),
+                    reason,
+                    &e.message,
+                );
                 return self.send(id, &Reply::Error(e), &[]);
             }
         };
@@ -420,6 +411,32 @@ impl Session {
         self.send(id, &reply, &fds)
     }
 
+    /// Logs a refusal on this connection (`what: message`, with the tenant, device, bytes asked,
+    /// handles when a grant's, and reason), at most once per `LOG_EVERY` with the count held back.
+    fn log_refusal(
+        &mut self,
+        what: &str,
+        slot: usize,
+        asked: Bytes,
+        handles: Option<usize>,
+        reason: &str,
+        message: &str,
+    ) {
+        let Some(more) = self.warnings.due() else {
+            return;
+        };
+        let tenant = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+        tracing::warn!(
+            tenant,
+            gpu = slot,
+            asked = asked.get(),
+            handles,
+            reason,
+            more,
+            "{what}: {message}"
+        );
+    }
+
     /// Books memory the tenant made itself; refusals are logged as a grant's are.
     fn charge(&mut self, bytes: Bytes) -> Result<Reply, ErrorReply> {
         let (slot, tenant) = self.registered()?;
@@ -430,18 +447,8 @@ impl Session {
         self.daemon.slots[slot]
             .charge(tenant, bytes, timeout, &asker)
             .inspect_err(|e| {
-                if let Some(more) = self.warnings.due() {
-                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                    tracing::warn!(
-                        tenant = name,
-                        gpu = slot,
-                        asked = bytes.get(),
-                        reason = e.reason.as_deref().unwrap_or(""),
-                        more,
-                        "charge refused: {}",
-                        e.message
-                    );
-                }
+                let reason = e.reason.as_deref().unwrap_or("");
+                self.log_refusal("charge refused", slot, bytes, None, reason, &e.message);
             })?;
         Ok(Reply::Ack)
     }
