@@ -59,6 +59,8 @@ def main():
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("traces", nargs="+")
     o = p.parse_args()
+    if not Path(o.vramd).is_file():
+        p.error(f"{o.vramd} not found: build it first (cargo build --release -p vramd)")
     o.out.mkdir(parents=True, exist_ok=True)
     combos = [",".join(f"{k}={v}" for k, v in zip(GRID, vals))
               for vals in itertools.product(*GRID.values())]
