@@ -115,30 +115,42 @@ impl Reconciled {
 
 /// Splits `reading` against `books`.
 ///
-/// A pid the driver lists twice counts once, with its larger figure. A tenant counts in the
-/// accounted total with `max(its figure, charged)`: its charged memory is on the device whether
-/// the driver lists it under the tenant's pid or under none, so it is never counted twice nor
-/// left in `unattributed`. Then `unattributed = used − created − accounted − allowance` and
-/// `surplus = created + accounted − used`, each floored at 0.
+/// A pid the driver lists twice counts once, with its larger figure. A tenant's process counts in
+/// the accounted total with `max(its figure, what its tenants charged)`: charged memory is on the
+/// device whether the driver lists it under the tenant's pid or under none, so it is never
+/// counted twice nor left in `unattributed`. Then `unattributed = used − created − accounted −
+/// allowance` and `surplus = created + accounted − used`, each floored at 0.
 pub fn reconcile(books: &Books, reading: &DriverReading) -> Reconciled {
     let listed = by_pid(&reading.processes);
     let figure = |pid: u32| -> Bytes { listed.get(&pid).and_then(|p| p.used).unwrap_or_default() };
 
     let tenant_pids: BTreeSet<u32> = books.tenants.iter().map(|t| t.pid).collect();
+    // One process may be several tenants (one connection each): the driver's figure for its pid
+    // covers all of them, so it is counted once, against the sum of their charges.
+    let mut charged_by_pid: BTreeMap<u32, Bytes> = BTreeMap::new();
+    for t in &books.tenants {
+        let e = charged_by_pid.entry(t.pid).or_default();
+        *e = e.saturating_add(t.charged);
+    }
+    // The pid's memory beyond its charges is its first tenant's (in the books' order), so that
+    // a context is one tenant's outside memory, not each of them.
+    let mut outside_given: BTreeSet<u32> = BTreeSet::new();
     let tenant_outside: Vec<(TenantId, Bytes)> = books
         .tenants
         .iter()
-        .map(|t| (t.id, figure(t.pid).saturating_sub(t.charged)))
+        .map(|t| {
+            let bytes = if outside_given.insert(t.pid) {
+                figure(t.pid).saturating_sub(charged_by_pid[&t.pid])
+            } else {
+                Bytes::ZERO
+            };
+            (t.id, bytes)
+        })
         .collect();
-    // A pid shared by several tenants (not expected: one tenant is one process) is counted once,
-    // with the largest of their charges.
-    let mut tenants_accounted: BTreeMap<u32, Bytes> = BTreeMap::new();
-    for t in &books.tenants {
-        let e = tenants_accounted
-            .entry(t.pid)
-            .or_insert_with(|| figure(t.pid));
-        *e = (*e).max(t.charged);
-    }
+    let tenants_accounted: BTreeMap<u32, Bytes> = charged_by_pid
+        .iter()
+        .map(|(&pid, &charged)| (pid, figure(pid).max(charged)))
+        .collect();
 
     let daemon_own = figure(books.daemon_pid);
     let outside_processes: Vec<OutsideProcess> = listed
@@ -417,6 +429,30 @@ mod tests {
         assert_eq!(r.outside_processes[0].bytes, None);
         assert_eq!(r.unattributed, Bytes::gib(1));
         assert_eq!(r.outside_use, Bytes::gib(1));
+    }
+
+    #[test]
+    fn one_process_that_is_two_tenants_is_counted_once() {
+        // Pid 200 is two tenants, each charging 1 GiB; the driver shows 2.5 GiB for it.
+        let books = Books {
+            daemon_pid: DAEMON,
+            created: Bytes::ZERO,
+            tenants: vec![
+                tenant(1, 200, Bytes::ZERO, Bytes::gib(1)),
+                tenant(2, 200, Bytes::ZERO, Bytes::gib(1)),
+            ],
+        };
+        let r = reconcile(
+            &books,
+            &reading(gib_f(2.5), vec![process(200, Some(gib_f(2.5)), "python3")]),
+        );
+        assert_eq!(
+            r.tenant_outside,
+            vec![(TenantId(1), gib_f(0.5)), (TenantId(2), Bytes::ZERO)]
+        );
+        assert_eq!(r.unattributed, Bytes::ZERO);
+        assert_eq!(r.surplus, Bytes::ZERO);
+        assert_eq!(r.not_in_books(), gib_f(0.5));
     }
 
     #[test]

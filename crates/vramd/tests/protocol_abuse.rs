@@ -356,6 +356,19 @@ fn ask(conn: &Conn, id: u64, request: Request) -> Reply {
     }
 }
 
+/// A connection that joins a registered tenant with `token`, and the daemon's answer.
+fn join(socket: &Path, token: String) -> (Conn, Reply) {
+    let program = raw(socket);
+    let hello = vram_proto::Hello {
+        role: vram_proto::Role::Join { token },
+        gpu: None,
+        client: "protocol_abuse test".into(),
+        resume: None,
+    };
+    let welcome = ask(&program, 1, Request::Hello(hello));
+    (program, welcome)
+}
+
 fn error_of(reply: Reply) -> ErrorReply {
     match reply {
         Reply::Error(e) => e,
@@ -382,17 +395,7 @@ fn a_joined_programs_close_takes_back_only_its_own_memory() {
     let returned = ask(&reg, 4, Request::Return { grants: vec![held] });
     assert!(matches!(returned, Reply::Returned { .. }), "{returned:?}");
 
-    let join = |token: String| {
-        let program = raw(&d.socket);
-        let hello = vram_proto::Hello {
-            role: vram_proto::Role::Join { token },
-            gpu: None,
-            client: "protocol_abuse test".into(),
-            resume: None,
-        };
-        let welcome = ask(&program, 1, Request::Hello(hello));
-        (program, welcome)
-    };
+    let join = |token: String| join(&d.socket, token);
     let invitation = |id| match ask(&reg, id, Request::Invite) {
         Reply::Invitation { token } => token,
         other => panic!("no invitation for a tenant holding nothing: {other:?}"),
@@ -456,4 +459,145 @@ fn a_joined_programs_close_takes_back_only_its_own_memory() {
     drop(reg);
     d.wait_for_no_tenants();
     d.stop();
+}
+
+/// A joined program's shared buffers are its memory too: its close deletes them with every
+/// version, as a crash would, and the books and the device agree afterwards. While it runs, the
+/// registering connection creates no shared buffer (its memory would go with the program's).
+#[test]
+fn a_joined_programs_close_takes_back_its_shared_buffers() {
+    use vram_proto::{LeaseOp, SharedReply, SharedRequest};
+
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let reg = raw_tenant(&d.socket, "reg", None);
+    let token = match ask(&reg, 2, Request::Invite) {
+        Reply::Invitation { token } => token,
+        other => panic!("no invitation: {other:?}"),
+    };
+    let (program, welcome) = join(&d.socket, token);
+    assert!(matches!(welcome, Reply::Welcome(_)), "{welcome:?}");
+
+    let create = |name: &str| {
+        Request::Shared(SharedRequest::Create {
+            name: name.into(),
+            size: Bytes::mib(2),
+            acl: Default::default(),
+        })
+    };
+    let e = error_of(ask(&reg, 3, create("registration")));
+    assert_eq!(e.reason.as_deref(), Some("program_joined"), "{e:?}");
+
+    let Reply::Shared(SharedReply::Buffer(info)) = ask(&program, 2, create("weights")) else {
+        panic!("the program could not create a buffer")
+    };
+    let buffer = info.id;
+    let leased = ask(
+        &program,
+        3,
+        Request::Shared(SharedRequest::Lease {
+            buffer,
+            op: LeaseOp::Acquire,
+            ttl_ms: 60_000,
+        }),
+    );
+    assert!(
+        matches!(leased, Reply::Shared(SharedReply::Lease { .. })),
+        "{leased:?}"
+    );
+    program
+        .send(
+            4,
+            &Request::Shared(SharedRequest::BeginWrite { buffer, base: None }),
+            &[],
+        )
+        .unwrap();
+    let r = program.recv::<Reply>().unwrap();
+    let Reply::Shared(SharedReply::Draft { version, .. }) = r.msg else {
+        panic!("no draft: {:?}", r.msg)
+    };
+    // The program's descriptor closes with it, below.
+    let draft = std::fs::File::from(r.fds.into_iter().next().expect("the draft's fd"));
+    let published = ask(
+        &program,
+        5,
+        Request::Shared(SharedRequest::Publish {
+            buffer,
+            version,
+            checksum: None,
+        }),
+    );
+    assert!(
+        matches!(published, Reply::Shared(SharedReply::Published { .. })),
+        "{published:?}"
+    );
+    assert_eq!(d.held_by("reg"), Bytes::mib(2));
+
+    drop((program, draft));
+    let settled = common::wait_until(Duration::from_secs(5), || {
+        let s = d.status();
+        s.shared.buffers.is_empty() && s.devices[0].held == Bytes::ZERO
+    });
+    let s = d.status();
+    assert!(
+        settled,
+        "after the program's close: buffers {:?}, device held {}, kept {}",
+        s.shared.buffers, s.devices[0].held, s.devices[0].kept
+    );
+    assert_eq!(d.held_by("reg"), Bytes::ZERO);
+    drop(reg);
+    d.wait_for_no_tenants();
+    d.stop();
+}
+
+/// A peer whose pid has no number in the daemon's pid namespace (the kernel reports 0) is refused
+/// with a reason: the daemon could not tell it from another process. Here the daemon runs in a
+/// pid namespace of its own (`unshare`, unprivileged through a user namespace) and the test
+/// connects from outside it.
+#[test]
+fn a_peer_outside_the_daemons_pid_namespace_is_refused_with_a_reason() {
+    let probe = Command::new("unshare").args(["-Urpf", "true"]).output();
+    if !probe.as_ref().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: `unshare -Urpf` cannot make a user and pid namespace here: {probe:?}");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("vramd.sock");
+    let config = dir.path().join("vramd.toml");
+    std::fs::write(&config, "capacity = \"1 GiB\"\nmetrics = \"off\"\n").unwrap();
+    /// Stops the daemon however the test ends (`--kill-child`: the daemon goes with `unshare`).
+    struct Stopped(std::process::Child);
+    impl Drop for Stopped {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let daemon = Command::new("unshare")
+        .args(["-Urpf", "--mount-proc", "--kill-child"])
+        .arg(VRAMD)
+        .args(["serve", "--backend", "host", "--config"])
+        .arg(&config)
+        .arg("--socket")
+        .arg(&socket)
+        .stderr(std::fs::File::create(dir.path().join("log")).unwrap())
+        .spawn()
+        .unwrap();
+    let daemon = Stopped(daemon);
+    let log = || std::fs::read_to_string(dir.path().join("log")).unwrap_or_default();
+    let up = common::wait_until(Duration::from_secs(10), || {
+        UnixStream::connect(&socket).is_ok()
+    });
+    assert!(up, "the daemon did not start:\n{}", log());
+    let conn = raw(&socket);
+    let e = error_reply(&conn);
+    assert_eq!(e.code, ErrorCode::Refused, "{e:?}");
+    assert_eq!(e.reason.as_deref(), Some("pid_not_visible"), "{e:?}");
+    assert!(e.message.contains("pid namespace"), "{}", e.message);
+    assert!(matches!(conn.recv::<Reply>(), Err(ProtoError::Closed)));
+    drop(daemon);
+    assert!(
+        log().contains("no pid in the daemon's pid namespace"),
+        "{}",
+        log()
+    );
 }

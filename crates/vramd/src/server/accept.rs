@@ -28,8 +28,16 @@ const BACKOFF: Duration = Duration::from_millis(100);
 /// Why a connection is refused at accept.
 enum Refusal {
     Uid,
-    Total { open: usize, max: usize },
-    PerUid { open: usize, max: usize },
+    /// The kernel gave the peer's pid as 0: it has none in the daemon's pid namespace.
+    PidNotVisible,
+    Total {
+        open: usize,
+        max: usize,
+    },
+    PerUid {
+        open: usize,
+        max: usize,
+    },
 }
 
 struct Acceptor<'a> {
@@ -114,7 +122,8 @@ impl Acceptor<'_> {
 
     fn admit(&mut self, stream: UnixStream) {
         self.sessions.retain(|h| !h.is_finished());
-        let creds = match rustix::net::sockopt::socket_peercred(&stream) {
+        use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+        let creds = match getsockopt(&stream, PeerCredentials) {
             Ok(c) => c,
             Err(e) => {
                 if let Some(more) = self.failures.due() {
@@ -123,8 +132,14 @@ impl Acceptor<'_> {
                 return;
             }
         };
-        let (uid, pid) = (creds.uid.as_raw(), creds.pid.as_raw_nonzero().get() as u32);
-        let gid = creds.gid.as_raw();
+        let (uid, gid) = (creds.uid(), creds.gid());
+        // The kernel says 0 for a peer whose pid has no number in the daemon's pid namespace:
+        // such a peer cannot be told from another, nor its memory found in the driver's list.
+        let Some(pid) = u32::try_from(creds.pid()).ok().filter(|&p| p > 0) else {
+            // Such a peer cannot be told from another, nor its memory found in the driver's list.
+            self.refuse(&Conn::new(stream), uid, 0, Refusal::PidNotVisible);
+            return;
+        };
         let settings = self.daemon.settings();
         let limits = settings.connections;
         let conn = Conn::new(stream).with_frame_timeout(limits.frame_timeout());
@@ -196,6 +211,15 @@ impl Acceptor<'_> {
                     "uid {uid} is not allowed to use this vramd (add it to allowed_uids in the \
                      daemon's config)"
                 ),
+            ),
+            Refusal::PidNotVisible => (
+                "pid",
+                ErrorCode::Refused,
+                Some("pid_not_visible"),
+                "your process has no pid in the daemon's pid namespace, so the daemon cannot tell \
+                 it from another (run the daemon in the host's pid namespace: hostPID in \
+                 Kubernetes)"
+                    .to_string(),
             ),
             Refusal::Total { open, max } => (
                 "total",

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use prometheus_client::metrics::histogram::Histogram;
 use vram_core::broker::{Tenant, TenantId, TenantRequest};
 use vram_core::Bytes;
-use vram_proto::{ErrorCode, ErrorReply, Hello, ProtoError, Reply, Request, Role, Welcome};
+use vram_proto::{
+    ErrorCode, ErrorReply, Hello, ProtoError, Reply, Request, Role, SharedRequest, Welcome,
+};
 
 use super::exit::Ended;
 use super::peer::Peer;
@@ -43,6 +45,9 @@ struct Session {
     tenant: Option<Registered>,
     /// Refusals and malformed requests, logged at most once per `LOG_EVERY`.
     warnings: Every,
+    /// What the peer reports (how its program ended, reclaims answered): a peer that repeats
+    /// them is logged at most once per `LOG_EVERY` too.
+    reports: Every,
 }
 
 /// Serves connection `conn_id` (admitted by the accept loop) until it ends, then cleans up.
@@ -55,6 +60,7 @@ pub fn run(daemon: Arc<Daemon>, conn_id: u64, peer: Arc<Peer>) {
         peer,
         tenant: None,
         warnings: Every::default(),
+        reports: Every::default(),
     };
     session.serve();
     session.finish();
@@ -122,7 +128,15 @@ impl Session {
             Request::Grant { bytes } => return self.grant(id, bytes),
             Request::GrantMany { sizes } => return self.grant_many(id, sizes, true),
             Request::Shared(r) => {
-                return super::shared::serve(&self.daemon, &self.peer, self.registered(), id, r)
+                // Buffers, versions, pins and leases are memory the tenant holds: while a program
+                // is joined they are the program's, and go back when it ends.
+                let who = self.registered().and_then(|(slot, t)| {
+                    if !matches!(r, SharedRequest::List | SharedRequest::Open { .. }) {
+                        self.daemon.slots[slot].memory_side(t, self.conn_id)?;
+                    }
+                    Ok((slot, t))
+                });
+                return super::shared::serve(&self.daemon, &self.peer, who, id, r);
             }
             Request::Return { grants } => self.registered().and_then(|(slot, t)| {
                 let (bytes, held) = self.daemon.slots[slot].give_back(t, &grants)?;
@@ -176,16 +190,20 @@ impl Session {
                 Ok(Reply::Invitation { token })
             }),
             Request::Exited(status) => self.registered().map(|(slot, _)| {
-                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                log_exit(name, slot, status);
+                if let Some(more) = self.reports.due() {
+                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                    log_exit(name, slot, status, more);
+                }
                 Reply::Ack
             }),
             Request::Declare(d) => super::admin::declare(&self.daemon, self.uid, d),
             Request::Withdraw { name } => super::admin::withdraw(&self.daemon, self.uid, &name),
             Request::Declarations => super::admin::list(&self.daemon, self.uid),
             Request::ReclaimDone { ask, returned } => self.registered().map(|_| {
-                let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
-                tracing::info!(tenant = name, ask, %returned, "reclaim answered");
+                if let Some(more) = self.reports.due() {
+                    let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
+                    tracing::info!(tenant = name, ask, %returned, more, "reclaim answered");
+                }
                 if let Some(m) = self.daemon.metrics() {
                     m.reclaim_answered(returned.get());
                 }
@@ -278,11 +296,17 @@ impl Session {
             uid: self.uid,
             gids: self.peer.gids.clone(),
         };
-        let (id, t) = s
-            .connect(request, self.conn_id, hello.resume.as_ref())
-            .inspect_err(|e| {
-                tracing::warn!(pid = self.pid, "tenant refused at connect: {}", e.message);
-            })?;
+        let connected = s.connect(request, self.conn_id, hello.resume.as_ref());
+        let (id, t) = connected.inspect_err(|e| {
+            if let Some(more) = self.warnings.due() {
+                tracing::warn!(
+                    pid = self.pid,
+                    more,
+                    "tenant refused at connect: {}",
+                    e.message
+                );
+            }
+        })?;
         tracing::info!(
             tenant = t.name, class = t.class, guarantee = %t.guarantee, limit = %t.limit,
             pid = self.pid, gpu = slot, client = hello.client, "tenant connected"
@@ -306,9 +330,12 @@ impl Session {
                     .into(),
             })?;
         let s = &self.daemon.slots[slot];
-        let (id, t) = s
-            .join(token, self.pid, self.uid, self.conn_id)
-            .inspect_err(|e| tracing::warn!(pid = self.pid, "join refused: {}", e.message))?;
+        let joined = s.join(token, self.pid, self.uid, self.conn_id);
+        let (id, t) = joined.inspect_err(|e| {
+            if let Some(more) = self.warnings.due() {
+                tracing::warn!(pid = self.pid, more, "join refused: {}", e.message);
+            }
+        })?;
         tracing::info!(
             tenant = t.name,
             pid = self.pid,
@@ -556,19 +583,33 @@ impl Session {
 
 /// How a tenant's program ended, as `vramd run` saw it: a normal end is INFO, a signal or a
 /// failure exit is a WARN with the signal or code.
-fn log_exit(tenant: &str, gpu: usize, status: vram_proto::ExitStatus) {
+/// `more`: earlier reports on this connection not logged (see `Session::reports`).
+fn log_exit(tenant: &str, gpu: usize, status: vram_proto::ExitStatus, more: u64) {
     match status {
         vram_proto::ExitStatus::Code(0) => {
-            tracing::info!(tenant, gpu, exit_status = 0, "tenant's program finished")
+            tracing::info!(
+                tenant,
+                gpu,
+                exit_status = 0,
+                more,
+                "tenant's program finished"
+            )
         }
         vram_proto::ExitStatus::Code(code) => {
-            tracing::warn!(tenant, gpu, exit_status = code, "tenant's program failed")
+            tracing::warn!(
+                tenant,
+                gpu,
+                exit_status = code,
+                more,
+                "tenant's program failed"
+            )
         }
         vram_proto::ExitStatus::Signal(signal) => {
             tracing::warn!(
                 tenant,
                 gpu,
                 signal,
+                more,
                 "tenant's program was killed by a signal"
             )
         }

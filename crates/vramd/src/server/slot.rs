@@ -44,6 +44,9 @@ struct State {
     /// gone.
     kept: HashMap<u64, Kept>,
     next_kept: u64,
+    /// Returns of memory still reached, logged at most once per `LOG_EVERY` (a tenant can repeat
+    /// them at will).
+    kept_warnings: crate::logging::Every,
 }
 
 /// A handle given back that some process still reaches (see [`Device::reached_elsewhere`]).
@@ -56,7 +59,17 @@ struct Kept {
 impl State {
     /// Books `handles`, which tenant `id` gave back and still reaches, as kept by it.
     fn keep(&mut self, id: TenantId, handles: Vec<Handle>) -> Bytes {
+        if handles.is_empty() {
+            return Bytes::ZERO;
+        }
         let Some((name, uid)) = self.broker.tenant(id).map(|t| (t.name.clone(), t.uid)) else {
+            // Callers keep a tenant's handles before the broker forgets it; a handle dropped here
+            // lives on in the process that reaches it, booked to nobody.
+            let bytes: Bytes = handles.iter().map(Handle::size).sum();
+            tracing::error!(
+                tenant = id.0, %bytes,
+                "handles still reached by another process belong to no tenant: not booked"
+            );
             return Bytes::ZERO;
         };
         self.keep_for(&name, uid, handles)
@@ -180,6 +193,7 @@ impl Slot {
                 members: HashMap::new(),
                 kept: HashMap::new(),
                 next_kept: 1,
+                kept_warnings: crate::logging::Every::default(),
             }),
             returned: Condvar::new(),
             pool,
@@ -300,8 +314,15 @@ impl Slot {
             .broker
             .id_of(&req.name)
             .and_then(|id| Some((id, *st.pending.get(&id)?)));
+        // The same process, not a later one that reuses its pid: the start time says which.
+        let same_process = |p: &Process| {
+            p.pid == req.pid
+                && p.uid == req.uid
+                && (p.start_time == 0
+                    || super::state::process_start_time(req.pid) == Some(p.start_time))
+        };
         let id = match adopted {
-            Some((id, p)) if p.pid == req.pid && p.uid == req.uid => {
+            Some((id, p)) if same_process(&p) => {
                 st.pending.remove(&id);
                 if let Some(r) = resume {
                     settle(st, id, r);
@@ -500,7 +521,10 @@ impl Slot {
         let mut s = self.lock();
         let st = &mut *s;
         st.keep(tenant, reached);
-        let held = st.broker.release_all(tenant);
+        let held = st.broker.tenant(tenant).map_or(Bytes::ZERO, Tenant::total);
+        // Its shared buffers with every version, its pins and its lease: all the program's.
+        let shared = st.shared.disconnect(&mut st.broker, tenant);
+        st.broker.release_all(tenant);
         if let Some((conn, holder)) = st.members.remove(&tenant) {
             match conn {
                 Some(conn) => {
@@ -519,6 +543,8 @@ impl Slot {
         self.pool.set_room(st.broker.free());
         let wake = st.waiting > 0;
         drop(s);
+        drop(shared);
+        self.book_let_go();
         if wake {
             self.returned.notify_all();
         }
@@ -687,6 +713,20 @@ impl Slot {
             }
         };
         let mut s = self.lock();
+        if s.broker.tenant(tenant).is_none() {
+            // The tenant ended while the handles were made (withdrawn, or the connection that
+            // registered it closed): its books are gone with it, and so is this memory.
+            drop(s);
+            drop(readies);
+            return Err(ErrorReply {
+                code: ErrorCode::NotRegistered,
+                reason: None,
+                message: format!(
+                    "the tenant ended while {} was being granted; nothing is granted",
+                    booked.iter().copied().sum::<Bytes>()
+                ),
+            });
+        }
         Ok(readies
             .into_iter()
             .zip(booked)
@@ -716,6 +756,11 @@ impl Slot {
             s.broker.release(tenant, size);
         }
         self.pool.set_room(s.broker.free());
+        let wake = s.waiting > 0;
+        drop(s);
+        if wake {
+            self.returned.notify_all();
+        }
     }
 
     /// Books `bytes` (rounded up to the granularity) for `tenant`, asking tenants with idle memory
@@ -888,12 +933,14 @@ impl Slot {
             let name = s.broker.tenant(tenant).map(|t| t.name.clone());
             let n = reached.len();
             s.keep(tenant, reached);
-            tracing::warn!(
-                tenant = name.as_deref().unwrap_or(""), gpu = self.index, handles = n,
-                kept = %kept_bytes,
-                "tenant gave back memory its process still reaches (a descriptor or a mapping \
-                 kept): it stays booked to the tenant until it is really gone"
-            );
+            if let Some(more) = s.kept_warnings.due() {
+                tracing::warn!(
+                    tenant = name.as_deref().unwrap_or(""), gpu = self.index, handles = n,
+                    kept = %kept_bytes, more,
+                    "tenant gave back memory its process still reaches (a descriptor or a \
+                     mapping kept): it stays booked to the tenant until it is really gone"
+                );
+            }
         }
         // The room the pool will have once these bytes are back in the books.
         let room = s.broker.free() + bytes;
@@ -1110,7 +1157,12 @@ impl Slot {
         });
         let free = s.broker.free();
         self.pool.set_room(free);
+        // Outside use that went away is room a grant waiting on a reclaim may take.
+        let wake = s.waiting > 0;
         drop(s);
+        if wake {
+            self.returned.notify_all();
+        }
         self.pool.shrink_to(free);
         Applied {
             deficit,
