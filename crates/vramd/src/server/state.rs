@@ -159,8 +159,10 @@ pub fn still_running(pid: u32, start_time: u64) -> bool {
 /// [`SAVE_EVERY`]), and drops adopted tenants whose process went without reconnecting.
 pub(super) struct Keeper {
     path: PathBuf,
-    /// Set once the final state is written at shutdown: nothing is written after it.
-    done: std::sync::atomic::AtomicBool,
+    /// Held while the file is written (the housekeeping thread and the shutdown both write, through
+    /// one temporary file); `true` once the final state is written at shutdown: nothing is
+    /// written after it.
+    done: std::sync::Mutex<bool>,
 }
 
 impl Keeper {
@@ -209,7 +211,7 @@ impl Keeper {
         }
         let keeper = Keeper {
             path,
-            done: std::sync::atomic::AtomicBool::new(false),
+            done: std::sync::Mutex::new(false),
         };
         keeper.write(daemon, true);
         keeper
@@ -217,7 +219,13 @@ impl Keeper {
 
     /// Writes the file if the books changed (or `force`).
     fn write(&self, daemon: &super::Daemon, force: bool) {
-        if self.done.load(std::sync::atomic::Ordering::Acquire) {
+        let done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        self.write_locked(&done, daemon, force);
+    }
+
+    /// [`Keeper::write`] with the write lock held (`done` its guard).
+    fn write_locked(&self, done: &bool, daemon: &super::Daemon, force: bool) {
+        if *done {
             return;
         }
         let mut next = Vec::new();
@@ -255,8 +263,9 @@ impl Keeper {
     /// At shutdown, before the connections close: the file keeps every tenant and what it holds,
     /// for the daemon that comes next; nothing is written after this.
     pub(super) fn final_save(&self, daemon: &super::Daemon) {
-        self.write(daemon, true);
-        self.done.store(true, std::sync::atomic::Ordering::Release);
+        let mut done = self.done.lock().unwrap_or_else(|p| p.into_inner());
+        self.write_locked(&done, daemon, true);
+        *done = true;
     }
 }
 
