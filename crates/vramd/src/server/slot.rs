@@ -466,8 +466,8 @@ impl Slot {
                 "the invitation is for uid {invited_uid}; this process runs as uid {uid}"
             )));
         }
-        st.invitations.remove(token);
         let Some(holder) = st.processes.get(&id).copied() else {
+            st.invitations.remove(token);
             return Err(refuse("the invited tenant is gone".into()));
         };
         // A tenant adopted after a restart has no registering connection any more; its process
@@ -478,6 +478,7 @@ impl Slot {
         // from before the restart).
         if let (Some(_), Some(t)) = (holder_conn, st.broker.tenant(id)) {
             if t.held > Bytes::ZERO || t.charged > Bytes::ZERO {
+                // The invitation stays: the program may join once the tenant holds nothing.
                 return Err(refuse(format!(
                     "the invited tenant holds {} and has charged {}: a program joins a tenant \
                      that holds nothing",
@@ -485,6 +486,7 @@ impl Slot {
                 )));
             }
         }
+        st.invitations.remove(token);
         st.pending.remove(&id);
         let member = Process {
             pid,
