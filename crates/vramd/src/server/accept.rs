@@ -136,7 +136,6 @@ impl Acceptor<'_> {
         // The kernel says 0 for a peer whose pid has no number in the daemon's pid namespace:
         // such a peer cannot be told from another, nor its memory found in the driver's list.
         let Some(pid) = u32::try_from(creds.pid()).ok().filter(|&p| p > 0) else {
-            // Such a peer cannot be told from another, nor its memory found in the driver's list.
             self.refuse(&Conn::new(stream), uid, 0, Refusal::PidNotVisible);
             return;
         };
