@@ -40,8 +40,10 @@ MODES = ("default", "expandable", "full")
 # A further mode: full mode against a daemon whose pool keeps nothing ready ahead of demand (its
 # default keeps up to 1 GiB), to tell the pool's memory from the allocator's in NVML's figure;
 # and full mode against another build of vramd (`--alt-vramd`) or a daemon whose pool keeps another
-# amount ready (`--alt-pool-max`), to compare the two paired.
-EXTRA_MODES = ("full-nopool", "full-alt")
+# amount ready (`--alt-pool-max`), to compare the two paired. And `pool`: `vramd run --torch-mode
+# pool`, PyTorch's own caching allocator over memory vramd grants, to tell what full mode's own
+# allocation path costs from what vramd's memory does.
+EXTRA_MODES = ("full-nopool", "full-alt", "pool")
 
 
 def worker(model_name, steps, warmup, seed):
@@ -203,12 +205,13 @@ def run(o, nvml, mode, model, tmp):
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model,
            "--steps", str(o.steps), "--warmup", str(o.warmup)]
     daemon = books = None
-    if mode.startswith("full"):
+    if mode.startswith("full") or mode == "pool":
         folder = tempfile.mkdtemp(prefix="daemon-", dir=tmp)
         vramd = o.alt_vramd if mode == "full-alt" else o.vramd
         pool_max = {"full-nopool": "0", "full-alt": o.alt_pool_max}.get(mode)
         daemon, sock = daemon_up(vramd, folder, pool_max)
-        cmd = [vramd, "run", "--socket", sock, "--torch-mode", "full", "--"] + cmd
+        torch_mode = "pool" if mode == "pool" else "full"
+        cmd = [vramd, "run", "--socket", sock, "--torch-mode", torch_mode, "--"] + cmd
     time.sleep(1)
     base = nvml.used()
     try:
