@@ -98,10 +98,15 @@ def vramd_counts():
         return None
     if not vramd_torch.installed():
         return None
-    core = vramd_torch.stats()["stats"]["core"]
+    stats = vramd_torch.stats()["stats"]
+    core = stats["core"]
     keys = ("allocs", "grants", "grant_requests", "returns", "maps", "unmaps", "fences",
             "fence_queries")
-    return {k: core[k] for k in keys if k in core}
+    counts = {k: core[k] for k in keys if k in core}
+    # Allocations the thread caches served, and the calls past them with their time (timed only
+    # under VRAMD_TIME_CORE=1, `--time-core`; else 0).
+    counts.update({k: stats[k] for k in ("fast_allocs", "core_ops", "core_ns") if k in stats})
+    return counts
 
 
 class Nvml:
@@ -202,6 +207,8 @@ def run(o, nvml, mode, model, tmp):
     env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
     if mode == "expandable":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    if o.time_core:
+        env["VRAMD_TIME_CORE"] = "1"
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", model,
            "--steps", str(o.steps), "--warmup", str(o.warmup)]
     daemon = books = None
@@ -326,6 +333,9 @@ def main():
     p.add_argument("--alt-pool-max", metavar="SIZE",
                    help='the `[pool] max` of mode full-alt\'s daemon, e.g. "256 MiB" (default: '
                         "the daemon's default)")
+    p.add_argument("--time-core", action="store_true",
+                   help="time the allocator's calls past its thread caches in full mode "
+                        "(VRAMD_TIME_CORE=1: two clock reads a call); core_ns in vramd_timed")
     p.add_argument("--books", action="store_true",
                    help="poll each full-mode daemon's books during the run (its throughput then does not compare)")
     p.add_argument("--rounds", type=int, default=3)
