@@ -603,11 +603,13 @@ mod tests {
             if all_small {
                 let listed = by_pid(&reading.processes);
                 let fig = |pid: u32| listed.get(&pid).and_then(|p| p.used).unwrap_or_default().get();
-                let mut tenants: BTreeMap<u32, u64> = BTreeMap::new();
+                // A process counts with its figure or, if more, all its tenants charged.
+                let mut charged: BTreeMap<u32, u64> = BTreeMap::new();
                 for t in &books.tenants {
-                    let e = tenants.entry(t.pid).or_insert(fig(t.pid));
-                    *e = (*e).max(t.charged.get());
+                    *charged.entry(t.pid).or_default() += t.charged.get();
                 }
+                let tenants: BTreeMap<u32, u64> =
+                    charged.iter().map(|(&pid, &c)| (pid, fig(pid).max(c))).collect();
                 let others: u64 = listed
                     .keys()
                     .filter(|pid| !tenants.contains_key(pid))
