@@ -206,6 +206,23 @@ impl Slot {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Releases the lock of books that memory came back to, and wakes the grants waiting on a
+    /// reclaim, if any were.
+    fn unlock_and_wake(&self, s: MutexGuard<'_, State>) {
+        self.unlock_then_wake(s, || ());
+    }
+
+    /// [`Slot::unlock_and_wake`], with `then` run between the two (memory dropped outside the
+    /// lock, which a woken grant must find gone).
+    fn unlock_then_wake(&self, s: MutexGuard<'_, State>, then: impl FnOnce()) {
+        let wake = s.waiting > 0;
+        drop(s);
+        then();
+        if wake {
+            self.returned.notify_all();
+        }
+    }
+
     pub fn pool(&self) -> &Arc<Pool> {
         &self.pool
     }
@@ -543,13 +560,11 @@ impl Slot {
         }
         st.dirty = true;
         self.pool.set_room(st.broker.free());
-        let wake = st.waiting > 0;
-        drop(s);
-        drop(shared);
-        self.book_let_go();
-        if wake {
-            self.returned.notify_all();
-        }
+        // The versions' memory goes outside the lock, before the grants waiting for it wake.
+        self.unlock_then_wake(s, || {
+            drop(shared);
+            self.book_let_go();
+        });
         (held, n)
     }
 
@@ -700,6 +715,7 @@ impl Slot {
                 }
             }
         }
+        let total: Bytes = booked.iter().copied().sum();
         let readies = match self.pool.take_many(tenant.0, &booked) {
             Ok(r) => r,
             Err(e) => {
@@ -707,10 +723,7 @@ impl Slot {
                 return Err(ErrorReply {
                     code: ErrorCode::Device,
                     reason: None,
-                    message: format!(
-                        "the device could not create {}: {e}",
-                        booked.iter().copied().sum::<Bytes>()
-                    ),
+                    message: format!("the device could not create {total}: {e}"),
                 });
             }
         };
@@ -724,8 +737,7 @@ impl Slot {
                 code: ErrorCode::NotRegistered,
                 reason: None,
                 message: format!(
-                    "the tenant ended while {} was being granted; nothing is granted",
-                    booked.iter().copied().sum::<Bytes>()
+                    "the tenant ended while {total} was being granted; nothing is granted"
                 ),
             });
         }
@@ -758,11 +770,7 @@ impl Slot {
             s.broker.release(tenant, size);
         }
         self.pool.set_room(s.broker.free());
-        let wake = s.waiting > 0;
-        drop(s);
-        if wake {
-            self.returned.notify_all();
-        }
+        self.unlock_and_wake(s);
     }
 
     /// Books `bytes` (rounded up to the granularity) for `tenant`, asking tenants with idle memory
@@ -960,11 +968,7 @@ impl Slot {
         s.broker.release(tenant, bytes);
         let held = s.broker.tenant(tenant).map_or(Bytes::ZERO, |t| t.held);
         self.pool.set_room(s.broker.free());
-        let wake = s.waiting > 0;
-        drop(s);
-        if wake {
-            self.returned.notify_all();
-        }
+        self.unlock_and_wake(s);
         Ok((bytes, held))
     }
 
@@ -996,13 +1000,11 @@ impl Slot {
         let shared = st.shared.disconnect(&mut st.broker, tenant);
         let state = st.broker.disconnect(tenant);
         self.pool.set_room(s.broker.free());
-        let wake = s.waiting > 0;
-        drop(s);
-        drop(shared);
-        self.book_let_go();
-        if wake {
-            self.returned.notify_all();
-        }
+        // The versions' memory goes outside the lock, before the grants waiting for it wake.
+        self.unlock_then_wake(s, || {
+            drop(shared);
+            self.book_let_go();
+        });
         state.map(|t| (t, n))
     }
 
@@ -1082,11 +1084,7 @@ impl Slot {
             s.broker.take_kept(name, *uid, *bytes);
         }
         self.pool.set_room(s.broker.free());
-        let wake = s.waiting > 0;
-        drop(s);
-        if wake {
-            self.returned.notify_all();
-        }
+        self.unlock_and_wake(s);
         back.into_iter().map(|((n, u), b)| (n, u, b)).collect()
     }
 
@@ -1160,11 +1158,7 @@ impl Slot {
         let free = s.broker.free();
         self.pool.set_room(free);
         // Outside use that went away is room a grant waiting on a reclaim may take.
-        let wake = s.waiting > 0;
-        drop(s);
-        if wake {
-            self.returned.notify_all();
-        }
+        self.unlock_and_wake(s);
         self.pool.shrink_to(free);
         Applied {
             deficit,
