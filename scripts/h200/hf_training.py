@@ -65,7 +65,7 @@ def worker(model_name, steps, warmup, seed):
     rng = random.Random(seed)
     lengths = [rng.randint(512, 1024) for _ in range(steps)]
     g = torch.Generator().manual_seed(seed)
-    tokens, t_timed = 0, 0.0
+    tokens, t_timed, t_issued = 0, 0.0, 0.0
     counts = None
     for i, length in enumerate(lengths):
         if i == warmup:
@@ -78,11 +78,17 @@ def worker(model_name, steps, warmup, seed):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        issued = time.perf_counter()
         torch.cuda.synchronize()
         if i >= warmup:
             t_timed += time.perf_counter() - t
+            t_issued += issued - t
             tokens += 8 * length
-    result = {"tokens_per_s": tokens / t_timed, "loss": float(loss)}
+    # issued_share: the part of the timed steps' wall time the host spent issuing the work (up
+    # to the final synchronize). Near 1 the host paces the step: host-side costs, an allocator's
+    # included, show in tokens/s; well under 1 the device does.
+    result = {"tokens_per_s": tokens / t_timed, "issued_share": t_issued / t_timed,
+              "loss": float(loss)}
     end = vramd_counts()
     if end is not None and counts is not None:
         # What vramd's allocator did over the timed steps: growth, release and fences.
