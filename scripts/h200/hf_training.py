@@ -65,7 +65,7 @@ def worker(model_name, steps, warmup, seed):
     rng = random.Random(seed)
     lengths = [rng.randint(512, 1024) for _ in range(steps)]
     g = torch.Generator().manual_seed(seed)
-    tokens, t_timed, t_issued = 0, 0.0, 0.0
+    tokens, t_timed, t_issued, step_s = 0, 0.0, 0.0, []
     counts = None
     for i, length in enumerate(lengths):
         if i == warmup:
@@ -81,14 +81,17 @@ def worker(model_name, steps, warmup, seed):
         issued = time.perf_counter()
         torch.cuda.synchronize()
         if i >= warmup:
-            t_timed += time.perf_counter() - t
+            step_s.append(time.perf_counter() - t)
+            t_timed += step_s[-1]
             t_issued += issued - t
             tokens += 8 * length
     # issued_share: the part of the timed steps' wall time the host spent issuing the work (up
     # to the final synchronize). Near 1 the host paces the step: host-side costs, an allocator's
     # included, show in tokens/s; well under 1 the device does.
+    # step_s: each timed step's wall time, in order; every run draws the same lengths, so step i
+    # of two runs did the same work and the two can be compared step by step.
     result = {"tokens_per_s": tokens / t_timed, "issued_share": t_issued / t_timed,
-              "loss": float(loss)}
+              "step_s": step_s, "loss": float(loss)}
     end = vramd_counts()
     if end is not None and counts is not None:
         # What vramd's allocator did over the timed steps: growth, release and fences.
@@ -254,8 +257,8 @@ def run(o, nvml, mode, model, tmp):
 
 
 def summary(results, models):
-    lines = ["| model | mode | runs | NVML peak (median) | tokens/s (median) |",
-             "|---|---|---|---|---|"]
+    lines = ["| model | mode | runs | NVML peak (median) | tokens/s (median) | host issuing, share "
+             "of step (median) |", "|---|---|---|---|---|---|"]
     checks = []
     for model in models:
         med = {}
@@ -265,12 +268,15 @@ def summary(results, models):
             if not any(r["model"] == model and r["mode"] == mode for r in results):
                 continue
             if not ok:
-                lines.append(f"| {model} | {mode} | 0 | failed | failed |")
+                lines.append(f"| {model} | {mode} | 0 | failed | failed | - |")
                 continue
             peak = statistics.median(r["nvml_peak_bytes"] for r in ok)
             tps = statistics.median(r["tokens_per_s"] for r in ok)
             med[mode] = (peak, tps)
-            lines.append(f"| {model} | {mode} | {len(ok)} | {peak / 2**30:.2f} GiB | {tps:,.0f} |")
+            issued = [r["issued_share"] for r in ok if "issued_share" in r]
+            issued = f"{statistics.median(issued):.3f}" if issued else "-"
+            lines.append(f"| {model} | {mode} | {len(ok)} | {peak / 2**30:.2f} GiB | {tps:,.0f} "
+                         f"| {issued} |")
         if all(m in med for m in MODES):
             checks.append(f"- {model}: full's peak {med['full'][0] / 2**30:.2f} GiB against "
                           f"expandable's {med['expandable'][0] / 2**30:.2f} GiB: "
@@ -288,7 +294,26 @@ def summary(results, models):
                               f"({len(paired['expandable'])} rounds) "
                               f"(rounds: {', '.join(f'{x:.3f}' for x in paired['default'])} / "
                               f"{', '.join(f'{x:.3f}' for x in paired['expandable'])})")
+        for mode in ("full", "pool"):
+            for other in ("default", "expandable"):
+                steps = step_ratios(results, model, mode, other)
+                if steps:
+                    q = statistics.quantiles(steps, n=4) if len(steps) > 1 else steps * 3
+                    checks.append(f"  - {mode} over {other}, step by step (the other's time for "
+                                  f"step i over {mode}'s, same round): median {q[1]:.3f}, "
+                                  f"quartiles {q[0]:.3f}-{q[2]:.3f}, {len(steps)} steps")
     return "\n".join(lines + [""] + checks) + "\n"
+
+
+def step_ratios(results, model, mode, other):
+    """`other`'s time over `mode`'s for each timed step of each round that ran both (above 1:
+    `mode` the faster), from runs that recorded their steps."""
+    by_round = {}
+    for r in results:
+        if r["model"] == model and "step_s" in r:
+            by_round.setdefault(r["round"], {})[r["mode"]] = r["step_s"]
+    return [o / m for runs in by_round.values() if mode in runs and other in runs
+            for m, o in zip(runs[mode], runs[other])]
 
 
 def paired_ratios(results, model, other):
