@@ -192,3 +192,58 @@ fn a_killed_tenants_memory_is_back_promptly() {
     assert!(elapsed < Duration::from_secs(1), "took {elapsed:?}");
     d.stop();
 }
+
+/// A tenant killed while its grant waits on a reclaim is taken back when it dies, not when the
+/// wait ends: the tenant asked to give memory back is stopped (SIGSTOP), so nothing comes back and
+/// the wait would last the whole `reclaim_timeout_ms`.
+#[test]
+fn a_tenant_killed_while_its_grant_waits_on_a_reclaim_is_taken_back_at_once() {
+    use rustix::process::{kill_process, Pid, Signal};
+
+    const LONG_WAIT: &str = r#"
+capacity = "1 GiB"
+reclaim_timeout_ms = 30000
+metrics = "off"
+[pool]
+max = "64 MiB"
+sizes = ["2 MiB"]
+initial = 2
+"#;
+    let d = Daemon::start(LONG_WAIT);
+    let mut sleeper = d.tenant("sleeper", &[]);
+    let took = sleeper.cmd("take 896MiB 64MiB");
+    assert_eq!(took["taken"], Bytes::mib(896).get(), "{took}");
+    let cached = sleeper.cmd("cache 896MiB");
+    assert_eq!(cached["bytes"], Bytes::mib(896).get(), "{cached}");
+    let sleeper_pid = Pid::from_raw(sleeper.pid() as i32).unwrap();
+    kill_process(sleeper_pid, Signal::STOP).unwrap();
+
+    let mut asker = d.tenant("asker", &[]);
+    let took = asker.cmd("take 64MiB 64MiB");
+    assert_eq!(took["taken"], Bytes::mib(64).get(), "{took}");
+    // 64 MiB are left beside the two: this grant asks the sleeper for its cache, and waits.
+    asker.send("take 128MiB 128MiB");
+    assert!(
+        wait_until(Duration::from_secs(10), || d
+            .log()
+            .contains("asking a tenant to give back idle memory")),
+        "the grant never waited on a reclaim:\n{}",
+        d.log()
+    );
+    let killed = Instant::now();
+    asker.kill();
+    let gone = wait_until(Duration::from_secs(10), || {
+        !d.status().tenants.iter().any(|t| t.name == "asker")
+    });
+    let took = killed.elapsed();
+    kill_process(sleeper_pid, Signal::CONT).unwrap();
+    assert!(
+        gone,
+        "the killed tenant was still booked {took:?} after its death (its grant's reclaim wait \
+         is 30 s):\n{}",
+        d.log()
+    );
+    eprintln!("the killed tenant's books were gone {took:?} after its death");
+    assert_eq!(d.held_by("sleeper"), Bytes::mib(896));
+    sleeper.exit();
+}

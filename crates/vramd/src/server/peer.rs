@@ -106,6 +106,23 @@ impl Peer {
         self.closed.load(Ordering::Acquire)
     }
 
+    /// Whether the connection has ended, seen without reading from it: the peer closed its end
+    /// (or died), or this side shut it. For a wait on the peer's behalf on the thread that would
+    /// otherwise read the end, so that the wait stops when there is no one left to answer.
+    pub fn hung_up(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        if self.is_closed() {
+            return true;
+        }
+        let ended = PollFlags::HUP | PollFlags::RDHUP | PollFlags::ERR;
+        let mut fds = [PollFd::new(self.conn.stream(), PollFlags::RDHUP)];
+        let now = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        matches!(poll(&mut fds, Some(&now)), Ok(n) if n > 0 && fds[0].revents().intersects(ended))
+    }
+
     /// A place for one more request on a thread of its own, if fewer than `max` are in progress.
     pub fn slow_slot(self: &Arc<Self>, max: usize) -> Option<SlowSlot> {
         self.slow

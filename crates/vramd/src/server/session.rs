@@ -403,7 +403,7 @@ impl Session {
         self.first_driver_check();
         let timeout = self.daemon.settings().reclaim_timeout;
         let started = Instant::now();
-        let asker = Asker(&self.daemon);
+        let asker = Asker(&self.daemon, &self.peer);
         let granted = match self.daemon.slots[slot].grant_many(tenant, &sizes, timeout, &asker) {
             Ok(g) => g,
             Err(e) => {
@@ -469,7 +469,7 @@ impl Session {
         let (slot, tenant) = self.registered()?;
         self.daemon.slots[slot].memory_side(tenant, self.conn_id)?;
         self.first_driver_check();
-        let asker = Asker(&self.daemon);
+        let asker = Asker(&self.daemon, &self.peer);
         let timeout = self.daemon.settings().reclaim_timeout;
         self.daemon.slots[slot]
             .charge(tenant, bytes, timeout, &asker)
@@ -626,7 +626,7 @@ fn refusal_reason(reason: &str) -> &'static str {
 }
 
 /// Sends reclaim requests to other tenants' connections.
-struct Asker<'a>(&'a Daemon);
+struct Asker<'a>(&'a Daemon, &'a Peer);
 
 impl ReclaimSender for Asker<'_> {
     fn ask(&self, conn: u64, bytes: Bytes) {
@@ -646,5 +646,9 @@ impl ReclaimSender for Asker<'_> {
         if let Some(m) = self.0.metrics() {
             m.reclaim_settled(satisfied);
         }
+    }
+
+    fn asker_gone(&self) -> bool {
+        self.1.hung_up()
     }
 }

@@ -157,13 +157,19 @@ pub struct Slot {
     let_go: Arc<super::shared::LetGo>,
 }
 
-/// What a grant needs from the caller: a way to send reclaim requests to other tenants, and to
-/// hear how the wait on them ended.
+/// What a grant needs from the caller: a way to send reclaim requests to other tenants, to hear
+/// how the wait on them ended, and to tell whether the asking tenant is still there to wait for.
 pub trait ReclaimSender {
     fn ask(&self, conn: u64, bytes: Bytes);
     /// After the asks: whether enough came back (`satisfied`) within the deadline, and the wait.
     fn settled(&self, satisfied: bool, waited: std::time::Duration);
+    /// Whether the tenant the memory is for has gone (its connection ended) while it waited:
+    /// the wait then stops, so that what it held comes back at once rather than at the deadline.
+    fn asker_gone(&self) -> bool;
 }
+
+/// How often a grant waiting on a reclaim looks whether its tenant is still there.
+const LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
 impl Slot {
     pub fn new(
@@ -870,6 +876,7 @@ impl Slot {
                 let asked = Instant::now();
                 let deadline = asked + timeout;
                 s.waiting += 1;
+                let mut gone = false;
                 while s.broker.check_grant(tenant, size).is_err() {
                     let left = deadline.saturating_duration_since(Instant::now());
                     if left.is_zero() {
@@ -877,11 +884,25 @@ impl Slot {
                     }
                     s = self
                         .returned
-                        .wait_timeout(s, left)
+                        .wait_timeout(s, left.min(LOOK_EVERY))
                         .unwrap_or_else(|p| p.into_inner())
                         .0;
+                    gone = reclaim.asker_gone();
+                    if gone {
+                        break;
+                    }
                 }
                 s.waiting -= 1;
+                if gone {
+                    return Err(ErrorReply {
+                        code: ErrorCode::NotRegistered,
+                        reason: None,
+                        message: format!(
+                            "the tenant's connection ended while {size} waited for memory to \
+                             come back; nothing is booked"
+                        ),
+                    });
+                }
                 let satisfied = s.broker.check_grant(tenant, size).is_ok();
                 reclaim.settled(satisfied, asked.elapsed());
             }
