@@ -8,7 +8,6 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use common::{wait_until, Daemon};
-use rustix::process::{kill_process, Pid, Signal};
 use vram_core::Bytes;
 
 /// A short reclaim wait, so that the stopped tenant's socket fills within a second or two.
@@ -32,13 +31,7 @@ const DISCONNECT_BOUND: Duration = Duration::from_secs(25);
 #[test]
 fn a_stopped_tenant_holding_cached_memory_stalls_no_one() {
     let d = Daemon::start(CONFIG);
-    let mut sleeper = d.tenant("sleeper", &[]);
-    let took = sleeper.cmd("take 896MiB 64MiB");
-    assert_eq!(took["taken"], Bytes::mib(896).get(), "{took}");
-    let cached = sleeper.cmd("cache 896MiB");
-    assert_eq!(cached["bytes"], Bytes::mib(896).get(), "{cached}");
-    let sleeper_pid = Pid::from_raw(sleeper.pid() as i32).unwrap();
-    kill_process(sleeper_pid, Signal::STOP).unwrap();
+    let sleeper = d.stopped_tenant_with_cache("sleeper", Bytes::mib(896));
 
     // Eight tenants take and give back 64 MiB in turns; only two fit beside the sleeper's memory,
     // so the others ask it for its cache, again and again.
@@ -131,7 +124,7 @@ fn a_stopped_tenant_holding_cached_memory_stalls_no_one() {
             == Bytes::ZERO),
         "the sleeper's memory is back"
     );
-    kill_process(sleeper_pid, Signal::CONT).unwrap();
+    sleeper.resume();
     sleeper.kill();
     for t in needy {
         t.exit();

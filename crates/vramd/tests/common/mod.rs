@@ -116,6 +116,20 @@ impl Daemon {
     }
 
     /// SIGTERM; the daemon must exit 0 within 10 s and remove its socket.
+    /// A tenant that took `bytes` (whole MiB, in 64 MiB handles), keeps all of it cached (idle, so a reclaim
+    /// may ask for it) and is then stopped with SIGSTOP: it reads nothing and answers no
+    /// reclaim until `Tenant::resume`.
+    pub fn stopped_tenant_with_cache(&self, name: &str, bytes: vram_core::Bytes) -> Tenant {
+        let mib = bytes.get() / vram_core::Bytes::MIB;
+        let mut t = self.tenant(name, &[]);
+        let took = t.cmd(&format!("take {mib}MiB 64MiB"));
+        assert_eq!(took["taken"], bytes.get(), "{took}");
+        let cached = t.cmd(&format!("cache {mib}MiB"));
+        assert_eq!(cached["bytes"], bytes.get(), "{cached}");
+        t.signal(rustix::process::Signal::STOP);
+        t
+    }
+
     pub fn stop(mut self) {
         let d = self.inner.take().expect("running");
         if let Err(e) = d.stop() {
@@ -181,10 +195,32 @@ impl Tenant {
         );
     }
 
+    /// Sends `signal` to the tenant process.
+    pub fn signal(&self, signal: rustix::process::Signal) {
+        let pid = rustix::process::Pid::from_raw(self.pid() as i32).expect("a child's pid is > 0");
+        rustix::process::kill_process(pid, signal).unwrap();
+    }
+
+    /// SIGCONT: a tenant stopped by `Daemon::stopped_tenant_with_cache` runs again.
+    pub fn resume(&self) {
+        self.signal(rustix::process::Signal::CONT);
+    }
+
     /// SIGKILL, and reap.
     pub fn kill(mut self) {
         self.inner.child.kill().unwrap();
         self.inner.child.wait().unwrap();
+    }
+}
+
+/// A tenant a failed test left running is killed, so that it does not outlive the test (a
+/// client whose daemon is gone keeps trying to reconnect for a while).
+impl Drop for Tenant {
+    fn drop(&mut self) {
+        if let Ok(None) = self.inner.child.try_wait() {
+            let _ = self.inner.child.kill();
+            let _ = self.inner.child.wait();
+        }
     }
 }
 
