@@ -115,10 +115,9 @@ impl Daemon {
         t
     }
 
-    /// SIGTERM; the daemon must exit 0 within 10 s and remove its socket.
-    /// A tenant that took `bytes` (whole MiB, in 64 MiB handles), keeps all of it cached (idle, so a reclaim
-    /// may ask for it) and is then stopped with SIGSTOP: it reads nothing and answers no
-    /// reclaim until `Tenant::resume`.
+    /// A tenant that took `bytes` (whole MiB, in 64 MiB handles), keeps all of it cached (idle,
+    /// so a reclaim may ask for it) and is then stopped with SIGSTOP: it reads nothing and
+    /// answers no reclaim until `Tenant::resume`.
     pub fn stopped_tenant_with_cache(&self, name: &str, bytes: vram_core::Bytes) -> Tenant {
         let mib = bytes.get() / vram_core::Bytes::MIB;
         let mut t = self.tenant(name, &[]);
@@ -130,6 +129,7 @@ impl Daemon {
         t
     }
 
+    /// SIGTERM; the daemon must exit 0 within 10 s and remove its socket.
     pub fn stop(mut self) {
         let d = self.inner.take().expect("running");
         if let Err(e) = d.stop() {
