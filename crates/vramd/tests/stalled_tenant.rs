@@ -124,8 +124,7 @@ fn a_stopped_tenant_holding_cached_memory_stalls_no_one() {
             == Bytes::ZERO),
         "the sleeper's memory is back"
     );
-    sleeper.resume();
-    sleeper.kill();
+    sleeper.kill(); // SIGKILL ends a stopped process too
     for t in needy {
         t.exit();
     }

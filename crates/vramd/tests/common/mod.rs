@@ -197,7 +197,7 @@ impl Tenant {
 
     /// Sends `signal` to the tenant process.
     pub fn signal(&self, signal: rustix::process::Signal) {
-        let pid = rustix::process::Pid::from_raw(self.pid() as i32).expect("a child's pid is > 0");
+        let pid = rustix::process::Pid::from_child(&self.inner.child);
         rustix::process::kill_process(pid, signal).unwrap();
     }
 
