@@ -7,9 +7,8 @@
 set -u
 . "$(dirname "$0")/lib.sh"
 step gpu_tests 150 bash .gpu/run
-builds=(vramd)
-for b in .gpu/bin/vramd-*; do [ -x "$b" ] && builds+=("$(basename "$b")"); done
-for b in "${builds[@]}"; do
+bundled_builds
+for b in "${BUILDS[@]}"; do
   B=(".gpu/bin/$b" bench --backend cuda --size 2MiB --map)
   step "bench_recycled_$b" 60 "${B[@]}" --iterations 1000
   step "bench_fresh_$b" 60 "${B[@]}" --iterations 1000 --fresh
@@ -20,7 +19,7 @@ for i in 1 2; do
 done
 T=(replay --backend cuda --through-daemon --realtime --json .gpu/traces/*.gz)
 for i in 1 2; do
-  for b in "${builds[@]}"; do step "daemon_realtime_${b}_$i" 45 ".gpu/bin/$b" "${T[@]}"; done
+  for b in "${BUILDS[@]}"; do step "daemon_realtime_${b}_$i" 45 ".gpu/bin/$b" "${T[@]}"; done
 done
 [ "${COMPAT:-1}" = 0 ] || step compat 200 python3 scripts/torch_on_vramd.py --bin .gpu/bin --out "$R/compat" --skip training tenants
 rm -f "$R"/*/vramd.sock

@@ -23,3 +23,7 @@ daemon_up() { # daemon_up DIR: a daemon (CUDA, 60 GiB) on DIR/vramd.sock, its lo
   for _ in $(seq 100); do [ -S "$S" ] && break; sleep 0.1; done
 }
 daemon_down() { kill "$D"; wait "$D" 2>/dev/null; rm -f "$S"; }
+bundled_builds() { # sets BUILDS: this build (vramd), then each .gpu/bin/vramd-NAME bundled
+  BUILDS=(vramd)
+  for b in .gpu/bin/vramd-*; do [ -x "$b" ] && BUILDS+=("$(basename "$b")"); done
+}
