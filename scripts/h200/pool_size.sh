@@ -12,6 +12,6 @@ step hf "${HF_LIMIT:-330}" python3 scripts/h200/hf_training.py --vramd .gpu/bin/
   --modes ${MODES:-expandable full full-nopool}
 bundled_builds
 T=(replay --backend cuda --through-daemon --realtime --json .gpu/traces/*.gz)
-for b in "${BUILDS[@]}"; do step "daemon_realtime_${b}_1" 75 ".gpu/bin/$b" "${T[@]}"; done
+for b in "${BUILDS[@]}"; do step "daemon_realtime_$b" 75 ".gpu/bin/$b" "${T[@]}"; done
 cat "$R/hf/summary.md" 2>/dev/null
 tar czf "$OUT/r.tgz" -C "$OUT" r

@@ -74,7 +74,7 @@ pub struct PoolConfig {
     /// Sizes kept ready from the start (more sizes join as tenants ask for them).
     #[serde(default = "PoolConfig::default_sizes")]
     pub sizes: Vec<Bytes>,
-    /// Handles of each size kept ready at first; the pool grows with demand.
+    /// Handles of each size kept ready at first; the pool grows with demand, up to `max`.
     #[serde(default = "PoolConfig::default_initial")]
     pub initial: usize,
 }
@@ -87,7 +87,8 @@ impl PoolConfig {
     /// nine traces' real paths at most about 8 % faster in total, and added its size to a
     /// training's peak (docs/benchmarks.md, "The daemon's pool: settings compared").
     fn default_max() -> Bytes {
-        Bytes::mib(8)
+        let sizes: u64 = Self::default_sizes().iter().map(|s| s.get()).sum();
+        Bytes(sizes * Self::default_initial() as u64)
     }
     fn default_sizes() -> Vec<Bytes> {
         vec![Bytes::mib(2)]
@@ -350,6 +351,16 @@ mod tests {
         assert_eq!(p.priority_reserve, Bytes::mib(512));
         assert_eq!(c.pool.sizes, vec![Bytes::mib(2), Bytes::mib(64)]);
         assert_eq!(c.metrics, "0.0.0.0:9464".parse().ok());
+    }
+
+    #[test]
+    fn the_default_pool_holds_its_initial_handles_and_no_more() {
+        let p = PoolConfig::default();
+        assert_eq!(p.max, Bytes::mib(8), "docs/operations.md gives 8 MiB");
+        assert_eq!(
+            p.max.get(),
+            p.sizes.iter().map(|s| s.get()).sum::<u64>() * p.initial as u64
+        );
     }
 
     #[test]
