@@ -38,7 +38,7 @@ import time
 
 MODES = ("default", "expandable", "full")
 # A further mode: full mode against a daemon whose pool keeps nothing ready ahead of demand (its
-# default keeps up to 1 GiB), to tell the pool's memory from the allocator's in NVML's figure;
+# default keeps up to `[pool] max`), to tell the pool's memory from the allocator's in NVML's figure;
 # and full mode against another build of vramd (`--alt-vramd`) or a daemon whose pool keeps another
 # amount ready (`--alt-pool-max`), to compare the two paired. And `pool`: `vramd run --torch-mode
 # pool`, PyTorch's own caching allocator over memory vramd grants, to tell what full mode's own
