@@ -37,12 +37,12 @@ import threading
 import time
 
 MODES = ("default", "expandable", "full")
-# A further mode: full mode against a daemon whose pool keeps nothing ready ahead of demand (its
-# default keeps up to `[pool] max`), to tell the pool's memory from the allocator's in NVML's figure;
-# and full mode against another build of vramd (`--alt-vramd`) or a daemon whose pool keeps another
-# amount ready (`--alt-pool-max`), to compare the two paired. And `pool`: `vramd run --torch-mode
-# pool`, PyTorch's own caching allocator over memory vramd grants, to tell what full mode's own
-# allocation path costs from what vramd's memory does.
+# A further mode: full mode against a daemon whose pool keeps nothing ready ahead of demand (by
+# default it keeps up to `[pool] max`), to tell the pool's memory from the allocator's in NVML's
+# figure; and full mode against another build of vramd (`--alt-vramd`) or a daemon whose pool
+# keeps another amount ready (`--alt-pool-max`), to compare the two paired. And `pool`: `vramd run
+# --torch-mode pool`, PyTorch's own caching allocator over memory vramd grants, to tell what full
+# mode's own allocation path costs from what vramd's memory does.
 EXTRA_MODES = ("full-nopool", "full-alt", "pool")
 
 
@@ -282,13 +282,14 @@ def summary(results, models):
             # back to back, so a host that drifts between rounds (or, with --merge, another
             # machine) moves both sides of a ratio; the medians of tokens/s over all runs do not
             # cancel it and are only shown.
-            paired = {other: paired_ratios(results, model, other) for other in ("default", "expandable")}
+            paired = {other: paired_ratios(results, model, other)
+                      for other in ("default", "expandable")}
             if all(paired.values()):
                 ratio = {o: statistics.median(paired[o]) for o in paired}
                 basis = "medians of the ratios paired by round"
             else:
                 ratio = {o: med["full"][1] / med[o][1] for o in ("default", "expandable")}
-                basis = "medians of tokens/s, no round ran all three"
+                basis = "medians of tokens/s: no round ran full mode beside both"
             checks.append(f"- {model}: full's peak {med['full'][0] / 2**30:.2f} GiB against "
                           f"expandable's {med['expandable'][0] / 2**30:.2f} GiB: "
                           f"{'holds' if med['full'][0] <= med['expandable'][0] else 'MISSED'}; "
@@ -378,7 +379,8 @@ def main():
                    help="time the allocator's calls past its thread caches in full mode "
                         "(VRAMD_TIME_CORE=1: two clock reads a call); core_ns in vramd_timed")
     p.add_argument("--books", action="store_true",
-                   help="poll each full-mode daemon's books during the run (its throughput then does not compare)")
+                   help="poll each full-mode daemon's books during the run (its throughput "
+                   "then does not compare)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=10)
