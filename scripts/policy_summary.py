@@ -18,29 +18,11 @@ e.g.   python3 scripts/policy_summary.py ../shared/traces/*.pickle.gz \\
 About 8 s a build for those 17 traces on 2 cores.
 """
 import argparse
-import json
 import statistics
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from settings_grid import SCALES, cells
-
-
-def replay(vramd, trace, scales, settings):
-    """The JSON rows of one trace's replays, keyed by scale ("1" as recorded)."""
-    cmd = [vramd, "replay", "--json", "--compare", "expandable", "--scale", scales]
-    cmd += [a for s in settings for a in ("--set", s)]
-    run = subprocess.run([*cmd, trace], capture_output=True, text=True)
-    if run.returncode != 0:
-        sys.exit(f"{' '.join(cmd)} {trace} failed:\n{run.stderr}")
-    rows = {}
-    for line in run.stdout.splitlines():
-        if line.startswith("{"):
-            r = json.loads(line)
-            rows[r["trace"].partition("@")[2] or "1"] = r
-    return rows
+from settings_grid import SCALES, by_trace, cells, replay
 
 
 def main():
@@ -61,11 +43,11 @@ def main():
     print("|---|---|---|---|---|")
     for b in builds:
         with ThreadPoolExecutor(2) as pool:
-            rows = list(pool.map(lambda t: replay(b, t, o.scales, o.set), o.traces))
+            outs = list(pool.map(lambda t: replay(b, [t], o.set, o.scales), o.traces))
         folders = {}
-        for trace, r in zip(o.traces, rows):
-            name = Path(trace).name.split(".")[0]
-            folders.setdefault(str(Path(trace).parent), []).append((name, cells(r)))
+        for trace, out in zip(o.traces, outs):
+            for name, rows in by_trace(out).items():
+                folders.setdefault(str(Path(trace).parent), []).append((name, cells(rows)))
         for folder, found in folders.items():
             if o.per_trace:
                 for name, (m, fm, fw, dm, dw) in found:

@@ -42,14 +42,30 @@ def cells(rows):
     return misses, f[1], f[2], d[1], d[2]
 
 
-def load(path):
-    by_trace = {}
-    for line in path.read_text().splitlines():
+def replay(vramd, traces, settings=(), scales=SCALES):
+    """`vramd replay --json` of `traces` at `scales`, with the allocator `settings` (NAME=VALUE,
+    comma-separated ones allowed): its output, one JSON object per trace and scale."""
+    cmd = [vramd, "replay", "--json", "--compare", "expandable", "--scale", scales]
+    cmd += [a for s in settings for a in ("--set", s)]
+    run = subprocess.run([*cmd, *traces], capture_output=True, text=True)
+    if run.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed:\n{run.stderr}")
+    return run.stdout
+
+
+def by_trace(text):
+    """The rows of `replay`'s output by trace name, then by scale ("1" as recorded)."""
+    rows = {}
+    for line in text.splitlines():
         if line.startswith("{"):
             r = json.loads(line)
             name, _, scale = r["trace"].partition("@")
-            by_trace.setdefault(name, {})[scale or "1"] = r
-    return {name: cells(rows) for name, rows in by_trace.items() if "1" in rows}
+            rows.setdefault(name, {})[scale or "1"] = r
+    return rows
+
+
+def load(path):
+    return {name: cells(rows) for name, rows in by_trace(path.read_text()).items() if "1" in rows}
 
 
 def main():
@@ -70,13 +86,7 @@ def main():
         path = o.out / f"{combo}.jsonl"
         if not path.exists() or path.stat().st_size == 0:
             print(f"[{i}/{len(combos)}] {combo}", file=sys.stderr, flush=True)
-            settings = [] if combo == "default" else ["--set", combo]
-            run = subprocess.run([o.vramd, "replay", "--json", "--compare", "expandable",
-                                  "--scale", SCALES, *settings, *o.traces],
-                                 capture_output=True, text=True)
-            if run.returncode != 0:
-                sys.exit(f"vramd replay {' '.join(settings)} failed:\n{run.stderr}")
-            path.write_text(run.stdout)
+            path.write_text(replay(o.vramd, o.traces, [] if combo == "default" else [combo]))
         results[combo] = load(path)
     traces = sorted({t for r in results.values() for t in r})
     print("| trace | default: misses | fewest misses with any settings | those settings "

@@ -284,11 +284,12 @@ def summary(results, models):
             # cancel it and are only shown.
             paired = {other: paired_ratios(results, model, other)
                       for other in ("default", "expandable")}
+            unpaired = {o: med["full"][1] / med[o][1] for o in paired}
             if all(paired.values()):
                 ratio = {o: statistics.median(paired[o]) for o in paired}
                 basis = "medians of the ratios paired by round"
             else:
-                ratio = {o: med["full"][1] / med[o][1] for o in ("default", "expandable")}
+                ratio = unpaired
                 basis = "medians of tokens/s: no round ran full mode beside both"
             checks.append(f"- {model}: full's peak {med['full'][0] / 2**30:.2f} GiB against "
                           f"expandable's {med['expandable'][0] / 2**30:.2f} GiB: "
@@ -303,8 +304,7 @@ def summary(results, models):
                               f"({', '.join(f'{x:.3f}' for x in paired['default'])} / "
                               f"{', '.join(f'{x:.3f}' for x in paired['expandable'])}); the "
                               f"medians of tokens/s over all runs give "
-                              f"{med['full'][1] / med['default'][1]:.3f} / "
-                              f"{med['full'][1] / med['expandable'][1]:.3f}")
+                              f"{unpaired['default']:.3f} / {unpaired['expandable']:.3f}")
         for mode in ("full", "pool"):
             for other in ("default", "expandable"):
                 steps = step_ratios(results, model, mode, other)
