@@ -494,14 +494,16 @@ pub extern "C" fn vram_trim() -> i64 {
 /// See `include/vram.h`.
 ///
 /// # Safety
-/// `s` must be NULL or a string returned by `vram_stats_json` not yet freed.
+/// `s` must be NULL or a string returned by one of this library's `*_json` functions
+/// (`vram_stats_json`, `vram_status_json`, `vram_snapshot_json`, `vram_interposer_stats_json`)
+/// not yet freed.
 #[no_mangle]
 pub unsafe extern "C" fn vram_string_free(s: *mut c_char) {
     if s.is_null() {
         return;
     }
-    // SAFETY: the caller passes a pointer from `CString::into_raw` in `vram_stats_json`, freed
-    // once.
+    // SAFETY: the caller passes a pointer that one of the `*_json` functions made with
+    // `CString::into_raw`, freed once.
     drop(unsafe { CString::from_raw(s) });
 }
 

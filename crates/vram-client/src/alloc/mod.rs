@@ -31,12 +31,24 @@ pub trait StreamEvents: Fences + Send + Sync {
     /// another stream would invalidate the capture.
     fn is_capturing(&self, stream: StreamId) -> bool;
 
+    /// Whether no stream can be under capture, known without asking the driver. Only then may a
+    /// free wait in a thread cache: its fencing is decided when the block reaches the core, and
+    /// it must be the fencing of the moment it was freed.
+    fn none_capturing(&self) -> bool {
+        false
+    }
+
+    /// How a free is fenced when its stream is not under capture.
+    fn uncaptured_free(&self) -> AtFree {
+        AtFree::Deferred
+    }
+
     /// How a free on `stream` is fenced now.
     fn at_free(&self, stream: StreamId) -> AtFree {
         if self.is_capturing(stream) {
             AtFree::Never
         } else {
-            AtFree::Deferred
+            self.uncaptured_free()
         }
     }
 }
@@ -128,7 +140,11 @@ impl StreamEvents for HostEvents {
         false
     }
 
-    fn at_free(&self, _: StreamId) -> AtFree {
+    fn none_capturing(&self) -> bool {
+        true
+    }
+
+    fn uncaptured_free(&self) -> AtFree {
         AtFree::Done
     }
 }
@@ -185,6 +201,10 @@ impl StreamEvents for CudaEvents {
         // A failed query counts as a capture: nothing is recorded, a freed block stays with its
         // stream.
         !matches!(self.pool.is_capturing(stream.0), Ok(false))
+    }
+
+    fn none_capturing(&self) -> bool {
+        self.notices.none_underway()
     }
 }
 
@@ -362,19 +382,23 @@ impl<S: HandleSource> CachingAllocator<S> {
             return Err(FreeError::Unknown(ptr));
         }
         let len = self.live.mark_cached(offset, ptr)?;
-        if len <= CACHE_LIMIT && self.caches.push(self.id, offset, len, stream) {
+        // A block freed while a capture may be underway skips the cache: the graph's replays may
+        // use it, so it must reach the core fenced as its stream is now.
+        if len <= CACHE_LIMIT
+            && self.events.none_capturing()
+            && self.caches.push(self.id, offset, len, stream)
+        {
             return Ok(Bytes(len));
         }
         self.timed(|| {
             self.live.remove(offset);
-            self.free_to_core(offset, stream);
+            self.free_to_core(offset, stream, self.events.at_free(stream));
         });
         Ok(Bytes(len))
     }
 
-    fn free_to_core(&self, offset: u64, stream: StreamId) {
+    fn free_to_core(&self, offset: u64, stream: StreamId, how: AtFree) {
         let events = self.events.as_ref();
-        let how = events.at_free(stream);
         let mut core = self.core();
         let r = match how {
             AtFree::Done => core.free(offset, stream, Fence(0), events),
@@ -397,14 +421,23 @@ impl<S: HandleSource> CachingAllocator<S> {
     }
 
     fn flush_caches(&self) {
-        for (offset, stream) in self.caches.drain_all() {
+        self.free_cached(self.caches.drain_all());
+    }
+
+    /// Frees blocks taken from thread caches to the core. Each was freed while no capture was
+    /// underway, and is fenced as such whatever is being captured now.
+    fn free_cached(&self, blocks: Vec<(u64, StreamId)>) {
+        let how = self.events.uncaptured_free();
+        for (offset, stream) in blocks {
             self.live.remove(offset);
-            self.free_to_core(offset, stream);
+            self.free_to_core(offset, stream, how);
         }
     }
 
-    /// Lets allocator time pass: idle memory above the recent peak goes back with hysteresis.
+    /// Lets allocator time pass: the blocks cached by threads that have exited go to the core,
+    /// and idle memory above the recent peak goes back with hysteresis.
     pub fn tick(&self, now_us: u64) -> Bytes {
+        self.free_cached(self.caches.drain_exited());
         self.core().tick(now_us, self.events.as_ref())
     }
 

@@ -282,3 +282,115 @@ fn capture_notices_answer_only_once_announced_and_only_between_captures() {
     n.began();
     assert!(!n.none_underway());
 }
+
+/// Stream events whose captures the test starts and ends, announced as a framework's are (so no
+/// capture is underway whenever the flag is down).
+#[derive(Clone, Default)]
+struct Captures(Arc<std::sync::atomic::AtomicBool>);
+
+impl Captures {
+    fn set(&self, on: bool) {
+        self.0.store(on, Ordering::SeqCst);
+    }
+}
+
+impl Fences for Captures {
+    fn is_complete(&self, fence: Fence) -> bool {
+        fence != Fence::NEVER
+    }
+
+    fn record(&self, stream: StreamId) -> Option<Fence> {
+        (!self.is_capturing(stream)).then_some(Fence(1))
+    }
+}
+
+impl StreamEvents for Captures {
+    fn is_capturing(&self, _: StreamId) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    fn none_capturing(&self) -> bool {
+        !self.0.load(Ordering::SeqCst)
+    }
+}
+
+fn capturing_allocator() -> (Arc<dyn ByteAccess>, Captures, CachingAllocator<LocalSource>) {
+    let dev: Arc<dyn ByteAccess> = Arc::new(HostDevice::new(Bytes::gib(1), Bytes::mib(2)).unwrap());
+    let config = AllocConfig::default();
+    let backing =
+        MappedBacking::new(dev.clone(), config.va_bytes, LocalSource::new(dev.clone())).unwrap();
+    let captures = Captures::default();
+    let a = CachingAllocator::new(config, backing, Box::new(captures.clone()));
+    (dev, captures, a)
+}
+
+#[test]
+fn a_block_freed_during_a_capture_stays_with_its_stream_after_it() {
+    let (_, captures, a) = capturing_allocator();
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    // Sizes the thread cache would keep and one it would not.
+    for size in [Bytes::kib(4), Bytes::kib(64), Bytes::kib(128)] {
+        captures.set(true);
+        let p = a.alloc(size, s1).unwrap();
+        a.free(p, s1).unwrap();
+        captures.set(false);
+        // A reclaim request after the capture empties the thread caches.
+        a.trim();
+        let q = a.alloc(size, s2).unwrap();
+        assert_ne!(p, q, "{size}: freed during s1's capture, then handed to s2");
+        a.free(q, s2).unwrap();
+    }
+}
+
+#[test]
+fn a_trim_during_a_capture_fences_cached_blocks_as_they_were_freed() {
+    let (dev, captures, a) = capturing_allocator();
+    let s1 = StreamId(1);
+    let p = a.alloc(Bytes::kib(64), s1).unwrap();
+    a.free(p, s1).unwrap();
+    // Freed outside a capture: in the thread cache, so still allocated in the core's books.
+    assert_eq!(a.stats().core.allocated, Bytes::kib(64));
+    captures.set(true);
+    a.trim();
+    captures.set(false);
+    a.trim();
+    let s = a.stats();
+    assert_eq!((s.core.held, s.in_use), (Bytes::ZERO, Bytes::ZERO), "{s:?}");
+    assert_eq!(dev.used(), Bytes::ZERO);
+}
+
+#[test]
+fn the_caches_of_exited_threads_go_to_the_core_at_the_next_tick() {
+    let (dev, a) = host_allocator(Bytes::gib(4));
+    std::thread::scope(|scope| {
+        for _ in 0..16 {
+            scope.spawn(|| {
+                for _ in 0..2 {
+                    let ps: Vec<u64> = (0..8)
+                        .map(|_| a.alloc(Bytes::kib(64), StreamId(0)).unwrap())
+                        .collect();
+                    for p in ps {
+                        a.free(p, StreamId(0)).unwrap();
+                    }
+                }
+            });
+        }
+    });
+    let before = a.stats();
+    assert_eq!(before.cached, Bytes::mib(8), "{before:?}");
+    assert_eq!(before.fast_allocs, 16 * 8);
+    a.tick(1);
+    let after = a.stats();
+    assert_eq!(
+        after.fast_allocs, before.fast_allocs,
+        "counts of exited threads kept"
+    );
+    assert_eq!(after.core.allocated, Bytes::ZERO, "{after:?}");
+    // Their memory is the core's again: a new block reuses it rather than growing the heap.
+    let held = after.core.held;
+    let p = a.alloc(Bytes::kib(64), StreamId(0)).unwrap();
+    assert_eq!(a.stats().core.held, held);
+    a.free(p, StreamId(0)).unwrap();
+    a.trim();
+    assert_eq!(dev.used(), Bytes::ZERO);
+}

@@ -6,6 +6,7 @@
 //! still go back to the daemon; the owner waits for it only while the trim empties its cache.
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crossbeam_utils::CachePadded;
@@ -42,6 +43,8 @@ thread_local! {
 #[derive(Default)]
 pub(super) struct ThreadCaches {
     all: Mutex<Vec<Shared>>,
+    /// Allocations served by the caches of threads that have exited.
+    retired_hits: AtomicU64,
 }
 
 fn class(len: u64) -> usize {
@@ -98,17 +101,37 @@ impl ThreadCaches {
 
     /// Empties every thread's cache.
     pub(super) fn drain_all(&self) -> Vec<(u64, StreamId)> {
-        let mut all = self.all.lock().unwrap_or_else(|p| p.into_inner());
+        self.drain(true)
+    }
+
+    /// Empties the caches of threads that have exited, which no thread can take from again.
+    pub(super) fn drain_exited(&self) -> Vec<(u64, StreamId)> {
+        self.drain(false)
+    }
+
+    /// Empties the caches of threads that have exited, and with `all` every other one too. A
+    /// cache held by the registry alone belongs to a thread that has exited (its thread-local
+    /// entry is gone, so nothing can push to it again): it is emptied and forgotten in one step,
+    /// keeping its count of allocations served.
+    fn drain(&self, all: bool) -> Vec<(u64, StreamId)> {
         let mut out = Vec::new();
-        for shared in all.iter() {
-            let mut c = shared.lock();
-            for bin in &mut c.bins {
-                out.append(bin);
-            }
-            c.bytes = 0;
-        }
-        // Caches of threads that have exited are held by the registry alone: forget them.
-        all.retain(|s| Arc::strong_count(s) > 1);
+        self.all
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|shared| {
+                let exited = Arc::strong_count(shared) == 1;
+                if exited || all {
+                    let mut c = shared.lock();
+                    for bin in &mut c.bins {
+                        out.append(bin);
+                    }
+                    c.bytes = 0;
+                    if exited {
+                        self.retired_hits.fetch_add(c.hits, Ordering::Relaxed);
+                    }
+                }
+                !exited
+            });
         out
     }
 
@@ -117,9 +140,9 @@ impl ThreadCaches {
         self.sum(|c| c.bytes)
     }
 
-    /// Allocations served from thread caches (of threads still running).
+    /// Allocations served from thread caches.
     pub(super) fn hits(&self) -> u64 {
-        self.sum(|c| c.hits)
+        self.retired_hits.load(Ordering::Relaxed) + self.sum(|c| c.hits)
     }
 
     fn sum(&self, f: impl Fn(&Cache) -> u64) -> u64 {

@@ -199,6 +199,7 @@ impl<B: Backing> Allocator<B> {
             .get()
             .max(1)
             .checked_next_multiple_of(self.config.align.get())
+            .filter(|&len| len <= self.config.va_bytes.get())
             .ok_or(AllocError::TooLarge {
                 requested: size,
                 va: self.config.va_bytes,

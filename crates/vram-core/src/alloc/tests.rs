@@ -701,6 +701,21 @@ fn refusal_is_an_error_and_cached_memory_is_returned_first() {
 }
 
 #[test]
+fn sizes_beyond_the_reservation_are_refused_whatever_their_rounding() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let va = small_config().va_bytes.get();
+    let mib = 1u64 << 20;
+    // Sizes whose rounding to the alignment or the granularity would pass 2^64.
+    for n in [u64::MAX, u64::MAX - 511, u64::MAX - mib, 1 << 63, va + 1] {
+        let err = a.alloc(Bytes(n), StreamId(0), &AlwaysComplete).unwrap_err();
+        assert!(matches!(err, AllocError::TooLarge { .. }), "{n}: {err}");
+    }
+    assert_eq!(a.stats().held, Bytes::ZERO);
+    a.alloc(Bytes::mib(2), StreamId(0), &AlwaysComplete)
+        .unwrap();
+}
+
+#[test]
 fn zero_byte_requests_get_distinct_blocks() {
     let mut a = Allocator::new(small_config(), ModelBacking::new());
     let x = a.alloc(Bytes(0), StreamId(0), &AlwaysComplete).unwrap();
