@@ -21,6 +21,8 @@ mod scrub;
 mod session;
 mod shared;
 mod slot;
+#[cfg(test)]
+mod slot_tests;
 mod socket;
 mod state;
 

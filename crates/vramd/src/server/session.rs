@@ -404,22 +404,24 @@ impl Session {
         let timeout = self.daemon.settings().reclaim_timeout;
         let started = Instant::now();
         let asker = Asker(&self.daemon, &self.peer);
-        let granted = match self.daemon.slots[slot].grant_many(tenant, &sizes, timeout, &asker) {
-            Ok(g) => g,
-            Err(e) => {
-                let asked = sizes.iter().fold(Bytes::ZERO, |a, b| a.saturating_add(*b));
-                let reason = e.reason.as_deref().unwrap_or("");
-                self.log_refusal(
-                    "refused",
-                    slot,
-                    asked,
-                    Some(sizes.len()),
-                    reason,
-                    &e.message,
-                );
-                return self.send(id, &Reply::Error(e), &[]);
-            }
-        };
+        let granted =
+            match self.daemon.slots[slot].grant_many(tenant, self.conn_id, &sizes, timeout, &asker)
+            {
+                Ok(g) => g,
+                Err(e) => {
+                    let asked = sizes.iter().fold(Bytes::ZERO, |a, b| a.saturating_add(*b));
+                    let reason = e.reason.as_deref().unwrap_or("");
+                    self.log_refusal(
+                        "refused",
+                        slot,
+                        asked,
+                        Some(sizes.len()),
+                        reason,
+                        &e.message,
+                    );
+                    return self.send(id, &Reply::Error(e), &[]);
+                }
+            };
         if let Some((_, h)) = self.tenant.as_ref().and_then(|t| t.grant_seconds.as_ref()) {
             h.observe(started.elapsed().as_secs_f64());
         }
@@ -472,7 +474,7 @@ impl Session {
         let asker = Asker(&self.daemon, &self.peer);
         let timeout = self.daemon.settings().reclaim_timeout;
         self.daemon.slots[slot]
-            .charge(tenant, bytes, timeout, &asker)
+            .charge(tenant, self.conn_id, bytes, timeout, &asker)
             .inspect_err(|e| {
                 let reason = e.reason.as_deref().unwrap_or("");
                 self.log_refusal("charge refused", slot, bytes, None, reason, &e.message);

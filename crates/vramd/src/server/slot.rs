@@ -439,23 +439,7 @@ impl Slot {
     /// joined, whose memory side the tenant is then (and whose connection's close takes back all
     /// the tenant holds).
     pub fn memory_side(&self, tenant: TenantId, conn: u64) -> Result<(), ErrorReply> {
-        let s = self.lock();
-        match (
-            s.members.get(&tenant),
-            s.conn_of.get(&tenant),
-            s.processes.get(&tenant),
-        ) {
-            (Some(_), Some(&member), Some(p)) if member != conn => Err(ErrorReply {
-                code: ErrorCode::Refused,
-                reason: Some("program_joined".into()),
-                message: format!(
-                    "the tenant's memory is its joined program's (pid {}) while it runs; this \
-                     connection keeps the registration only",
-                    p.pid
-                ),
-            }),
-            _ => Ok(()),
-        }
+        memory_side(&self.lock(), tenant, conn)
     }
 
     /// Whether an invitation with this token waits here.
@@ -688,20 +672,24 @@ impl Slot {
         s.next_grant = s.next_grant.max(next);
     }
 
-    /// Grants handles of `sizes` (each rounded up to the granularity), in order: all of them or
-    /// none. The books first, size by size: when memory is short, tenants with idle memory are
-    /// asked to give it back, and the grant waits up to `timeout` for them. Then the handles, from
-    /// the pool ([`super::pool::Pool::take_many`]).
+    /// Grants handles of `sizes` (each rounded up to the granularity) to `tenant`'s connection
+    /// `conn`, in order: all of them or none. The books first, size by size: when memory is
+    /// short, tenants with idle memory are asked to give it back, and the request waits up to
+    /// `timeout` in all for them. Then the handles, from the pool
+    /// ([`super::pool::Pool::take_many`]).
     pub fn grant_many(
         &self,
         tenant: TenantId,
+        conn: u64,
         sizes: &[Bytes],
         timeout: std::time::Duration,
         reclaim: &dyn ReclaimSender,
     ) -> Result<Vec<(GrantId, Bytes, std::os::fd::OwnedFd)>, ErrorReply> {
+        let deadline = Instant::now() + timeout;
         let mut booked = Vec::with_capacity(sizes.len());
         for (i, &bytes) in sizes.iter().enumerate() {
-            match self.book(tenant, bytes, timeout, reclaim) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match self.book(tenant, conn, bytes, left, reclaim) {
                 Ok(size) => booked.push(size),
                 Err(mut e) => {
                     self.unbook(tenant, &booked);
@@ -784,6 +772,7 @@ impl Slot {
     fn book(
         &self,
         tenant: TenantId,
+        conn: u64,
         bytes: Bytes,
         timeout: std::time::Duration,
         reclaim: &dyn ReclaimSender,
@@ -804,7 +793,7 @@ impl Slot {
                 }));
             }
         };
-        self.reserve(tenant, size, Booking::Grant, timeout, reclaim)?;
+        self.reserve(tenant, conn, size, Booking::Grant, timeout, reclaim)?;
         Ok(size)
     }
 
@@ -813,11 +802,12 @@ impl Slot {
     pub fn charge(
         &self,
         tenant: TenantId,
+        conn: u64,
         bytes: Bytes,
         timeout: std::time::Duration,
         reclaim: &dyn ReclaimSender,
     ) -> Result<(), ErrorReply> {
-        self.reserve(tenant, bytes, Booking::Charge, timeout, reclaim)
+        self.reserve(tenant, conn, bytes, Booking::Charge, timeout, reclaim)
     }
 
     /// Takes back a charge; memory coming back wakes grants waiting on a reclaim.
@@ -853,11 +843,13 @@ impl Slot {
         })
     }
 
-    /// Books `size` for `tenant` as `how` says, asking tenants with idle memory for it first
-    /// when it does not fit.
+    /// Books `size` for `tenant`'s connection `conn` as `how` says, asking tenants with idle
+    /// memory for it first when it does not fit. Refused if a program has joined the tenant
+    /// meanwhile (the tenant's memory is then the program's: [`Slot::memory_side`]).
     fn reserve(
         &self,
         tenant: TenantId,
+        conn: u64,
         size: Bytes,
         how: Booking,
         timeout: std::time::Duration,
@@ -907,6 +899,7 @@ impl Slot {
                 reclaim.settled(satisfied, asked.elapsed());
             }
         }
+        memory_side(&s, tenant, conn)?;
         match how {
             Booking::Grant => s.broker.grant(tenant, size),
             Booking::Charge => s.broker.charge(tenant, size),
@@ -1354,6 +1347,27 @@ enum Booking {
 }
 
 /// The connections of the tenants a reclaim plan asks.
+/// See [`Slot::memory_side`]; under the slot's lock, so that a booking and a program's join
+/// exclude each other.
+fn memory_side(s: &State, tenant: TenantId, conn: u64) -> Result<(), ErrorReply> {
+    match (
+        s.members.get(&tenant),
+        s.conn_of.get(&tenant),
+        s.processes.get(&tenant),
+    ) {
+        (Some(_), Some(&member), Some(p)) if member != conn => Err(ErrorReply {
+            code: ErrorCode::Refused,
+            reason: Some("program_joined".into()),
+            message: format!(
+                "the tenant's memory is its joined program's (pid {}) while it runs; this \
+                     connection keeps the registration only",
+                p.pid
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 fn conns_of(s: &State, plan: &[ReclaimAsk]) -> Vec<(u64, Bytes)> {
     plan.iter()
         .filter_map(|ReclaimAsk { tenant, bytes }| Some((*s.conn_of.get(tenant)?, *bytes)))
