@@ -763,6 +763,16 @@ impl Broker {
         }
     }
 
+    /// Moves `bytes` of what `id` keeps back to what it holds ([`Broker::unhold`] undone): a kept
+    /// handle that is its grant again. Its total does not change, so no rule is asked.
+    pub fn rehold(&mut self, id: TenantId, bytes: Bytes) {
+        if let Some(t) = self.tenants.get_mut(&id) {
+            let moved = bytes.min(t.kept);
+            t.kept = t.kept.saturating_sub(moved);
+            t.held = t.held.saturating_add(moved);
+        }
+    }
+
     /// Records what a tenant's allocator says it uses and caches.
     pub fn report_usage(&mut self, id: TenantId, in_use: Bytes, cached: Bytes) {
         if let Some(t) = self.tenants.get_mut(&id) {

@@ -50,41 +50,79 @@ struct State {
 }
 
 /// A handle given back that some process still reaches (see [`Device::reached_elsewhere`]).
+/// A grant's handle, with its id.
+type Granted = (GrantId, Handle);
+
 struct Kept {
     name: String,
     uid: u32,
+    /// The grant the handle was, if it was one: a tenant that reconnects and says it still holds
+    /// that grant takes the handle back as held (`settle`), not booked a second time.
+    grant: Option<GrantId>,
     handle: Arc<Handle>,
 }
 
 impl State {
-    /// Books `handles`, which tenant `id` gave back and still reaches, as kept by it.
-    fn keep(&mut self, id: TenantId, handles: Vec<Handle>) -> Bytes {
+    /// Books the grants' `handles`, which tenant `id` gave back and still reaches, as kept by it.
+    fn keep(&mut self, id: TenantId, handles: Vec<Granted>) -> Bytes {
         if handles.is_empty() {
             return Bytes::ZERO;
         }
         let Some((name, uid)) = self.broker.tenant(id).map(|t| (t.name.clone(), t.uid)) else {
             // Callers keep a tenant's handles before the broker forgets it; a handle dropped here
             // lives on in the process that reaches it, booked to nobody.
-            let bytes: Bytes = handles.iter().map(Handle::size).sum();
+            let bytes: Bytes = handles.iter().map(|(_, h)| h.size()).sum();
             tracing::error!(
                 tenant = id.0, %bytes,
                 "handles still reached by another process belong to no tenant: not booked"
             );
             return Bytes::ZERO;
         };
+        let handles = handles.into_iter().map(|(g, h)| (Some(g), h)).collect();
         self.keep_for(&name, uid, handles)
     }
 
+    /// Whether grant `g`, which tenant `id` says it holds, is one of its kept handles (dropped
+    /// with its connection while its process still reached it). If so it is the tenant's grant
+    /// again, held instead of kept: the same memory is never booked twice. A handle that a sweep
+    /// is looking at just then stays kept, counted once all the same.
+    fn take_back_kept(&mut self, id: TenantId, g: GrantId) -> bool {
+        let Some((name, uid)) = self.broker.tenant(id).map(|t| (t.name.clone(), t.uid)) else {
+            return false;
+        };
+        let Some(n) = self
+            .kept
+            .iter()
+            .find(|(_, k)| k.grant == Some(g) && k.name == name && k.uid == uid)
+            .map(|(n, _)| *n)
+        else {
+            return false;
+        };
+        let kept = self.kept.remove(&n).expect("found above");
+        match Arc::try_unwrap(kept.handle) {
+            Ok(handle) => {
+                self.broker.rehold(id, handle.size());
+                self.grants.insert(g, (id, handle));
+                self.dirty = true;
+            }
+            Err(handle) => {
+                self.kept.insert(n, Kept { handle, ..kept });
+            }
+        }
+        true
+    }
+
     /// Books `handles` as kept by the tenant `name` of `uid`, connected or not.
-    fn keep_for(&mut self, name: &str, uid: u32, handles: Vec<Handle>) -> Bytes {
+    fn keep_for(&mut self, name: &str, uid: u32, handles: Vec<(Option<GrantId>, Handle)>) -> Bytes {
         let mut bytes = Bytes::ZERO;
-        for handle in handles {
+        for (grant, handle) in handles {
             bytes += handle.size();
             let n = self.next_kept;
             self.next_kept += 1;
             let kept = Kept {
                 name: name.to_owned(),
                 uid,
+                grant,
                 handle: Arc::new(handle),
             };
             self.kept.insert(n, kept);
@@ -251,7 +289,7 @@ impl Slot {
         }
         let mut s = self.lock();
         for (name, uid, handle) in found {
-            let bytes = s.keep_for(&name, uid, vec![handle]);
+            let bytes = s.keep_for(&name, uid, vec![(None, handle)]);
             tracing::info!(
                 gpu = self.index,
                 owner = %name,
@@ -936,7 +974,7 @@ impl Slot {
         for id in ids {
             if let Some((_, h)) = s.grants.remove(id) {
                 bytes += h.size();
-                handles.push(h);
+                handles.push((*id, h));
             } else if let Some((_, size)) = s.adopted.remove(id) {
                 // Its memory was the daemon before's: it is gone with the tenant's import.
                 adopted += size;
@@ -949,7 +987,7 @@ impl Slot {
         drop(s);
         let (handles, reached) = self.split_reached(handles, std::time::Duration::ZERO);
         let mut s = self.lock();
-        let kept_bytes: Bytes = reached.iter().map(Handle::size).sum();
+        let kept_bytes: Bytes = reached.iter().map(|(_, h)| h.size()).sum();
         if !reached.is_empty() {
             // From held to kept; the return itself is counted with the rest of it below.
             s.broker.unhold(tenant, kept_bytes);
@@ -973,7 +1011,7 @@ impl Slot {
         // (or pooled, which gives way), never still on its way back. Each handle is kept for
         // this tenant's own next grants, or released; never given to anyone else, so an import
         // it kept reaches nobody else's data.
-        for handle in handles {
+        for (_, handle) in handles {
             if let Ok(fd) = self.device.export(&handle) {
                 drop(self.pool.recycle(tenant.0, Ready { handle, fd }, room));
             }
@@ -1047,19 +1085,17 @@ impl Slot {
     /// (a process that is exiting closes its descriptors after its socket).
     fn split_reached(
         &self,
-        handles: Vec<Handle>,
+        handles: Vec<Granted>,
         patience: std::time::Duration,
-    ) -> (Vec<Handle>, Vec<Handle>) {
-        let reached = |h: &Handle| self.device.reached_elsewhere(h) == Some(true);
-        let (mut free, mut kept): (Vec<Handle>, Vec<Handle>) =
-            handles.into_iter().partition(|h| !reached(h));
+    ) -> (Vec<Granted>, Vec<Granted>) {
+        let reached = |(_, h): &(GrantId, Handle)| self.device.reached_elsewhere(h) == Some(true);
+        let (mut free, mut kept): (Vec<_>, Vec<_>) = handles.into_iter().partition(|h| !reached(h));
         let until = Instant::now() + patience;
         let mut pause = std::time::Duration::from_millis(1);
         while !kept.is_empty() && Instant::now() < until {
             std::thread::sleep(pause.min(until.saturating_duration_since(Instant::now())));
             pause *= 2;
-            let (gone, still): (Vec<Handle>, Vec<Handle>) =
-                kept.into_iter().partition(|h| !reached(h));
+            let (gone, still): (Vec<_>, Vec<_>) = kept.into_iter().partition(|h| !reached(h));
             free.extend(gone);
             kept = still;
         }
@@ -1285,7 +1321,7 @@ fn settle(s: &mut State, id: TenantId, r: &Resume) {
         }
     }
     for (g, size) in &r.grants {
-        if s.adopted.contains_key(g) || s.grants.contains_key(g) {
+        if s.adopted.contains_key(g) || s.grants.contains_key(g) || s.take_back_kept(id, *g) {
             continue;
         }
         match s.broker.grant(id, *size) {
@@ -1314,7 +1350,7 @@ const EXIT_PATIENCE: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// Takes every grant of `tenant` out of the tables (its adopted ones too): the handles, for the
 /// caller to drop outside the lock.
-fn take_grants(s: &mut State, tenant: TenantId) -> Vec<Handle> {
+fn take_grants(s: &mut State, tenant: TenantId) -> Vec<Granted> {
     let ids: Vec<GrantId> = s
         .grants
         .iter()
@@ -1324,8 +1360,7 @@ fn take_grants(s: &mut State, tenant: TenantId) -> Vec<Handle> {
     s.adopted.retain(|_, (t, _)| *t != tenant);
     s.dirty = true;
     ids.iter()
-        .filter_map(|id| s.grants.remove(id))
-        .map(|(_, h)| h)
+        .filter_map(|id| Some((*id, s.grants.remove(id)?.1)))
         .collect()
 }
 
