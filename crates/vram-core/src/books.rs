@@ -72,6 +72,30 @@ pub struct Books {
     pub tenants: Vec<BooksTenant>,
 }
 
+impl Books {
+    /// The books over a span: `self` read before a driver reading, `later` after it. Memory made
+    /// or charged in between may be in the reading, so each figure is the larger of the two
+    /// (every tenant of either, matched by id): memory the books made is never taken for outside
+    /// use. Memory released in between shows as surplus for one reading, which is only logged.
+    pub fn spanning(&self, later: &Books) -> Books {
+        let mut tenants = self.tenants.clone();
+        for t in &later.tenants {
+            match tenants.iter_mut().find(|u| u.id == t.id) {
+                Some(u) => {
+                    u.held = u.held.max(t.held);
+                    u.charged = u.charged.max(t.charged);
+                }
+                None => tenants.push(t.clone()),
+            }
+        }
+        Books {
+            daemon_pid: self.daemon_pid,
+            created: self.created.max(later.created),
+            tenants,
+        }
+    }
+}
+
 /// A process on the device that is neither a tenant nor the daemon.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OutsideProcess {
@@ -318,6 +342,40 @@ mod tests {
         assert_eq!(r.daemon_own, Bytes::ZERO, "the daemon is not listed");
         assert_eq!(r.surplus, Bytes::ZERO);
         assert_eq!(r.not_in_books(), gib_f(0.6));
+    }
+
+    #[test]
+    fn memory_made_while_the_driver_is_read_is_not_outside_use() {
+        // A 2 GiB grant and a 1 GiB charge of a tenant land between the books read before the
+        // driver's reading and the books read after it; the reading has them.
+        let before = Books {
+            daemon_pid: DAEMON,
+            created: Bytes::gib(4),
+            tenants: vec![tenant(1, 200, Bytes::gib(4), Bytes::ZERO)],
+        };
+        let after = Books {
+            daemon_pid: DAEMON,
+            created: Bytes::gib(6),
+            tenants: vec![
+                tenant(1, 200, Bytes::gib(6), Bytes::gib(1)),
+                tenant(2, 300, Bytes::ZERO, Bytes::ZERO),
+            ],
+        };
+        let read = reading(
+            Bytes::gib(7),
+            vec![process(200, Some(Bytes::gib(1)), "python3")],
+        );
+        let spanned = before.spanning(&after);
+        assert_eq!(spanned.created, Bytes::gib(6));
+        assert_eq!(spanned.tenants.len(), 2);
+        let r = reconcile(&spanned, &read);
+        assert_eq!(r.outside_use, Bytes::ZERO, "{r:?}");
+        assert_eq!(
+            r.tenant_outside,
+            vec![(TenantId(1), Bytes::ZERO), (TenantId(2), Bytes::ZERO)]
+        );
+        // The books before alone take the new memory for outside use.
+        assert_eq!(reconcile(&before, &read).outside_use, Bytes::gib(2));
     }
 
     #[test]

@@ -75,7 +75,7 @@ pub(super) fn start(
 fn reconcile_once(daemon: &Daemon, probe: &dyn DriverProbe, last: &mut [Option<Reconciled>]) {
     for (i, slot) in daemon.slots.iter().enumerate() {
         let uuid = slot.device().info().uuid.clone();
-        let books = slot.books();
+        let before = slot.books();
         let reading = match probe.read(&uuid) {
             Ok(r) => r,
             Err(e) => {
@@ -86,6 +86,8 @@ fn reconcile_once(daemon: &Daemon, probe: &dyn DriverProbe, last: &mut [Option<R
                 continue;
             }
         };
+        // Memory granted or charged while the driver was read is in the books as well.
+        let books = before.spanning(&slot.books());
         let r = vram_core::books::reconcile(&books, &reading);
         let applied = slot.apply_reading(reading.used, &r);
         let changed = last[i]
