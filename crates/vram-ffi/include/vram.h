@@ -64,7 +64,9 @@ typedef struct vram_options {
 int vram_init(const vram_options_t *opts);
 
 /* A block of at least `size` bytes for use on `stream` (an opaque cudaStream_t; any value on the
- * host backend), or NULL. `device` must be the daemon device this process was admitted on. */
+ * host backend), or NULL. `device` is the program's CUDA device ordinal (as cudaGetDevice gives
+ * it, after CUDA_VISIBLE_DEVICES) and must be the GPU this process was admitted on, compared by
+ * UUID; on the host backend it is the daemon's device index. */
 void *vram_alloc(ssize_t size, int device, void *stream);
 
 /* Frees a block from vram_alloc, last used on `stream`. `size` is the size asked for (unused:

@@ -28,7 +28,7 @@ use vram_core::Bytes;
 
 use crate::interpose::stats::{self, Hook};
 use crate::interpose::tenant_or_log;
-use crate::{guarded, refusal, tenant, TENANT};
+use crate::{current, guarded, refusal, tenant};
 
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_INVALID_VALUE: c_int = 1;
@@ -115,7 +115,7 @@ fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Served {
     let served = guarded(Served::Refused, || {
         let t = tenant_or_log()?;
         if let Some(device) = current_device() {
-            if device as u32 != t.gpu {
+            if !crate::is_tenant_ordinal(t, device) {
                 warn_other_gpu(device, t.gpu);
                 return Ok(Served::Pass);
             }
@@ -137,7 +137,7 @@ fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Served {
 
 /// Whether pool mode serves the free of `ptr` (memory vramd's allocator handed out).
 fn frees_here(ptr: *mut c_void) -> bool {
-    pool_mode() && !ptr.is_null() && matches!(TENANT.get(), Some(t) if t.alloc.owns(ptr as u64))
+    pool_mode() && !ptr.is_null() && matches!(current(), Some(t) if t.alloc.owns(ptr as u64))
 }
 
 /// Frees `ptr`, which [`frees_here`], into the tenant's allocator.
@@ -209,8 +209,9 @@ fn warn_other_gpu(device: c_int, gpu: u32) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     if !WARNED.swap(true, Ordering::Relaxed) {
         eprintln!(
-            "vramd: cudaMalloc on device {device}, but this process is a tenant of gpu {gpu}: \
-             that memory is the CUDA runtime's own, outside vramd's books"
+            "vramd: cudaMalloc on device {device}, but this process is a tenant of the daemon's \
+             gpu {gpu}, another device: that memory is the CUDA runtime's own, outside vramd's \
+             books"
         );
     }
 }

@@ -66,6 +66,32 @@ impl Tenant {
 
 static TENANT: OnceLock<Tenant> = OnceLock::new();
 
+/// Set in a child forked from a tenant process (`pthread_atfork`). The child has a copy of the
+/// parent's connection and allocator books, which are the parent's, not its own: it is no tenant,
+/// and nothing of the parent's is used or sent from it.
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn forked_child() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+/// The process's tenant as it stands, without connecting; none in a forked child.
+pub(crate) fn current() -> Option<&'static Tenant> {
+    if FORKED.load(Ordering::Relaxed) {
+        return None;
+    }
+    TENANT.get()
+}
+
+/// Why a forked child of a tenant process gets no memory from vramd.
+fn forked_error() -> String {
+    format!(
+        "vramd: this process (pid {}) was forked from a tenant process: the connection it \
+         inherited is its parent's, so it is not a tenant",
+        std::process::id()
+    )
+}
+
 /// The last failed attempt to set the tenant up, and when: attempts are spaced by
 /// [`CONNECT_RETRY`], so a program allocating in a loop while the daemon is away (or its name
 /// still held by a predecessor the daemon has not reaped) does not hammer the socket, and gets
@@ -96,7 +122,7 @@ fn register(socket: Option<&Path>, opts: &TenantOptions) -> Result<Arc<Client>, 
     client.on_reclaim(Box::new(|_, _| {
         *RECLAIM_REQUESTS.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         RECLAIM_ASKED.notify_all();
-        match TENANT.get() {
+        match current() {
             Some(t) => t.alloc.trim(),
             None => Bytes::ZERO,
         }
@@ -165,6 +191,11 @@ fn establish(socket: Option<&Path>, opts: &TenantOptions) -> Result<&'static Ten
     if unsafe { libc::atexit(say_bye) } != 0 {
         tracing::debug!("cannot register the exit handler: the end will read as a crash");
     }
+    // SAFETY: `forked_child` is an `extern "C" fn()` that only stores an atomic, which is safe in
+    // a child between fork and exec; there are no prepare or parent handlers.
+    if unsafe { libc::pthread_atfork(None, None, Some(forked_child)) } != 0 {
+        tracing::debug!("cannot register the fork handler: a forked child would be taken for us");
+    }
     Ok(t)
 }
 
@@ -204,8 +235,11 @@ fn start_housekeeping() {
 /// a failed connect is tried again on a later call, at most every 100 ms (so a program
 /// allocating in a loop does not hammer the socket).
 pub fn tenant() -> Result<&'static Tenant, String> {
-    if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
+    if let Some(t) = current().filter(|t| t.connected.load(Ordering::Acquire)) {
         return Ok(t);
+    }
+    if FORKED.load(Ordering::Relaxed) {
+        return Err(forked_error());
     }
     // One thread connects at a time; the others wait for its outcome.
     let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
@@ -234,7 +268,7 @@ pub fn tenant() -> Result<&'static Tenant, String> {
 /// signal never gets here, and its end is a crash as it should be.
 extern "C" fn say_bye() {
     let _ = catch_unwind(|| {
-        if let Some(c) = TENANT.get().and_then(|t| t.slot.get()) {
+        if let Some(c) = current().and_then(|t| t.slot.get()) {
             c.bye();
         }
     });
@@ -333,6 +367,9 @@ enum Connected {
 
 /// Makes the process the tenant `opts` asks for, unless it is a tenant now.
 fn connect_now(socket: Option<&Path>, opts: &TenantOptions) -> Result<Connected, String> {
+    if FORKED.load(Ordering::Relaxed) {
+        return Err(forked_error());
+    }
     let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
         let name = t
@@ -369,7 +406,7 @@ pub unsafe extern "C" fn vram_status_json(socket: *const c_char) -> *mut c_char 
 pub extern "C" fn vram_disconnect() -> c_int {
     guarded(-1, || {
         let _one_at_a_time = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(t) = TENANT.get() else {
+        let Some(t) = current() else {
             return Ok(0);
         };
         let Some(client) = t.slot.get() else {
@@ -417,13 +454,24 @@ fn guarded<R>(fallback: R, f: impl FnOnce() -> Result<R, String>) -> R {
 }
 
 fn check_device(t: &Tenant, device: c_int) -> Result<(), String> {
-    if device < 0 || device as u32 != t.gpu {
+    if !is_tenant_ordinal(t, device) {
         return Err(format!(
-            "vramd: device {device} asked for, but this process is a tenant of gpu {}",
-            t.gpu
+            "vramd: device {device} asked for, but this process is a tenant of the daemon's gpu \
+             {} ({})",
+            t.gpu, t.device.uuid
         ));
     }
     Ok(())
+}
+
+/// Whether the program's device `ordinal` (CUDA's numbering, after `CUDA_VISIBLE_DEVICES`) is
+/// the tenant's GPU: by UUID on CUDA, where the daemon numbers the node's GPUs its own way; on the
+/// host backend, which has no UUIDs, by the daemon's number.
+pub(crate) fn is_tenant_ordinal(t: &Tenant, ordinal: c_int) -> bool {
+    match t.device.backend {
+        BackendKind::Cuda => ordinal >= 0 && interpose::is_tenant_device(t, ordinal),
+        BackendKind::Host => u32::try_from(ordinal) == Ok(t.gpu),
+    }
 }
 
 /// See `include/vram.h`.

@@ -128,3 +128,25 @@ fn without_a_daemon_driver_allocations_are_refused_never_passed_on() {
         "the reason is logged once, however many calls are refused:\n{stderr}"
     );
 }
+
+/// A forked child of a tenant process is no tenant: its copy of the parent's connection stays
+/// unused (had it spoken on it, the two would take each other's replies and the parent would hang
+/// in a grant), and its allocations are refused with the reason.
+#[test]
+fn a_forked_child_leaves_its_parents_connection_alone() {
+    let out = tempfile::tempdir().unwrap();
+    stand_ins(out.path());
+    let exe = cprog::build("fork", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(8));
+    let run = driver_command(&exe, out.path(), &daemon.socket)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success() && stdout.contains("fork: ok"),
+        "{:?}\n{stdout}\n{}",
+        run.status,
+        String::from_utf8_lossy(&run.stderr)
+    );
+    assert!(stdout.contains("was forked from a tenant process"), "{stdout}");
+}

@@ -27,7 +27,7 @@ use super::{
     charged, current_gpu, tenant_or_log, CuDevicePtr, CuResult, CuStream, Gpu,
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
-use crate::{guarded, TENANT};
+use crate::{current, guarded};
 
 /// Rows of `cuMemAllocPitch` start this many bytes apart at least (the driver's own pitch
 /// alignment on current GPUs).
@@ -67,7 +67,7 @@ fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Outcome {
 
 /// Frees `ptr` into the tenant's allocator if vramd handed it out: `None` if it did not.
 fn free_ours(hook: Hook, ptr: CuDevicePtr, stream: StreamId) -> Option<CuResult> {
-    let t = match TENANT.get() {
+    let t = match current() {
         Some(t) if ptr != 0 && t.alloc.owns(ptr) => t,
         _ => return None,
     };
@@ -169,7 +169,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
 /// As for the driver's `cuMemFree_v2`.
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFree_v2(dptr: CuDevicePtr) -> CuResult {
-    let ours = dptr != 0 && matches!(TENANT.get(), Some(t) if t.alloc.owns(dptr));
+    let ours = dptr != 0 && matches!(current(), Some(t) if t.alloc.owns(dptr));
     if ours {
         if let Some(sync) = real::driver().ctx_synchronize {
             // SAFETY: the driver's cuCtxSynchronize takes no arguments.

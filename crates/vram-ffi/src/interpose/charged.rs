@@ -23,7 +23,7 @@ use super::{
     CUDA_SUCCESS,
 };
 use crate::refusal::{refused_by_daemon, refused_here};
-use crate::{guarded, Tenant, TENANT};
+use crate::{current, guarded, Tenant};
 
 /// Charged managed pointers, with their sizes.
 static MANAGED: LazyLock<Mutex<HashMap<u64, u64>>> = LazyLock::new(Default::default);
@@ -53,7 +53,7 @@ pub(crate) fn charge(t: &Tenant, what: &str, bytes: Bytes) -> Result<(), String>
 
 /// Takes back a charge (sent without waiting), if the tenant is still there.
 pub(crate) fn uncharge(bytes: u64) {
-    if let Some(client) = TENANT.get().and_then(|t| t.client().ok()) {
+    if let Some(client) = current().and_then(|t| t.client().ok()) {
         let _ = client.uncharge(Bytes(bytes));
     }
 }
