@@ -148,5 +148,8 @@ fn a_forked_child_leaves_its_parents_connection_alone() {
         run.status,
         String::from_utf8_lossy(&run.stderr)
     );
-    assert!(stdout.contains("was forked from a tenant process"), "{stdout}");
+    assert!(
+        stdout.contains("was forked from a tenant process"),
+        "{stdout}"
+    );
 }

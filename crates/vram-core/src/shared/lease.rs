@@ -13,7 +13,7 @@ impl SharedBuffers {
         ttl_ms: u64,
         now_ms: u64,
     ) -> Result<(LeaseInfo, Vec<Freed>), SharedError> {
-        let freed = self.expire_one(broker, id, now_ms);
+        self.expire_one(broker, id, now_ms);
         self.check(broker, who, id, "write")?;
         let name = tenant(broker, who)?.name.clone();
         let b = self.buffers.get_mut(&id).expect("checked");
@@ -42,7 +42,7 @@ impl SharedBuffers {
                 holder: name,
                 expires_ms,
             },
-            freed,
+            Vec::new(),
         ))
     }
 
@@ -55,10 +55,9 @@ impl SharedBuffers {
         ttl_ms: u64,
         now_ms: u64,
     ) -> Result<(LeaseInfo, Vec<Freed>), SharedError> {
-        let freed = self.expire_one(broker, id, now_ms);
+        self.expire_one(broker, id, now_ms);
         self.holder(broker, who, id)?;
         self.acquire(broker, who, id, ttl_ms, now_ms)
-            .map(|(l, more)| (l, freed.into_iter().chain(more).collect()))
     }
 
     /// Gives the lease up; an unpublished draft is discarded.
@@ -69,20 +68,30 @@ impl SharedBuffers {
         id: BufferId,
         now_ms: u64,
     ) -> Result<Vec<Freed>, SharedError> {
-        let mut freed = self.expire_one(broker, id, now_ms);
+        self.expire_one(broker, id, now_ms);
         self.holder(broker, who, id)?;
         let b = self.buffers.get_mut(&id).expect("checked");
         let draft = b.lease.take().and_then(|l| l.draft);
-        freed.extend(draft.and_then(|v| self.free_if_unused(broker, id, v)));
-        Ok(freed)
+        Ok(draft
+            .and_then(|v| self.free_if_unused(broker, id, v))
+            .into_iter()
+            .collect())
     }
 
-    /// Takes every lease that ran out by `now_ms` away; their drafts are discarded.
+    /// Takes every lease that ran out by `now_ms` away; their drafts are discarded. Returns
+    /// every version freed by an expiry so far ([`SharedBuffers::take_expired`]).
     pub fn expire(&mut self, broker: &mut Broker, now_ms: u64) -> Vec<Freed> {
         let ids: Vec<BufferId> = self.buffers.keys().copied().collect();
-        ids.into_iter()
-            .flat_map(|id| self.expire_one(broker, id, now_ms))
-            .collect()
+        for id in ids {
+            self.expire_one(broker, id, now_ms);
+        }
+        self.take_expired()
+    }
+
+    /// The versions freed when leases were found expired, since the last call: their memory is
+    /// the caller's to let go, as with any other [`Freed`].
+    pub fn take_expired(&mut self) -> Vec<Freed> {
+        std::mem::take(&mut self.expired)
     }
 
     /// Checks that `who` holds the (unexpired: call `expire_one` first) lease of `id`.
@@ -103,23 +112,18 @@ impl SharedBuffers {
         }
     }
 
-    pub(super) fn expire_one(
-        &mut self,
-        broker: &mut Broker,
-        id: BufferId,
-        now_ms: u64,
-    ) -> Vec<Freed> {
+    /// Takes the lease of `id` away if it ran out by `now_ms`; its draft, discarded, goes to
+    /// [`SharedBuffers::take_expired`].
+    pub(super) fn expire_one(&mut self, broker: &mut Broker, id: BufferId, now_ms: u64) {
         let Some(b) = self.buffers.get_mut(&id) else {
-            return Vec::new();
+            return;
         };
         if b.lease.as_ref().is_none_or(|l| l.expires_ms > now_ms) {
-            return Vec::new();
+            return;
         }
         let draft = b.lease.take().and_then(|l| l.draft);
         self.leases_expired += 1;
-        draft
-            .and_then(|v| self.free_if_unused(broker, id, v))
-            .into_iter()
-            .collect()
+        let freed = draft.and_then(|v| self.free_if_unused(broker, id, v));
+        self.expired.extend(freed);
     }
 }

@@ -216,6 +216,10 @@ pub struct SharedBuffers {
     by_name: HashMap<String, BufferId>,
     next_id: u64,
     leases_expired: u64,
+    /// Versions freed when a lease was found expired, for the caller to take
+    /// ([`SharedBuffers::take_expired`]) whatever the call that found it answered: a call that
+    /// then fails (a late renew, a reader without the right) must not lose them.
+    expired: Vec<Freed>,
 }
 
 impl SharedBuffers {
@@ -282,9 +286,9 @@ impl SharedBuffers {
             .by_name
             .get(name)
             .ok_or_else(|| SharedError::NoSuchBuffer(name.to_string()))?;
-        let freed = self.expire_one(broker, id, now_ms);
+        self.expire_one(broker, id, now_ms);
         self.check(broker, who, id, "read")?;
-        Ok((self.buffers[&id].info(id), freed))
+        Ok((self.buffers[&id].info(id), Vec::new()))
     }
 
     /// The buffers `who` may read or write.
@@ -479,7 +483,10 @@ impl SharedBuffers {
     /// Marks `id` deleted and frees what nobody uses; the entry goes with its last version.
     fn remove(&mut self, broker: &mut Broker, id: BufferId) -> Vec<Freed> {
         let b = self.buffers.get_mut(&id).expect("caller checked");
-        self.by_name.remove(&b.name);
+        // A buffer deleted before may have left its name to a newer one.
+        if self.by_name.get(&b.name) == Some(&id) {
+            self.by_name.remove(&b.name);
+        }
         b.deleted = true;
         b.lease = None;
         b.current = None;

@@ -370,3 +370,56 @@ proptest! {
         prop_assert!(w.books.all().is_empty());
     }
 }
+
+#[test]
+fn a_draft_freed_by_a_lease_found_expired_in_a_failing_call_is_still_handed_out() {
+    let mut w = world();
+    w.books
+        .acquire(&mut w.broker, w.owner, w.id, 100, 0)
+        .unwrap();
+    let (draft, _) = w
+        .books
+        .begin_write(&mut w.broker, w.owner, w.id, None, 1)
+        .unwrap();
+    // A renew after the lease ran out finds it expired (the draft is freed) and is refused.
+    let e = w
+        .books
+        .renew(&mut w.broker, w.owner, w.id, 100, 200)
+        .unwrap_err();
+    assert_eq!(e.reason(), "no_lease", "{e}");
+    assert_eq!(w.held(), Bytes::ZERO);
+    assert_eq!(
+        w.books.take_expired(),
+        vec![Freed {
+            buffer: w.id,
+            version: draft
+        }]
+    );
+    assert!(w.books.take_expired().is_empty(), "handed out once");
+}
+
+#[test]
+fn an_old_owners_end_leaves_a_reused_name_to_its_new_buffer() {
+    let mut w = world();
+    w.books
+        .acquire(&mut w.broker, w.owner, w.id, 1_000, 0)
+        .unwrap();
+    w.write_publish(w.owner, 0);
+    let r = w.readers[0];
+    w.books.pin(&w.broker, r, w.id).unwrap();
+    // Deleted while a reader pins its version: the buffer stays, its name is free again.
+    w.books.delete(&mut w.broker, w.owner, w.id).unwrap();
+    let second_owner = connect(&mut w.broker, "second", "low");
+    let spec = BufferSpec {
+        name: "weights".into(),
+        size: SIZE,
+        acl: Acl {
+            readers: vec![Principal::Anyone],
+            writers: Vec::new(),
+        },
+    };
+    let second = w.books.create(&w.broker, second_owner, spec).unwrap().id;
+    w.books.disconnect(&mut w.broker, w.owner);
+    let (opened, _) = w.books.open(&mut w.broker, r, "weights", 0).unwrap();
+    assert_eq!(opened.id, second);
+}

@@ -110,10 +110,13 @@ pub struct Books {
 }
 
 impl Books {
-    /// Takes the memory of freed versions out, to be dropped once the slot's lock is released.
+    /// Takes the memory of freed versions out (those a lease's expiry freed as well), to be
+    /// dropped once the slot's lock is released.
     pub fn take(&mut self, freed: Vec<Freed>) -> Vec<Arc<Memory>> {
+        let expired = self.core.take_expired();
         freed
             .into_iter()
+            .chain(expired)
             .filter_map(|f| self.memory.remove(&(f.buffer, f.version)))
             .collect()
     }
@@ -382,7 +385,8 @@ impl Op<'_> {
         let (result, memory) = self.daemon.slots[self.slot].with_shared(|broker, books| {
             match f(broker, &mut books.core, now) {
                 Ok((r, freed)) => (Ok(r), books.take(freed)),
-                Err(e) => (Err(e), Vec::new()),
+                // A lease found expired on the way may have freed a draft all the same.
+                Err(e) => (Err(e), books.take(Vec::new())),
             }
         });
         drop(memory);
