@@ -602,3 +602,45 @@ fn a_peer_outside_the_daemons_pid_namespace_is_refused_with_a_reason() {
         log()
     );
 }
+
+/// Another tenant's shared buffers cannot end a tenant's connection: an access list is bounded,
+/// and a reply too large for one message (a List of very wide buffers) is answered with an error
+/// saying so while the connection and what it holds stay.
+#[test]
+fn a_reply_too_large_for_a_message_is_an_error_not_a_disconnect() {
+    use vram_core::shared::{Acl, Principal, MAX_ACL_ENTRIES};
+    use vram_proto::{SharedReply, SharedRequest};
+
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let wide = raw_tenant(&d.socket, "wide", None);
+    let acl = |tag: &str, n: usize| Acl {
+        readers: std::iter::once(Principal::Anyone)
+            .chain((1..n).map(|i| Principal::Tenant(format!("{tag}-{i:04}-{}", "r".repeat(400)))))
+            .collect(),
+        writers: Vec::new(),
+    };
+    let create = |id, name: &str, acl| {
+        let request = SharedRequest::Create {
+            name: name.into(),
+            size: Bytes::mib(2),
+            acl,
+        };
+        ask(&wide, id, Request::Shared(request))
+    };
+    let e = error_of(create(2, "too-wide", acl("x", MAX_ACL_ENTRIES + 1)));
+    assert_eq!(e.reason.as_deref(), Some("too_many"), "{e:?}");
+    for (i, name) in ["wide-a", "wide-b", "wide-c"].into_iter().enumerate() {
+        let made = create(3 + i as u64, name, acl(name, MAX_ACL_ENTRIES));
+        assert!(
+            matches!(made, Reply::Shared(SharedReply::Buffer(_))),
+            "{made:?}"
+        );
+    }
+
+    let lister = raw_tenant(&d.socket, "lister", None);
+    let (_, _memory) = granted(&lister, 2, Bytes::mib(8));
+    let e = error_of(ask(&lister, 3, Request::Shared(SharedRequest::List)));
+    assert_eq!(e.reason.as_deref(), Some("reply_too_large"), "{e:?}");
+    let (_, _more) = granted(&lister, 4, Bytes::mib(2));
+    assert_eq!(d.held_by("lister"), Bytes::mib(10));
+}

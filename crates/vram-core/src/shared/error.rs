@@ -68,6 +68,13 @@ pub enum SharedError {
     NotPinned { buffer: String, version: Version },
     #[error("shared buffer `{buffer}`: version {version} is not held (freed, or never published)")]
     NoSuchVersion { buffer: String, version: Version },
+    #[error("shared buffer `{buffer}`: {what} ({asked}); at most {max}")]
+    TooMany {
+        buffer: String,
+        what: &'static str,
+        asked: usize,
+        max: usize,
+    },
     #[error("shared buffer `{buffer}`: {source}")]
     Memory {
         buffer: String,
@@ -96,6 +103,7 @@ impl SharedError {
             SharedError::NothingPublished(_) => "nothing_published",
             SharedError::NotPinned { .. } => "not_pinned",
             SharedError::NoSuchVersion { .. } => "no_such_version",
+            SharedError::TooMany { .. } => "too_many",
             SharedError::Memory { source, .. } => source.reason(),
         }
     }

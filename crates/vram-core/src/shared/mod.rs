@@ -209,6 +209,11 @@ impl Buffer {
     }
 }
 
+/// The most principals (readers and writers together) one buffer's access list may name.
+pub const MAX_ACL_ENTRIES: usize = 256;
+/// The most buffers one tenant may own on a device at a time (deleted ones still pinned count).
+pub const MAX_BUFFERS_PER_TENANT: usize = 1024;
+
 /// Every shared buffer of one device. See the module docs for the invariants.
 #[derive(Debug, Default)]
 pub struct SharedBuffers {
@@ -251,6 +256,26 @@ impl SharedBuffers {
             return Err(SharedError::NameInUse {
                 name: spec.name,
                 owner: self.buffers[other].owner_name.clone(),
+            });
+        }
+        // A buffer costs the daemon memory of its own before any version does: bounded, so that
+        // one tenant cannot grow the daemon's heap without end.
+        let entries = spec.acl.readers.len() + spec.acl.writers.len();
+        if entries > MAX_ACL_ENTRIES {
+            return Err(SharedError::TooMany {
+                buffer: spec.name,
+                what: "entries in its access list",
+                asked: entries,
+                max: MAX_ACL_ENTRIES,
+            });
+        }
+        let owned = self.buffers.values().filter(|b| b.owner == owner).count();
+        if owned >= MAX_BUFFERS_PER_TENANT {
+            return Err(SharedError::TooMany {
+                buffer: spec.name,
+                what: "buffers its owner has, with this one",
+                asked: owned + 1,
+                max: MAX_BUFFERS_PER_TENANT,
             });
         }
         self.next_id += 1;

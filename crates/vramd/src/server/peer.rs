@@ -45,6 +45,30 @@ pub enum Offer {
 }
 
 impl Peer {
+    /// Sends `reply` to request `id`. A reply that cannot be sent as one message (larger than a
+    /// frame, or not encodable) is answered with an error that says so, and the connection
+    /// stays: the request was fine, the answer too large. An error means the connection is done
+    /// (closed, or its peer did not read in time).
+    pub fn reply(
+        &self,
+        id: u64,
+        reply: &vram_proto::Reply,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<(), ProtoError> {
+        match self.conn.send(id, reply, fds) {
+            Err(e @ (ProtoError::Oversized { .. } | ProtoError::Decode(_))) => {
+                tracing::warn!(pid = self.pid, "cannot send a reply: {e}");
+                let e = vram_proto::Reply::Error(vram_proto::ErrorReply {
+                    code: vram_proto::ErrorCode::Refused,
+                    reason: Some("reply_too_large".into()),
+                    message: format!("the daemon could not send its reply: {e}"),
+                });
+                self.conn.send(id, &e, &[])
+            }
+            sent => sent,
+        }
+    }
+
     pub fn new(conn: Arc<Conn>, uid: u32, pid: u32, gids: Vec<u32>) -> Peer {
         Peer {
             conn,

@@ -217,7 +217,7 @@ impl Session {
     /// Sends a reply, waiting at most `[connections] send_timeout_ms` for the peer to take it;
     /// `false`: the connection is over (gone, or a peer that does not read, now disconnected).
     fn send(&self, id: u64, reply: &Reply, fds: &[std::os::fd::BorrowedFd<'_>]) -> bool {
-        match self.peer.conn.send(id, reply, fds) {
+        match self.peer.reply(id, reply, fds) {
             Ok(()) => {
                 self.peer.written();
                 true
@@ -231,16 +231,6 @@ impl Session {
                 );
                 self.peer.disconnect();
                 false
-            }
-            Err(e @ (ProtoError::Oversized { .. } | ProtoError::Decode(_))) => {
-                // A reply this daemon cannot send is its own fault: said, and the peer told.
-                tracing::error!(pid = self.pid, "cannot send a reply: {e}");
-                let e = Reply::Error(ErrorReply {
-                    code: ErrorCode::Device,
-                    reason: None,
-                    message: format!("the daemon could not send its reply: {e}"),
-                });
-                self.peer.conn.send(id, &e, &[]).is_ok()
             }
             Err(_) => false,
         }

@@ -321,7 +321,6 @@ fn answer(
     id: u64,
     request: SharedRequest,
 ) -> bool {
-    let conn = &peer.conn;
     let answered = match request {
         SharedRequest::WaitNewer {
             buffer,
@@ -342,9 +341,9 @@ fn answer(
     match answered {
         Ok((reply, fd)) => {
             let fds: Vec<_> = fd.iter().map(|m| m.as_fd()).collect();
-            conn.send(id, &reply, &fds).is_ok()
+            peer.reply(id, &reply, &fds).is_ok()
         }
-        Err(e) => conn.send(id, &Reply::Error(e), &[]).is_ok(),
+        Err(e) => peer.reply(id, &Reply::Error(e), &[]).is_ok(),
     }
 }
 
@@ -755,7 +754,7 @@ fn shared_error(e: &SharedError) -> ErrorReply {
         _ if e.is_conflict() => ErrorCode::Conflict,
         SharedError::NoSuchBuffer(_) | SharedError::NoSuchVersion { .. } => ErrorCode::NotFound,
         SharedError::Forbidden { .. } => ErrorCode::Forbidden,
-        SharedError::Memory { .. } => ErrorCode::Refused,
+        SharedError::Memory { .. } | SharedError::TooMany { .. } => ErrorCode::Refused,
         _ => ErrorCode::BadRequest,
     };
     ErrorReply {
