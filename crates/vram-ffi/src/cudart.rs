@@ -189,7 +189,7 @@ pub unsafe extern "C" fn cudaMallocAsync(
     if dev_ptr.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    let sid = StreamId(stream as u64);
+    let sid = vram_client::alloc::stream_of(stream as u64, false);
     match serve(Hook::CudaMallocAsync, "cudaMallocAsync", size, sid) {
         Served::Done(ptr) => {
             // SAFETY: the caller passes a pointer valid for one write (checked non-null).
@@ -261,7 +261,7 @@ pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) ->
         Hook::CudaFreeAsync,
         "cudaFreeAsync",
         ptr,
-        StreamId(stream as u64),
+        vram_client::alloc::stream_of(stream as u64, false),
     )
 }
 

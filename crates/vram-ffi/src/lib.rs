@@ -25,7 +25,7 @@ use vram_client::alloc::{
     MappedBacking, StreamEvents,
 };
 use vram_client::{Client, TenantOptions};
-use vram_core::alloc::{AllocConfig, StreamId};
+use vram_core::alloc::AllocConfig;
 use vram_core::Bytes;
 use vram_device::BackendKind;
 use vram_proto::DeviceDesc;
@@ -486,7 +486,7 @@ pub extern "C" fn vram_alloc(size: isize, device: c_int, stream: *mut c_void) ->
         check_device(t, device).map_err(|m| refused("other", m))?;
         let size = u64::try_from(size)
             .map_err(|_| refused("bad_size", format!("vramd: negative size {size}")))?;
-        let stream = StreamId(stream as u64);
+        let stream = vram_client::alloc::stream_of(stream as u64, false);
         let ptr = t
             .alloc
             .alloc(Bytes(size), stream)
@@ -505,7 +505,10 @@ pub extern "C" fn vram_free(ptr: *mut c_void, _size: isize, device: c_int, strea
         let t = tenant()?;
         check_device(t, device)?;
         t.alloc
-            .free(ptr as u64, StreamId(stream as u64))
+            .free(
+                ptr as u64,
+                vram_client::alloc::stream_of(stream as u64, false),
+            )
             .map(drop)
             .map_err(|e| format!("vramd: {e}"))
     })

@@ -110,6 +110,44 @@ impl Fences for Frozen {
     }
 }
 
+/// `CU_STREAM_PER_THREAD`: CUDA's one handle for every thread's own per-thread default stream.
+pub const CU_STREAM_PER_THREAD: u64 = 2;
+
+/// Set in the [`StreamId`] of a thread's per-thread default stream ([`per_thread_stream`]); no
+/// stream handle the driver gives has it (they are addresses or small constants).
+const PER_THREAD_TAG: u64 = 1 << 63;
+
+/// The calling thread's per-thread default stream as a stream of its own. CUDA names every
+/// thread's by one handle, but they are different streams: a block freed on thread A's must not
+/// go at once to thread B's, whose work is not ordered after A's.
+pub fn per_thread_stream() -> StreamId {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    thread_local! {
+        static MINE: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    StreamId(PER_THREAD_TAG | MINE.with(|m| *m))
+}
+
+/// The stream a program's stream handle names on the calling thread: its per-thread default
+/// stream for `CU_STREAM_PER_THREAD`, and for the null handle where the call is a per-thread one
+/// (`_ptsz`); the handle itself otherwise.
+pub fn stream_of(handle: u64, null_is_per_thread: bool) -> StreamId {
+    match handle {
+        CU_STREAM_PER_THREAD => per_thread_stream(),
+        0 if null_is_per_thread => per_thread_stream(),
+        h => StreamId(h),
+    }
+}
+
+/// The handle the driver knows `stream` by on the calling thread; `None` for another thread's
+/// per-thread default stream, which no handle names from here.
+fn cuda_handle(stream: StreamId) -> Option<u64> {
+    if stream.0 & PER_THREAD_TAG == 0 {
+        return Some(stream.0);
+    }
+    (per_thread_stream() == stream).then_some(CU_STREAM_PER_THREAD)
+}
+
 /// How a free is fenced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AtFree {
@@ -189,7 +227,9 @@ impl Fences for CudaEvents {
         if self.notices.some_underway() || self.is_capturing(stream) {
             return None;
         }
-        self.pool.record(stream.0).ok().map(Fence)
+        // Another thread's per-thread stream: recorded later, on its own thread.
+        let handle = cuda_handle(stream)?;
+        self.pool.record(handle).ok().map(Fence)
     }
 }
 
@@ -199,8 +239,11 @@ impl StreamEvents for CudaEvents {
             return false;
         }
         // A failed query counts as a capture: nothing is recorded, a freed block stays with its
-        // stream.
-        !matches!(self.pool.is_capturing(stream.0), Ok(false))
+        // stream. So does another thread's per-thread stream, which cannot be asked about here.
+        let Some(handle) = cuda_handle(stream) else {
+            return true;
+        };
+        !matches!(self.pool.is_capturing(handle), Ok(false))
     }
 
     fn none_capturing(&self) -> bool {

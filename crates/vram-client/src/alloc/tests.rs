@@ -394,3 +394,53 @@ fn the_caches_of_exited_threads_go_to_the_core_at_the_next_tick() {
     a.trim();
     assert_eq!(dev.used(), Bytes::ZERO);
 }
+
+/// Fences that never complete: the freeing stream's work is still running.
+struct Busy;
+
+impl Fences for Busy {
+    fn is_complete(&self, _: Fence) -> bool {
+        false
+    }
+
+    fn record(&self, _: StreamId) -> Option<Fence> {
+        Some(Fence(1))
+    }
+}
+
+impl StreamEvents for Busy {
+    fn is_capturing(&self, _: StreamId) -> bool {
+        false
+    }
+}
+
+#[test]
+fn each_threads_per_thread_stream_is_a_stream_of_its_own() {
+    let dev: Arc<dyn ByteAccess> = Arc::new(HostDevice::new(Bytes::gib(1), Bytes::mib(2)).unwrap());
+    let config = AllocConfig::default();
+    let backing =
+        MappedBacking::new(dev.clone(), config.va_bytes, LocalSource::new(dev.clone())).unwrap();
+    let a = CachingAllocator::new(config, backing, Box::new(Busy));
+    let on_a_thread = |f: &(dyn Fn() -> (u64, StreamId) + Sync)| {
+        std::thread::scope(|s| s.spawn(f).join().unwrap())
+    };
+    // Thread A frees on its per-thread stream (`cuMemFreeAsync_ptsz(p, 0)`), whose work on the
+    // block has not finished.
+    let (p, sa) = on_a_thread(&|| {
+        let s = stream_of(0, true);
+        assert_eq!(stream_of(CU_STREAM_PER_THREAD, false), s, "one stream, two spellings");
+        let p = a.alloc(Bytes::mib(4), s).unwrap();
+        a.free(p, s).unwrap();
+        (p, s)
+    });
+    // Thread B allocates on its own per-thread stream: not A's block.
+    let (q, sb) = on_a_thread(&|| {
+        let s = stream_of(0, true);
+        (a.alloc(Bytes::mib(4), s).unwrap(), s)
+    });
+    assert_ne!(sa, sb);
+    assert_ne!(p, q, "thread B got the block thread A's stream may still use");
+    assert_eq!(cuda_handle(sa), None, "another thread's per-thread stream has no handle here");
+    assert_eq!(stream_of(0, false), StreamId(0), "the null stream of a plain call is the legacy one");
+    assert_eq!(cuda_handle(stream_of(0, true)), Some(CU_STREAM_PER_THREAD));
+}

@@ -33,9 +33,6 @@ use crate::{current, guarded};
 /// alignment on current GPUs).
 const PITCH_ALIGN: usize = 512;
 
-/// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
-const PER_THREAD_STREAM: u64 = 2;
-
 /// What vramd did with an allocation request.
 enum Outcome {
     Done(CuDevicePtr),
@@ -88,12 +85,10 @@ fn name(hook: Hook) -> &'static str {
     }
 }
 
-/// The stream an asynchronous call means: stream 0 of a `_ptsz` call is the per-thread stream.
+/// The stream an asynchronous call means: stream 0 of a `_ptsz` call, and `CU_STREAM_PER_THREAD`
+/// in any call, is the calling thread's per-thread stream.
 fn stream_id(stream: CuStream, per_thread: bool) -> StreamId {
-    match (stream as u64, per_thread) {
-        (0, true) => StreamId(PER_THREAD_STREAM),
-        (s, _) => StreamId(s),
-    }
+    vram_client::alloc::stream_of(stream as u64, per_thread)
 }
 
 /// See the module documentation.
