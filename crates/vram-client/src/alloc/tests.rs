@@ -428,7 +428,11 @@ fn each_threads_per_thread_stream_is_a_stream_of_its_own() {
     // block has not finished.
     let (p, sa) = on_a_thread(&|| {
         let s = stream_of(0, true);
-        assert_eq!(stream_of(CU_STREAM_PER_THREAD, false), s, "one stream, two spellings");
+        assert_eq!(
+            stream_of(CU_STREAM_PER_THREAD, false),
+            s,
+            "one stream, two spellings"
+        );
         let p = a.alloc(Bytes::mib(4), s).unwrap();
         a.free(p, s).unwrap();
         (p, s)
@@ -439,8 +443,19 @@ fn each_threads_per_thread_stream_is_a_stream_of_its_own() {
         (a.alloc(Bytes::mib(4), s).unwrap(), s)
     });
     assert_ne!(sa, sb);
-    assert_ne!(p, q, "thread B got the block thread A's stream may still use");
-    assert_eq!(cuda_handle(sa), None, "another thread's per-thread stream has no handle here");
-    assert_eq!(stream_of(0, false), StreamId(0), "the null stream of a plain call is the legacy one");
+    assert_ne!(
+        p, q,
+        "thread B got the block thread A's stream may still use"
+    );
+    assert_eq!(
+        cuda_handle(sa),
+        None,
+        "another thread's per-thread stream has no handle here"
+    );
+    assert_eq!(
+        stream_of(0, false),
+        StreamId(0),
+        "the null stream of a plain call is the legacy one"
+    );
     assert_eq!(cuda_handle(stream_of(0, true)), Some(CU_STREAM_PER_THREAD));
 }

@@ -88,6 +88,7 @@ pub(crate) fn hook_for(name: &[u8]) -> Option<*mut c_void> {
         b"cuMemCreate" => vmm::cuMemCreate as *mut c_void,
         b"cuMemRelease" => vmm::cuMemRelease as *mut c_void,
         b"cuMemRetainAllocationHandle" => vmm::cuMemRetainAllocationHandle as *mut c_void,
+        b"cuMemExportToShareableHandle" => vmm::cuMemExportToShareableHandle as *mut c_void,
         b"cuMemMap" => vmm::cuMemMap as *mut c_void,
         b"cuMemUnmap" => vmm::cuMemUnmap as *mut c_void,
         b"cuMemAllocManaged" => charged::cuMemAllocManaged as *mut c_void,

@@ -51,6 +51,7 @@ fn hook_by_name(name: &[u8], version: c_int, flags: u64) -> Option<*mut c_void> 
         b"cuMemCreate" => vmm::cuMemCreate as _,
         b"cuMemRelease" => vmm::cuMemRelease as _,
         b"cuMemRetainAllocationHandle" => vmm::cuMemRetainAllocationHandle as _,
+        b"cuMemExportToShareableHandle" => vmm::cuMemExportToShareableHandle as _,
         b"cuMemMap" => vmm::cuMemMap as _,
         b"cuMemUnmap" => vmm::cuMemUnmap as _,
         b"cuMemAllocManaged" => charged::cuMemAllocManaged as _,

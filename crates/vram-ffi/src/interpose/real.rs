@@ -23,6 +23,8 @@ pub(crate) type MemCreate =
     unsafe extern "C" fn(*mut u64, usize, *const super::vmm::AllocationProp, u64) -> CuResult;
 pub(crate) type MemRelease = unsafe extern "C" fn(u64) -> CuResult;
 pub(crate) type MemRetainAllocationHandle = unsafe extern "C" fn(*mut u64, *mut c_void) -> CuResult;
+pub(crate) type MemExportToShareableHandle =
+    unsafe extern "C" fn(*mut c_void, u64, c_uint, u64) -> CuResult;
 pub(crate) type MemMap = unsafe extern "C" fn(CuDevicePtr, usize, usize, u64, u64) -> CuResult;
 pub(crate) type MemUnmap = unsafe extern "C" fn(CuDevicePtr, usize) -> CuResult;
 pub(crate) type MemAllocManaged = unsafe extern "C" fn(*mut CuDevicePtr, usize, c_uint) -> CuResult;
@@ -50,6 +52,7 @@ pub(crate) struct Driver {
     pub mem_create: Option<MemCreate>,
     pub mem_release: Option<MemRelease>,
     pub mem_retain_allocation_handle: Option<MemRetainAllocationHandle>,
+    pub mem_export_to_shareable_handle: Option<MemExportToShareableHandle>,
     pub mem_map: Option<MemMap>,
     pub mem_unmap: Option<MemUnmap>,
     pub mem_alloc_managed: Option<MemAllocManaged>,
@@ -109,6 +112,7 @@ pub(crate) fn driver() -> &'static Driver {
                 mem_create: function(lib, c"cuMemCreate"),
                 mem_release: function(lib, c"cuMemRelease"),
                 mem_retain_allocation_handle: function(lib, c"cuMemRetainAllocationHandle"),
+                mem_export_to_shareable_handle: function(lib, c"cuMemExportToShareableHandle"),
                 mem_map: function(lib, c"cuMemMap"),
                 mem_unmap: function(lib, c"cuMemUnmap"),
                 mem_alloc_managed: function(lib, c"cuMemAllocManaged"),
@@ -141,6 +145,7 @@ const HOOKED: &[&CStr] = &[
     c"cuMemCreate",
     c"cuMemRelease",
     c"cuMemRetainAllocationHandle",
+    c"cuMemExportToShareableHandle",
     c"cuMemMap",
     c"cuMemUnmap",
     c"cuMemAllocManaged",

@@ -24,6 +24,7 @@ pub(crate) enum Hook {
     MemCreate,
     MemRelease,
     MemRetain,
+    MemExport,
     MemMap,
     MemUnmap,
     MemAllocManaged,
@@ -33,7 +34,7 @@ pub(crate) enum Hook {
     NvmlMemoryInfoV2,
 }
 
-const HOOKS: [(Hook, &str); 20] = [
+const HOOKS: [(Hook, &str); 21] = [
     (Hook::CudaMalloc, "cudaMalloc"),
     (Hook::CudaFree, "cudaFree"),
     (Hook::CudaMallocAsync, "cudaMallocAsync"),
@@ -47,6 +48,7 @@ const HOOKS: [(Hook, &str); 20] = [
     (Hook::MemCreate, "cuMemCreate"),
     (Hook::MemRelease, "cuMemRelease"),
     (Hook::MemRetain, "cuMemRetainAllocationHandle"),
+    (Hook::MemExport, "cuMemExportToShareableHandle"),
     (Hook::MemMap, "cuMemMap"),
     (Hook::MemUnmap, "cuMemUnmap"),
     (Hook::MemAllocManaged, "cuMemAllocManaged"),

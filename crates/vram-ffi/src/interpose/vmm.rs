@@ -12,7 +12,9 @@
 //! shared handle) are passed to the driver untouched.
 //!
 //! A `cuMemCreate` whose memory lives elsewhere than on the tenant's GPU (the host, another
-//! device) is not charged.
+//! device) is not charged. A charged handle exported (`cuMemExportToShareableHandle`) may be
+//! imported by another process or again by this one, references these books cannot see: its
+//! charge stays until the tenant ends.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_uint, c_void};
@@ -45,12 +47,14 @@ pub struct AllocationProp {
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 const LOCATION_DEVICE: c_uint = 1;
 
-/// A charged allocation: its size, the references to its handle, its mappings.
+/// A charged allocation: its size, the references to its handle, its mappings, and whether it
+/// was exported (its memory may then outlive them all).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Charged {
     bytes: u64,
     refs: u32,
     maps: u32,
+    exported: bool,
 }
 
 impl Charged {
@@ -132,6 +136,7 @@ pub unsafe extern "C" fn cuMemCreate(
         bytes,
         refs: 1,
         maps: 0,
+        exported: false,
     };
     books().handles.insert(made, charged);
     stats::served(Hook::MemCreate);
@@ -170,7 +175,7 @@ pub unsafe extern "C" fn cuMemRelease(handle: u64) -> CuResult {
             books().handles.insert(handle, c);
         }
         Some(c) => {
-            if c.refs <= 1 && c.maps == 0 {
+            if c.refs <= 1 && c.maps == 0 && !c.exported {
                 uncharge(c.bytes);
             }
             stats::served(Hook::MemRelease);
@@ -204,6 +209,36 @@ pub unsafe extern "C" fn cuMemRetainAllocationHandle(
             stats::served(Hook::MemRetain);
         }
         None => stats::passed(Hook::MemRetain),
+    }
+    r
+}
+
+/// See the module documentation: a charged handle exported keeps its charge.
+///
+/// # Safety
+/// As for the driver's `cuMemExportToShareableHandle`: `shareable` is valid for a write of the
+/// handle type's size.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemExportToShareableHandle(
+    shareable: *mut c_void,
+    handle: u64,
+    handle_type: c_uint,
+    flags: u64,
+) -> CuResult {
+    let Some(export) = real::driver().mem_export_to_shareable_handle else {
+        return CUDA_ERROR_NOT_FOUND;
+    };
+    // SAFETY: the driver's own function with the caller's arguments.
+    let r = unsafe { export(shareable, handle, handle_type, flags) };
+    if r != CUDA_SUCCESS {
+        return r;
+    }
+    match books().handles.get_mut(&handle) {
+        Some(c) => {
+            c.exported = true;
+            stats::served(Hook::MemExport);
+        }
+        None => stats::passed(Hook::MemExport),
     }
     r
 }
@@ -271,7 +306,9 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CuDevicePtr, size: usize) -> CuResult {
             };
             if after.freed() {
                 b.handles.remove(&handle);
-                freed.push(c.bytes);
+                if !c.exported {
+                    freed.push(c.bytes);
+                }
             } else {
                 b.handles.insert(handle, after);
             }

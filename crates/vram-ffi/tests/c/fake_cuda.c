@@ -190,6 +190,16 @@ CUresult cuMemRetainAllocationHandle(unsigned long long *handle, void *addr) {
     return 1;
 }
 
+/* An export's descriptor: none is made, the call only succeeds. */
+CUresult cuMemExportToShareableHandle(void *shareable, unsigned long long handle, int type,
+                                      unsigned long long flags) {
+    (void)handle;
+    (void)type;
+    (void)flags;
+    *(int *)shareable = -1;
+    return 0;
+}
+
 /* The whole stand-in "GPU": 80 GiB, 70 GiB of it free. */
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     count(C_MEM_GET_INFO);
@@ -232,6 +242,7 @@ static const struct entry TABLE[] = {
     {"cuMemMap", 10020, 0, (void *)cuMemMap},
     {"cuMemUnmap", 10020, 0, (void *)cuMemUnmap},
     {"cuMemRetainAllocationHandle", 11000, 0, (void *)cuMemRetainAllocationHandle},
+    {"cuMemExportToShareableHandle", 10020, 0, (void *)cuMemExportToShareableHandle},
     {"cuMemAllocAsync", 11020, 0, (void *)cuMemAllocAsync},
     {"cuMemAllocAsync", 11020, 1, (void *)cuMemAllocAsync_ptsz},
     {"cuMemFreeAsync", 11020, 0, (void *)cuMemFreeAsync},
