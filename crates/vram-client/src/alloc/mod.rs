@@ -139,10 +139,15 @@ pub fn stream_of(handle: u64, null_is_per_thread: bool) -> StreamId {
     }
 }
 
+/// Whether `stream` is a thread's per-thread default stream ([`per_thread_stream`]).
+fn is_per_thread(stream: StreamId) -> bool {
+    stream.0 & PER_THREAD_TAG != 0
+}
+
 /// The handle the driver knows `stream` by on the calling thread; `None` for another thread's
 /// per-thread default stream, which no handle names from here.
 fn cuda_handle(stream: StreamId) -> Option<u64> {
-    if stream.0 & PER_THREAD_TAG == 0 {
+    if !is_per_thread(stream) {
         return Some(stream.0);
     }
     (per_thread_stream() == stream).then_some(CU_STREAM_PER_THREAD)
@@ -157,6 +162,9 @@ pub enum AtFree {
     Deferred,
     /// Never: the stream is being captured into a graph whose replays may use the block.
     Never,
+    /// Now: a fence recorded on the stream at the free (a per-thread default stream, whose
+    /// fences only its own thread can record; later, from another thread, none could be).
+    Now,
 }
 
 /// Host backend: there is no asynchronous device work, so a free is complete when it returns.
@@ -248,6 +256,16 @@ impl StreamEvents for CudaEvents {
 
     fn none_capturing(&self) -> bool {
         self.notices.none_underway()
+    }
+
+    fn at_free(&self, stream: StreamId) -> AtFree {
+        if self.is_capturing(stream) {
+            AtFree::Never
+        } else if is_per_thread(stream) {
+            AtFree::Now
+        } else {
+            AtFree::Deferred
+        }
     }
 }
 
@@ -429,6 +447,7 @@ impl<S: HandleSource> CachingAllocator<S> {
         // use it, so it must reach the core fenced as its stream is now.
         if len <= CACHE_LIMIT
             && self.events.none_capturing()
+            && !is_per_thread(stream)
             && self.caches.push(self.id, offset, len, stream)
         {
             return Ok(Bytes(len));
@@ -447,6 +466,10 @@ impl<S: HandleSource> CachingAllocator<S> {
             AtFree::Done => core.free(offset, stream, Fence(0), events),
             AtFree::Deferred => core.free_deferred(offset, stream, events),
             AtFree::Never => core.free(offset, stream, Fence::NEVER, events),
+            AtFree::Now => match events.record(stream) {
+                Some(fence) => core.free(offset, stream, fence, events),
+                None => core.free_deferred(offset, stream, events),
+            },
         };
         debug_assert!(r.is_ok(), "live table and core disagree: {r:?}");
     }
