@@ -58,9 +58,17 @@ impl Peer {
         match self.conn.send(id, reply, fds) {
             Err(e @ (ProtoError::Oversized { .. } | ProtoError::Decode(_))) => {
                 tracing::warn!(pid = self.pid, "cannot send a reply: {e}");
+                let (code, reason) = match e {
+                    ProtoError::Oversized { .. } => (
+                        vram_proto::ErrorCode::Refused,
+                        Some("reply_too_large".into()),
+                    ),
+                    // Not encodable: the daemon's own fault.
+                    _ => (vram_proto::ErrorCode::Device, None),
+                };
                 let e = vram_proto::Reply::Error(vram_proto::ErrorReply {
-                    code: vram_proto::ErrorCode::Refused,
-                    reason: Some("reply_too_large".into()),
+                    code,
+                    reason,
                     message: format!("the daemon could not send its reply: {e}"),
                 });
                 self.conn.send(id, &e, &[])

@@ -49,10 +49,10 @@ struct State {
     kept_warnings: crate::logging::Every,
 }
 
-/// A handle given back that some process still reaches (see [`Device::reached_elsewhere`]).
 /// A grant's handle, with its id.
 type Granted = (GrantId, Handle);
 
+/// A handle given back that some process still reaches (see [`Device::reached_elsewhere`]).
 struct Kept {
     name: String,
     uid: u32,
