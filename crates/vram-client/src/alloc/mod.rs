@@ -31,9 +31,9 @@ pub trait StreamEvents: Fences + Send + Sync {
     /// another stream would invalidate the capture.
     fn is_capturing(&self, stream: StreamId) -> bool;
 
-    /// Whether no stream can be under capture, known without asking the driver. Only then may a
-    /// free wait in a thread cache: its fencing is decided when the block reaches the core, and
-    /// it must be the fencing of the moment it was freed.
+    /// Whether no stream can be under capture, known without asking the driver. A free waits in
+    /// a thread cache only when this holds or its stream is not under capture: its fencing is
+    /// decided when the block reaches the core, and must be that of the moment it was freed.
     fn none_capturing(&self) -> bool {
         false
     }
@@ -443,11 +443,12 @@ impl<S: HandleSource> CachingAllocator<S> {
             return Err(FreeError::Unknown(ptr));
         }
         let len = self.live.mark_cached(offset, ptr)?;
-        // A block freed while a capture may be underway skips the cache: the graph's replays may
-        // use it, so it must reach the core fenced as its stream is now.
+        // A block freed while its stream is captured skips the cache: the graph's replays may
+        // use it, so it must reach the core fenced as its stream is now. (Where captures are
+        // not announced, that costs a driver query per free.)
         if len <= CACHE_LIMIT
-            && self.events.none_capturing()
             && !is_per_thread(stream)
+            && (self.events.none_capturing() || !self.events.is_capturing(stream))
             && self.caches.push(self.id, offset, len, stream)
         {
             return Ok(Bytes(len));
