@@ -6,14 +6,19 @@ use vram_device::{ByteAccess, HostDevice};
 use super::*;
 
 fn host_allocator(capacity: Bytes) -> (Arc<dyn ByteAccess>, CachingAllocator<LocalSource>) {
+    allocator_with(capacity, Box::new(HostEvents))
+}
+
+/// An allocator on a host device of `capacity`, its fences from `events`.
+fn allocator_with(
+    capacity: Bytes,
+    events: Box<dyn StreamEvents>,
+) -> (Arc<dyn ByteAccess>, CachingAllocator<LocalSource>) {
     let dev: Arc<dyn ByteAccess> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
     let config = AllocConfig::default();
     let backing =
         MappedBacking::new(dev.clone(), config.va_bytes, LocalSource::new(dev.clone())).unwrap();
-    (
-        dev,
-        CachingAllocator::new(config, backing, Box::new(HostEvents)),
-    )
+    (dev, CachingAllocator::new(config, backing, events))
 }
 
 fn write(dev: &dyn ByteAccess, a: &CachingAllocator<LocalSource>, ptr: u64, data: &[u8]) {
@@ -315,12 +320,8 @@ impl StreamEvents for Captures {
 }
 
 fn capturing_allocator() -> (Arc<dyn ByteAccess>, Captures, CachingAllocator<LocalSource>) {
-    let dev: Arc<dyn ByteAccess> = Arc::new(HostDevice::new(Bytes::gib(1), Bytes::mib(2)).unwrap());
-    let config = AllocConfig::default();
-    let backing =
-        MappedBacking::new(dev.clone(), config.va_bytes, LocalSource::new(dev.clone())).unwrap();
     let captures = Captures::default();
-    let a = CachingAllocator::new(config, backing, Box::new(captures.clone()));
+    let (dev, a) = allocator_with(Bytes::gib(1), Box::new(captures.clone()));
     (dev, captures, a)
 }
 
@@ -416,11 +417,7 @@ impl StreamEvents for Busy {
 
 #[test]
 fn each_threads_per_thread_stream_is_a_stream_of_its_own() {
-    let dev: Arc<dyn ByteAccess> = Arc::new(HostDevice::new(Bytes::gib(1), Bytes::mib(2)).unwrap());
-    let config = AllocConfig::default();
-    let backing =
-        MappedBacking::new(dev.clone(), config.va_bytes, LocalSource::new(dev.clone())).unwrap();
-    let a = CachingAllocator::new(config, backing, Box::new(Busy));
+    let (_, a) = allocator_with(Bytes::gib(1), Box::new(Busy));
     let on_a_thread = |f: &(dyn Fn() -> (u64, StreamId) + Sync)| {
         std::thread::scope(|s| s.spawn(f).join().unwrap())
     };
