@@ -251,15 +251,14 @@ impl Pool {
         None
     }
 
-    /// Drops what `tenant` left to recycle (it is gone).
-    pub fn forget(&self, tenant: u64) {
-        let bin = {
-            let mut s = self.lock();
-            let bin = s.recycled.remove(&tenant).unwrap_or_default();
-            s.pooled -= bin.iter().map(|r| r.handle.size()).sum();
-            bin
-        };
-        drop(bin);
+    /// Takes out what `tenant` left to recycle (it is gone), for the caller to drop: the caller
+    /// may hold its own lock, and releasing memory is a driver call.
+    #[must_use = "the handles are released when dropped"]
+    pub fn forget(&self, tenant: u64) -> Vec<Ready> {
+        let mut s = self.lock();
+        let bin = s.recycled.remove(&tenant).unwrap_or_default();
+        s.pooled -= bin.iter().map(|r| r.handle.size()).sum();
+        bin
     }
 
     fn take_recycled(&self, tenant: u64, size: Bytes) -> Option<Ready> {
@@ -461,13 +460,14 @@ mod tests {
             pool.pooled()
         );
         // Nobody asks again: the target halves each idle period and what is ready beyond it goes
-        // back to the device, while the tenant keeps what it took.
+        // back to the device, while the tenant keeps what it took. (The pool's count drops
+        // before the memory is released, outside its lock: wait for both.)
         assert!(
-            wait_for(&|| pool.pooled() == Bytes::ZERO),
-            "{}",
-            pool.pooled()
+            wait_for(&|| pool.pooled() == Bytes::ZERO && dev.used() == Bytes::mib(12)),
+            "pooled {}, device {}",
+            pool.pooled(),
+            dev.used()
         );
-        assert_eq!(dev.used(), Bytes::mib(12));
         drop(taken);
         pool.stop();
         t.join().unwrap();

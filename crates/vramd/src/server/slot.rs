@@ -564,7 +564,7 @@ impl Slot {
         let (handles, reached) = self.split_reached(handles, EXIT_PATIENCE);
         // The memory first, the books after (see `give_back`).
         drop(handles);
-        self.pool.forget(tenant.0);
+        drop(self.pool.forget(tenant.0));
         let mut s = self.lock();
         let st = &mut *s;
         st.keep(tenant, reached);
@@ -1011,11 +1011,28 @@ impl Slot {
         // (or pooled, which gives way), never still on its way back. Each handle is kept for
         // this tenant's own next grants, or released; never given to anyone else, so an import
         // it kept reaches nobody else's data.
-        for (_, handle) in handles {
-            if let Ok(fd) = self.device.export(&handle) {
-                drop(self.pool.recycle(tenant.0, Ready { handle, fd }, room));
+        let exported: Vec<Ready> = handles
+            .into_iter()
+            .filter_map(|(_, handle)| {
+                Some(Ready {
+                    fd: self.device.export(&handle).ok()?,
+                    handle,
+                })
+            })
+            .collect();
+        // Kept only while the tenant is connected, checked under the lock its disconnect forgets
+        // its recycled handles under: kept for a tenant gone, they would wait for nobody.
+        let unkept: Vec<Ready> = {
+            let s = self.lock();
+            match s.broker.tenant(tenant) {
+                Some(_) => exported
+                    .into_iter()
+                    .filter_map(|r| self.pool.recycle(tenant.0, r, room))
+                    .collect(),
+                None => exported,
             }
-        }
+        };
+        drop(unkept);
         let mut s = self.lock();
         s.broker.release(tenant, bytes);
         let held = s.broker.tenant(tenant).map_or(Bytes::ZERO, |t| t.held);
@@ -1044,16 +1061,19 @@ impl Slot {
         let (handles, reached) = self.split_reached(handles, EXIT_PATIENCE);
         // The memory first, the books after (see `give_back`).
         drop(handles);
-        self.pool.forget(tenant.0);
         let mut s = self.lock();
         let st = &mut *s;
         // Counted under its name and uid once the broker lets the tenant go.
         st.keep(tenant, reached);
         let shared = st.shared.disconnect(&mut st.broker, tenant);
         let state = st.broker.disconnect(tenant);
+        // Under the lock with the broker's disconnect, so that a return racing this one either
+        // recycled before (and is forgotten here) or finds the tenant gone (see `give_back`).
+        let recycled = self.pool.forget(tenant.0);
         self.pool.set_room(s.broker.free());
         // The versions' memory goes outside the lock, before the grants waiting for it wake.
         self.unlock_then_wake(s, || {
+            drop(recycled);
             drop(shared);
             self.book_let_go();
         });

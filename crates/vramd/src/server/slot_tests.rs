@@ -142,3 +142,122 @@ fn a_kept_grant_claimed_on_reconnect_is_booked_once() {
     let (returned, held) = slot.give_back(t, &[g]).unwrap();
     assert_eq!((returned, held), (Bytes::mib(8), Bytes::ZERO));
 }
+
+/// A host device that runs a hook (once, when armed) at an export, as another connection's
+/// request would run between the steps of a return.
+struct OnExport {
+    inner: HostDevice,
+    hook: std::sync::Mutex<Option<ExportHook>>,
+}
+
+type ExportHook = Box<dyn FnOnce() + Send>;
+
+impl std::fmt::Debug for OnExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl Device for OnExport {
+    fn info(&self) -> &vram_device::DeviceInfo {
+        self.inner.info()
+    }
+    fn used(&self) -> Bytes {
+        self.inner.used()
+    }
+    fn create(&self, size: Bytes) -> vram_device::Result<vram_device::Handle> {
+        self.inner.create(size)
+    }
+    fn export(&self, handle: &vram_device::Handle) -> vram_device::Result<std::os::fd::OwnedFd> {
+        let hook = self.hook.lock().unwrap().take();
+        if let Some(f) = hook {
+            f();
+        }
+        self.inner.export(handle)
+    }
+    fn reached_elsewhere(&self, handle: &vram_device::Handle) -> Option<bool> {
+        self.inner.reached_elsewhere(handle)
+    }
+    fn import(
+        &self,
+        fd: std::os::fd::OwnedFd,
+        size: Bytes,
+    ) -> vram_device::Result<vram_device::Handle> {
+        self.inner.import(fd, size)
+    }
+    fn reserve(&self, size: Bytes) -> vram_device::Result<vram_device::Reservation> {
+        self.inner.reserve(size)
+    }
+    fn map(
+        &self,
+        res: &vram_device::Reservation,
+        offset: Bytes,
+        handle: &vram_device::Handle,
+        access: vram_device::Access,
+    ) -> vram_device::Result<()> {
+        self.inner.map(res, offset, handle, access)
+    }
+    fn set_access(
+        &self,
+        res: &vram_device::Reservation,
+        offset: Bytes,
+        len: Bytes,
+        access: vram_device::Access,
+    ) -> vram_device::Result<()> {
+        self.inner.set_access(res, offset, len, access)
+    }
+    fn unmap(
+        &self,
+        res: &vram_device::Reservation,
+        offset: Bytes,
+        len: Bytes,
+    ) -> vram_device::Result<()> {
+        self.inner.unmap(res, offset, len)
+    }
+}
+
+/// A tenant's return that its own disconnect (another connection of the same tenant) overtakes
+/// keeps nothing in the pool for it: the memory is released, not left waiting for a tenant that
+/// is gone.
+#[test]
+fn a_return_overtaken_by_its_tenants_disconnect_keeps_nothing_for_it() {
+    let capacity = Bytes::mib(64);
+    let dev = Arc::new(OnExport {
+        inner: HostDevice::new(capacity, Bytes::mib(2)).unwrap(),
+        hook: std::sync::Mutex::new(None),
+    });
+    let pool = Pool::new(
+        dev.clone(),
+        PoolConfig {
+            max: Bytes::mib(32),
+            sizes: vec![Bytes::mib(2)],
+            initial: 0,
+        },
+    );
+    let slot = Arc::new(
+        Slot::new(
+            0,
+            dev.clone(),
+            Policy::with_capacity(capacity),
+            pool.clone(),
+        )
+        .unwrap(),
+    );
+    let never = OnAsk(Cell::new(None));
+    let t = connect(&slot, "job", 1);
+    let grants: Vec<GrantId> = slot
+        .grant_many(t, 1, &[Bytes::mib(8)], Duration::from_secs(1), &never)
+        .unwrap()
+        .into_iter()
+        .map(|(g, _, _)| g)
+        .collect();
+    let other = slot.clone();
+    *dev.hook.lock().unwrap() = Some(Box::new(move || {
+        other.disconnect(t).unwrap();
+    }));
+    // The return's handles are exported for recycling: the disconnect runs there.
+    slot.give_back(t, &grants).unwrap();
+    assert!(dev.hook.lock().unwrap().is_none(), "the disconnect ran");
+    assert_eq!(pool.pooled(), Bytes::ZERO);
+    assert_eq!(dev.used(), Bytes::ZERO);
+}
