@@ -232,12 +232,104 @@ fn an_import_kept_after_its_return_is_not_lent_to_anyone() {
     d.stop();
 }
 
+/// A program of the driver API (through ctypes, as XLA and CuPy reach it) under `vramd run`:
+/// 8 MiB allocated with `cuMemAllocAsync` on a stream of device 0's primary context, with that
+/// context current, with no context current, and (where there are two GPUs) on a stream of
+/// device 1 with device 0's context current. Prints what libvram.so's hooks did with each.
+const STREAM_DEVICE_PROGRAM: &str = r#"
+import ctypes, json
+cu = ctypes.CDLL("libcuda.so.1")
+def ok(what, r):
+    if r:
+        raise SystemExit(f"{what}: CUresult {r}")
+for f in ("cuCtxSetCurrent", "cuStreamSynchronize"):
+    getattr(cu, f).argtypes = [ctypes.c_void_p]
+cu.cuMemAllocAsync.argtypes = [ctypes.POINTER(ctypes.c_ulonglong), ctypes.c_size_t, ctypes.c_void_p]
+cu.cuMemFreeAsync.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p]
+lib = ctypes.CDLL(None)
+lib.vram_interposer_stats_json.restype = ctypes.c_void_p
+lib.vram_string_free.argtypes = [ctypes.c_void_p]
+def hook():
+    p = lib.vram_interposer_stats_json()
+    h = json.loads(ctypes.string_at(p))["hooks"]["cuMemAllocAsync"]
+    lib.vram_string_free(p)
+    return h["served"], h["passed"]
+def primary(i):
+    d, c = ctypes.c_int(), ctypes.c_void_p()
+    ok("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(d), i))
+    ok("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), d))
+    return c
+def stream_in(ctx):
+    ok("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))
+    s = ctypes.c_void_p()
+    ok("cuStreamCreate", cu.cuStreamCreate(ctypes.byref(s), 1))
+    return s
+def alloc(stream, current, home):
+    ok("cuCtxSetCurrent", cu.cuCtxSetCurrent(current))
+    before = hook()
+    p = ctypes.c_ulonglong()
+    ok("cuMemAllocAsync", cu.cuMemAllocAsync(ctypes.byref(p), 8 << 20, stream))
+    after = hook()
+    ok("cuCtxSetCurrent", cu.cuCtxSetCurrent(home))
+    ok("cuMemFreeAsync", cu.cuMemFreeAsync(p, stream))
+    ok("cuStreamSynchronize", cu.cuStreamSynchronize(stream))
+    return {"served": after[0] - before[0], "passed": after[1] - before[1]}
+ok("cuInit", cu.cuInit(0))
+n = ctypes.c_int()
+ok("cuDeviceGetCount", cu.cuDeviceGetCount(ctypes.byref(n)))
+c0 = primary(0)
+s0 = stream_in(c0)
+out = {"devices": n.value, "current": alloc(s0, c0, c0), "no_current": alloc(s0, None, c0)}
+if n.value > 1:
+    c1 = primary(1)
+    s1 = stream_in(c1)
+    out["other_gpu_stream"] = alloc(s1, c0, c1)
+print(json.dumps(out), flush=True)
+"#;
+
+/// A stream-ordered allocation is made on its stream's GPU, whichever context the calling
+/// thread has current (none, on a thread that never chose a device): on the tenant's GPU vramd
+/// serves it, on another GPU's stream the driver does.
+fn a_stream_ordered_allocation_goes_where_its_stream_is() {
+    let Some(_dev) = gpu() else { return };
+    let d = Daemon::start_on("cuda", CONFIG);
+    let lib = common::library().expect("libvram.so");
+    let out = std::process::Command::new(common::VRAMD)
+        .arg("run")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["--tenant", "streams", "--limit", "1GiB", "--gpu", "0", "--"])
+        .args(["python3", "-c", STREAM_DEVICE_PROGRAM])
+        .env("VRAMD_LIB", &lib)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let got: serde_json::Value = serde_json::from_str(stdout.trim()).expect(&stdout);
+    println!("MEASURED stream-ordered allocations by stream: {got}");
+    let served = serde_json::json!({"served": 1, "passed": 0});
+    assert_eq!(got["current"], served, "{got}\n{stderr}");
+    assert_eq!(got["no_current"], served, "{got}\n{stderr}");
+    if got["devices"].as_u64() > Some(1) {
+        assert_eq!(
+            got["other_gpu_stream"],
+            serde_json::json!({"served": 0, "passed": 1})
+        );
+    } else {
+        println!("(one GPU: a stream of another GPU was not tried)");
+    }
+    d.stop();
+}
+
 vram_testing::gpu_main! {
     tests: [
         a_killed_tenants_10_gb_is_free_within_a_second,
         no_bytes_cross_from_one_tenant_to_the_next,
         tenants_share_nothing_but_see_their_own_writes,
         each_gpu_has_its_own_books,
+        a_stream_ordered_allocation_goes_where_its_stream_is,
         an_import_kept_after_its_return_is_not_lent_to_anyone,
     ],
 }

@@ -6,9 +6,13 @@
 //! reuses a block freed on stream S at once on S and on other streams only after a fence
 //! recorded on S, which is what stream-ordered allocation promises. The `_ptsz` forms (what a
 //! program built for per-thread default streams calls) treat stream 0 as the calling thread's
-//! default stream, `CU_STREAM_PER_THREAD`, as the driver does. `cuMemAllocFromPoolAsync` is
-//! served from the tenant's memory whatever pool it names: a pool's own settings (release
-//! threshold, IPC export) do not apply to vramd's memory.
+//! default stream, `CU_STREAM_PER_THREAD`, as the driver does.
+//!
+//! A stream-ordered allocation is vramd's when its stream is on the tenant's GPU
+//! ([`super::stream_gpu`]), whatever context the calling thread has current; a synchronous one
+//! when the current context is. `cuMemAllocFromPoolAsync` is served from the tenant's memory
+//! whatever pool it names: a pool's own settings (release threshold, IPC export, a location on
+//! the host) do not apply to vramd's memory.
 //!
 //! `cuMemFree_v2` of vramd's memory synchronises the context first, as the driver's does
 //! (callers rely on it); a pointer vramd did not hand out goes to the driver's own function, and
@@ -24,7 +28,7 @@ use vram_core::Bytes;
 use super::real::{self, MemAllocAsync, MemAllocFromPoolAsync, MemFreeAsync};
 use super::stats::{self, Hook};
 use super::{
-    charged, current_gpu, tenant_or_log, CuDevicePtr, CuResult, CuStream, Gpu,
+    charged, stream_gpu, tenant_or_log, CuDevicePtr, CuResult, CuStream, Gpu,
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
 use crate::{current, guarded};
@@ -32,6 +36,9 @@ use crate::{current, guarded};
 /// Rows of `cuMemAllocPitch` start this many bytes apart at least (the driver's own pitch
 /// alignment on current GPUs).
 const PITCH_ALIGN: usize = 512;
+
+/// The stream of the synchronous calls: they allocate on the current context's device.
+const NO_STREAM: CuStream = std::ptr::null_mut();
 
 /// What vramd did with an allocation request.
 enum Outcome {
@@ -41,11 +48,13 @@ enum Outcome {
     Refused,
 }
 
-/// Serves `size` bytes for `stream` from the tenant's allocator.
-fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Outcome {
+/// Serves `size` bytes for `stream` from the tenant's allocator, if the driver would make them
+/// on the tenant's GPU: the device of `on` (the caller's stream; null for the synchronous calls,
+/// which allocate on the current context's device).
+fn serve(hook: Hook, what: &str, size: usize, stream: StreamId, on: CuStream) -> Outcome {
     let outcome = guarded(Outcome::Refused, || {
         let t = tenant_or_log()?;
-        if current_gpu(t) != Gpu::Tenant {
+        if stream_gpu(t, on) != Gpu::Tenant {
             return Ok(Outcome::Pass);
         }
         let size = Bytes(size as u64);
@@ -100,7 +109,13 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CuDevicePtr, bytesize: usize) 
     if dptr.is_null() || bytesize == 0 {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    match serve(Hook::MemAlloc, "cuMemAlloc", bytesize, StreamId(0)) {
+    match serve(
+        Hook::MemAlloc,
+        "cuMemAlloc",
+        bytesize,
+        StreamId(0),
+        NO_STREAM,
+    ) {
         Outcome::Done(p) => {
             // SAFETY: the caller passes a pointer valid for one write (checked non-null).
             unsafe { *dptr = p };
@@ -140,7 +155,13 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
     else {
         return CUDA_ERROR_OUT_OF_MEMORY;
     };
-    match serve(Hook::MemAllocPitch, "cuMemAllocPitch", size, StreamId(0)) {
+    match serve(
+        Hook::MemAllocPitch,
+        "cuMemAllocPitch",
+        size,
+        StreamId(0),
+        NO_STREAM,
+    ) {
         Outcome::Done(p) => {
             // SAFETY: both out pointers are valid for one write (checked non-null).
             unsafe {
@@ -205,7 +226,13 @@ unsafe fn alloc_async(
         return CUDA_ERROR_INVALID_VALUE;
     }
     let sid = stream_id(stream, per_thread);
-    match serve(Hook::MemAllocAsync, "cuMemAllocAsync", bytesize, sid) {
+    match serve(
+        Hook::MemAllocAsync,
+        "cuMemAllocAsync",
+        bytesize,
+        sid,
+        stream,
+    ) {
         Outcome::Done(p) => {
             // SAFETY: valid for one write (checked non-null).
             unsafe { *dptr = p };
@@ -259,6 +286,7 @@ unsafe fn alloc_from_pool_async(
         "cuMemAllocFromPoolAsync",
         bytesize,
         sid,
+        stream,
     ) {
         Outcome::Done(p) => {
             // SAFETY: valid for one write (checked non-null).

@@ -50,6 +50,8 @@ pub(crate) type CuResult = c_int;
 pub(crate) type CuDevicePtr = u64;
 /// `CUstream`.
 pub(crate) type CuStream = *mut c_void;
+/// `CUcontext`.
+pub(crate) type CuContext = *mut c_void;
 
 pub(crate) const CUDA_SUCCESS: CuResult = 0;
 pub(crate) const CUDA_ERROR_INVALID_VALUE: CuResult = 1;
@@ -93,6 +95,63 @@ pub(crate) fn current_gpu(t: &Tenant) -> Gpu {
     if unsafe { get(&mut device) } != CUDA_SUCCESS {
         return Gpu::Elsewhere;
     }
+    if is_tenant_device(t, device) {
+        Gpu::Tenant
+    } else {
+        Gpu::Elsewhere
+    }
+}
+
+/// The GPU a stream-ordered allocation on `stream` is made on: the device of the stream's own
+/// context, which need not be the calling thread's current one. The default streams (0,
+/// `CU_STREAM_LEGACY`, `CU_STREAM_PER_THREAD`) are the current context's. Where the driver cannot
+/// name the stream's context (a green context's stream on some drivers), the current context
+/// decides. (`cuStreamGetDevice` is not asked: some drivers refuse it during a graph capture,
+/// which ends the capture; the context calls here are allowed then.)
+pub(crate) fn stream_gpu(t: &Tenant, stream: CuStream) -> Gpu {
+    /// `CU_STREAM_PER_THREAD`, the largest of the default streams' handles.
+    const LAST_DEFAULT_STREAM: usize = 2;
+    if t.device.backend != BackendKind::Cuda || stream as usize <= LAST_DEFAULT_STREAM {
+        return current_gpu(t);
+    }
+    let d = real::driver();
+    let (Some(stream_ctx), Some(get_current), Some(push), Some(pop), Some(get_device)) = (
+        d.stream_get_ctx,
+        d.ctx_get_current,
+        d.ctx_push_current,
+        d.ctx_pop_current,
+        d.ctx_get_device,
+    ) else {
+        return current_gpu(t);
+    };
+    let mut ctx: CuContext = std::ptr::null_mut();
+    let mut current: CuContext = std::ptr::null_mut();
+    // SAFETY: the driver's cuStreamGetCtx and cuCtxGetCurrent with valid out pointers; the
+    // stream is the caller's, which the driver checks.
+    let (named, current_known) = unsafe {
+        (
+            stream_ctx(stream, &mut ctx) == CUDA_SUCCESS && !ctx.is_null(),
+            get_current(&mut current) == CUDA_SUCCESS,
+        )
+    };
+    if !named || (current_known && current == ctx) {
+        return current_gpu(t);
+    }
+    // SAFETY: `ctx` is a live context (the driver named it for a live stream); it is made
+    // current only for cuCtxGetDevice (valid out pointer) and popped again at once.
+    let device = unsafe {
+        if push(ctx) != CUDA_SUCCESS {
+            return current_gpu(t);
+        }
+        let mut device = -1;
+        let asked = get_device(&mut device);
+        let mut popped: CuContext = std::ptr::null_mut();
+        pop(&mut popped);
+        if asked != CUDA_SUCCESS {
+            return Gpu::Elsewhere;
+        }
+        device
+    };
     if is_tenant_device(t, device) {
         Gpu::Tenant
     } else {

@@ -9,7 +9,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::OnceLock;
 
 use super::dlsym;
-use super::{CuDevicePtr, CuResult, CuStream};
+use super::{CuContext, CuDevicePtr, CuResult, CuStream};
 
 pub(crate) type MemAlloc = unsafe extern "C" fn(*mut CuDevicePtr, usize) -> CuResult;
 pub(crate) type MemAllocPitch =
@@ -31,6 +31,10 @@ pub(crate) type MemAllocManaged = unsafe extern "C" fn(*mut CuDevicePtr, usize, 
 pub(crate) type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> CuResult;
 pub(crate) type CtxSynchronize = unsafe extern "C" fn() -> CuResult;
 pub(crate) type CtxGetDevice = unsafe extern "C" fn(*mut c_int) -> CuResult;
+pub(crate) type CtxGetCurrent = unsafe extern "C" fn(*mut CuContext) -> CuResult;
+pub(crate) type CtxPushCurrent = unsafe extern "C" fn(CuContext) -> CuResult;
+pub(crate) type CtxPopCurrent = unsafe extern "C" fn(*mut CuContext) -> CuResult;
+pub(crate) type StreamGetCtx = unsafe extern "C" fn(CuStream, *mut CuContext) -> CuResult;
 pub(crate) type DeviceGet = unsafe extern "C" fn(*mut c_int, c_int) -> CuResult;
 pub(crate) type DeviceGetUuid = unsafe extern "C" fn(*mut [u8; 16], c_int) -> CuResult;
 pub(crate) type GetProcAddress =
@@ -59,6 +63,10 @@ pub(crate) struct Driver {
     pub mem_get_info: Option<MemGetInfo>,
     pub ctx_synchronize: Option<CtxSynchronize>,
     pub ctx_get_device: Option<CtxGetDevice>,
+    pub ctx_get_current: Option<CtxGetCurrent>,
+    pub ctx_push_current: Option<CtxPushCurrent>,
+    pub ctx_pop_current: Option<CtxPopCurrent>,
+    pub stream_get_ctx: Option<StreamGetCtx>,
     pub device_get: Option<DeviceGet>,
     pub device_get_uuid: Option<DeviceGetUuid>,
     pub get_proc_address: Option<GetProcAddress>,
@@ -119,6 +127,10 @@ pub(crate) fn driver() -> &'static Driver {
                 mem_get_info: function(lib, c"cuMemGetInfo_v2"),
                 ctx_synchronize: function(lib, c"cuCtxSynchronize"),
                 ctx_get_device: function(lib, c"cuCtxGetDevice"),
+                ctx_get_current: function(lib, c"cuCtxGetCurrent"),
+                ctx_push_current: function(lib, c"cuCtxPushCurrent_v2"),
+                ctx_pop_current: function(lib, c"cuCtxPopCurrent_v2"),
+                stream_get_ctx: function(lib, c"cuStreamGetCtx"),
                 device_get: function(lib, c"cuDeviceGet"),
                 device_get_uuid: function(lib, c"cuDeviceGetUuid_v2")
                     .or_else(|| function(lib, c"cuDeviceGetUuid")),
