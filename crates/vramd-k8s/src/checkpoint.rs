@@ -1,10 +1,12 @@
 //! The plugin's checkpoint: every claim it prepared and has not unprepared, with the declaration
-//! it made for it, and the claims it unprepared lately. Written whole (a temporary file renamed
-//! over it) before the kubelet hears of a change, so that a plugin restarted at any point knows
-//! what it promised: a prepare retried is answered as before, an unprepare retried is done.
+//! it made for it, and the claims it unprepared lately. Written whole and flushed to the disk (a
+//! temporary file renamed over it) before the kubelet hears of a change, and changed in memory
+//! only once written, so that a plugin restarted at any point knows what it promised: a prepare
+//! retried is answered as before, an unprepare retried is done.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 use vram_proto::Declaration;
@@ -25,7 +27,7 @@ pub struct Prepared {
     pub cdi_device_ids: Vec<String>,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 struct File {
     /// By claim uid.
     prepared: BTreeMap<String, Prepared>,
@@ -69,50 +71,82 @@ impl Checkpoint {
         self.file.unprepared.iter().any(|u| u == uid)
     }
 
-    /// Records claim `uid` as prepared; on disk once the returned [`Save`] is written.
-    pub fn insert(&mut self, uid: &str, p: Prepared) -> Save {
-        self.file.unprepared.retain(|u| u != uid);
-        self.file.prepared.insert(uid.to_string(), p);
-        self.save()
+    /// The checkpoint with claim `uid` prepared: written by [`Change::write`], then taken in by
+    /// [`Checkpoint::commit`]. Until both, this checkpoint is as it was, so a write that fails
+    /// changes nothing.
+    pub fn insert(&self, uid: &str, p: Prepared) -> Change {
+        let mut file = self.file.clone();
+        file.unprepared.retain(|u| u != uid);
+        file.prepared.insert(uid.to_string(), p);
+        self.change(file)
     }
 
-    /// Records claim `uid` as unprepared; on disk once the returned [`Save`] is written.
-    pub fn remove(&mut self, uid: &str) -> Save {
-        self.file.prepared.remove(uid);
-        if !self.was_unprepared(uid) {
-            self.file.unprepared.push_back(uid.to_string());
+    /// The checkpoint with claim `uid` unprepared (see [`Checkpoint::insert`]).
+    pub fn remove(&self, uid: &str) -> Change {
+        let mut file = self.file.clone();
+        file.prepared.remove(uid);
+        if !file.unprepared.iter().any(|u| u == uid) {
+            file.unprepared.push_back(uid.to_string());
         }
-        while self.file.unprepared.len() > REMEMBERED {
-            self.file.unprepared.pop_front();
+        while file.unprepared.len() > REMEMBERED {
+            file.unprepared.pop_front();
         }
-        self.save()
+        self.change(file)
     }
 
-    fn save(&self) -> Save {
-        Save {
+    /// Takes in a change once it is on disk.
+    pub fn commit(&mut self, written: Written) {
+        self.file = written.0.file;
+    }
+
+    fn change(&self, file: File) -> Change {
+        Change {
             path: self.path.clone(),
-            bytes: serde_json::to_vec_pretty(&self.file).expect("serializes"),
+            bytes: serde_json::to_vec_pretty(&file).expect("serializes"),
+            file,
         }
     }
 }
 
-/// The checkpoint as it stands after a change, to be written (a separate step, so that a caller
-/// on an async runtime can write it off the runtime's threads).
-#[must_use = "the change is on disk only once written"]
-pub struct Save {
+/// The checkpoint as it would stand after a change, to be written (a separate step, so that a
+/// caller on an async runtime can write it off the runtime's threads).
+#[must_use = "the change is on disk only once written, and in the checkpoint once committed"]
+pub struct Change {
     path: PathBuf,
     bytes: Vec<u8>,
+    file: File,
 }
 
-impl Save {
-    /// Writes the checkpoint whole: a temporary file renamed over it.
-    pub fn write(self) -> std::io::Result<()> {
-        if let Some(dir) = self.path.parent() {
-            std::fs::create_dir_all(dir)?;
+/// A change on disk, for [`Checkpoint::commit`].
+#[must_use = "the change is in the checkpoint only once committed"]
+pub struct Written(Change);
+
+impl Change {
+    /// Writes the checkpoint whole and durably: a temporary file, flushed to the disk, renamed
+    /// over it, and the directory flushed, so that a crash or power loss leaves the old
+    /// checkpoint or the new one, never an empty or partial file.
+    pub fn write(self) -> std::io::Result<Written> {
+        use std::io::Write;
+        static WRITES: AtomicU64 = AtomicU64::new(0);
+        let dir = self.path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir)?;
+        // A name of its own per write: a write that outlives the call that started it (the
+        // kubelet gave up waiting) never shares its temporary file with the next call's.
+        let n = WRITES.fetch_add(1, Ordering::Relaxed);
+        let tmp = self
+            .path
+            .with_extension(format!("tmp.{}.{n}", std::process::id()));
+        let written = std::fs::File::create(&tmp).and_then(|mut f| {
+            f.write_all(&self.bytes)?;
+            f.sync_all()
+        });
+        let renamed = written.and_then(|()| std::fs::rename(&tmp, &self.path));
+        if let Err(e) = renamed {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
         }
-        let tmp = self.path.with_extension("tmp");
-        std::fs::write(&tmp, &self.bytes)?;
-        std::fs::rename(&tmp, &self.path)
+        std::fs::File::open(dir)?.sync_all()?;
+        Ok(Written(self))
     }
 }
 
@@ -142,15 +176,54 @@ mod tests {
             cdi_device_ids: vec!["vramd.io/claim=u".into()],
         };
         let mut c = Checkpoint::load(&path).unwrap();
-        c.insert("u", p.clone()).write().unwrap();
-        let c2 = Checkpoint::load(&path).unwrap();
+        let written = c.insert("u", p.clone()).write().unwrap();
+        assert!(
+            c.get("u").is_none(),
+            "in the checkpoint only once committed"
+        );
+        c.commit(written);
+        assert_eq!(c.get("u"), Some(&p));
+        let mut c2 = Checkpoint::load(&path).unwrap();
         assert_eq!(c2.get("u"), Some(&p));
-        let mut c2 = c2;
-        c2.remove("u").write().unwrap();
+        let written = c2.remove("u").write().unwrap();
+        c2.commit(written);
+        assert!(c2.was_unprepared("u"));
         let c3 = Checkpoint::load(&path).unwrap();
         assert!(c3.get("u").is_none());
         assert!(c3.was_unprepared("u"));
+        let left: Vec<_> = std::fs::read_dir(dir.path()).unwrap().collect();
+        assert_eq!(left.len(), 1, "temporary files left: {left:?}");
         std::fs::write(&path, b"{not json").unwrap();
         assert!(Checkpoint::load(&path).is_err());
+    }
+
+    /// A change whose write fails leaves the checkpoint as it was, in memory and on disk.
+    #[test]
+    fn a_change_that_cannot_be_written_changes_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().join("plugin");
+        let c = Checkpoint::load(&folder.join("checkpoint.json")).unwrap();
+        // The checkpoint's folder is a file now: nothing can be written under it.
+        std::fs::write(&folder, b"").unwrap();
+        let p = Prepared {
+            namespace: "ns".into(),
+            name: "c".into(),
+            pool: "node".into(),
+            device: "gpu-0".into(),
+            requests: vec![],
+            declaration: Declaration {
+                name: "k8s-u".into(),
+                gpu: 0,
+                class: "normal".into(),
+                guarantee: Bytes::gib(1),
+                limit: None,
+                owners: vec![],
+            },
+            cdi_device_ids: vec![],
+        };
+        assert!(c.insert("u", p).write().is_err());
+        assert!(c.get("u").is_none());
+        assert!(c.remove("v").write().is_err());
+        assert!(!c.was_unprepared("v"));
     }
 }

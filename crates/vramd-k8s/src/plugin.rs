@@ -211,9 +211,10 @@ impl Plugin {
         };
         let written = match self.write_spec(&c.uid, &declaration).await {
             Ok(()) => {
-                let save = cp.insert(&c.uid, prepared.clone());
-                on_disk(move || save.write())
+                let change = cp.insert(&c.uid, prepared.clone());
+                on_disk(move || change.write())
                     .await
+                    .map(|written| cp.commit(written))
                     .map_err(|e| format!("claim {c}: cannot write the checkpoint: {e}"))
             }
             Err(e) => Err(e),
@@ -256,8 +257,10 @@ impl Plugin {
     }
 
     /// Unprepares `c`: its tenant withdrawn (what its processes still held reclaimed) and its
-    /// CDI spec removed. A claim unprepared lately is done already; one never prepared here is
-    /// an error.
+    /// CDI spec removed. A claim unprepared lately is done already, and so is one this node
+    /// never prepared (its prepare failed, or the plugin stopped before its checkpoint): the
+    /// kubelet unprepares a pod's claims whether or not their prepare succeeded, and holds the
+    /// pod in Terminating until the unprepare does.
     pub async fn unprepare(&self, c: &ClaimRef) -> Result<(), String> {
         let mut cp = self.checkpoint.lock().await;
         let name = match cp.get(&c.uid) {
@@ -273,21 +276,22 @@ impl Plugin {
             ),
             // The daemon restarted and the declaration was not made again: nothing to take.
             Err(e) if e.is_not_found() && known => {}
-            Err(e) if e.is_not_found() => {
-                return Err(format!(
-                    "claim {c} is not prepared on this node: nothing to unprepare"
-                ))
-            }
+            Err(e) if e.is_not_found() => tracing::info!(
+                claim = %c, tenant = name,
+                "claim unprepared: it was not prepared on this node, nothing to take back"
+            ),
             Err(e) => return Err(format!("claim {c}: {e}")),
         }
         let (layout, uid) = (self.layout.clone(), c.uid.clone());
         on_disk(move || cdi::remove(&layout, &uid))
             .await
             .map_err(|e| format!("claim {c}: cannot remove its CDI spec: {e}"))?;
-        let save = cp.remove(&c.uid);
-        on_disk(move || save.write())
+        let change = cp.remove(&c.uid);
+        let written = on_disk(move || change.write())
             .await
-            .map_err(|e| format!("claim {c}: cannot write the checkpoint: {e}"))
+            .map_err(|e| format!("claim {c}: cannot write the checkpoint: {e}"))?;
+        cp.commit(written);
+        Ok(())
     }
 
     /// Brings the daemon in line with the checkpoint: a prepared claim's declaration the daemon

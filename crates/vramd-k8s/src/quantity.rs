@@ -75,9 +75,15 @@ pub fn parse(q: &str) -> Result<Bytes, QuantityError> {
         .map_err(|_| err("more than 64 bits of bytes"))
 }
 
-/// `b` as a quantity: in the largest binary unit that divides it exactly (`16Gi`, `1536Mi`).
+/// `b` as a quantity, in the form the API server keeps it in (its canonical form), so that a
+/// quantity read back compares equal to the one written: in the largest binary unit that
+/// divides it exactly (`16Gi`, `1536Mi`), else in the largest decimal unit that does (`1500M`,
+/// `1k`), else in bytes.
 pub fn format(b: Bytes) -> String {
     let n = b.get();
+    if n == 0 {
+        return "0".into();
+    }
     for (shift, unit) in [
         (60, "Ei"),
         (50, "Pi"),
@@ -86,8 +92,21 @@ pub fn format(b: Bytes) -> String {
         (20, "Mi"),
         (10, "Ki"),
     ] {
-        if n != 0 && n.is_multiple_of(1u64 << shift) {
+        if n.is_multiple_of(1u64 << shift) {
             return format!("{}{unit}", n >> shift);
+        }
+    }
+    for (exp, unit) in [
+        (18, "E"),
+        (15, "P"),
+        (12, "T"),
+        (9, "G"),
+        (6, "M"),
+        (3, "k"),
+    ] {
+        let scale = 10u64.pow(exp);
+        if n.is_multiple_of(scale) {
+            return format!("{}{unit}", n / scale);
         }
     }
     n.to_string()
@@ -122,7 +141,10 @@ mod tests {
     fn bytes_format_in_the_largest_exact_unit() {
         assert_eq!(format(Bytes::gib(16)), "16Gi");
         assert_eq!(format(Bytes::mib(1536)), "1536Mi");
-        assert_eq!(format(Bytes(1000)), "1000");
+        assert_eq!(format(Bytes(1000)), "1k");
+        assert_eq!(format(Bytes(1_500_000_000)), "1500M");
+        assert_eq!(format(Bytes(75_000_000_000)), "75G");
+        assert_eq!(format(Bytes(1001)), "1001");
         assert_eq!(format(Bytes::ZERO), "0");
         for b in [Bytes::gib(141), Bytes::mib(3), Bytes(12345)] {
             assert_eq!(parse(&format(b)).unwrap(), b);
