@@ -111,3 +111,27 @@ fn only_admin_uids_may_declare() {
     );
     assert_eq!(d.status().devices[0].reserved, Bytes::ZERO);
 }
+
+/// A process connected under a name before the name is declared for other owners is
+/// disconnected when the declaration comes: it never holds the declared guarantee or class.
+#[test]
+fn a_declaration_disconnects_a_tenant_of_its_name_that_it_does_not_admit() {
+    let d = Daemon::start("capacity = \"8 GiB\"\npriority_reserve = \"0\"\n");
+    let admin = Observer::connect(Some(&d.socket)).unwrap();
+    let mut squatter = d.tenant("k8s-claim", &[]);
+    let took = squatter.cmd("take 1GiB");
+    assert_eq!(took["taken"], Bytes::gib(1).get(), "{took}");
+    let me = rustix::process::getuid().as_raw();
+    let mut decl = declaration("k8s-claim", Bytes::gib(4));
+    decl.owners = vec![me.wrapping_add(1)];
+    assert!(admin.declare(&decl).unwrap());
+    d.wait_for_no_tenants();
+    let dev = &d.status().devices[0];
+    assert_eq!(
+        (dev.held, dev.reserved),
+        (Bytes::ZERO, Bytes::gib(4)),
+        "{dev:?}"
+    );
+    assert!(d.log().contains("does not admit"), "{}", d.log());
+    squatter.kill();
+}

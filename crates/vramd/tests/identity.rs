@@ -177,7 +177,7 @@ fn a_reload_disconnects_the_tenants_its_rules_no_longer_admit() {
     });
     assert!(gone, "{:?}\n{}", d.status().tenants, d.log());
     assert!(
-        d.log().contains("the new configuration does not admit it"),
+        d.log().contains("the policy in force does not admit it"),
         "{}",
         d.log()
     );

@@ -149,6 +149,11 @@ pub(super) fn declare(daemon: &Daemon, uid: u32, d: Declaration) -> Result<Reply
             limit = ?d.limit.map(|l| l.to_string()), owners = ?d.owners, admin_uid = uid,
             "tenant declared at run time"
         );
+        // A process already connected under the name that the declaration does not admit (not
+        // one of its owners) is disconnected, as at a reload: it never holds the guarantee.
+        for line in daemon.disconnect_unadmitted(gpu) {
+            tracing::warn!("{line}");
+        }
     }
     declared.insert(d.name.clone(), d);
     Ok(Reply::Declared { changed })

@@ -99,22 +99,33 @@ impl Daemon {
         changes.extend(self.shared.apply(&r.shared));
         // Who may be which tenant is the configuration's to say at any time: a tenant it no
         // longer admits is disconnected, and its memory comes back as at a crash.
-        for (gpu, slot) in self.slots.iter().enumerate() {
-            for (name, rule) in slot.breaking_rules() {
-                // Every connection of the tenant: its registration's and a joined program's.
-                let conns = slot.connections_of(&name).map(|t| t.1).unwrap_or_default();
-                let peers = self.conns.lock().expect("conns");
-                for peer in conns.iter().filter_map(|c| peers.get(c)) {
-                    peer.disconnect();
-                }
-                drop(peers);
-                changes.push(format!(
-                    "gpu {gpu}: tenant `{name}` disconnected, the new configuration does not \
-                     admit it: {rule}"
-                ));
-            }
+        for gpu in 0..self.slots.len() {
+            changes.extend(self.disconnect_unadmitted(gpu));
         }
         Ok(changes)
+    }
+
+    /// Disconnects each tenant of GPU `gpu` that the policy in force does not admit (its owners,
+    /// its class's rules), its memory back as at a crash; one line each, for the log.
+    pub(super) fn disconnect_unadmitted(&self, gpu: usize) -> Vec<String> {
+        let Some(slot) = self.slots.get(gpu) else {
+            return Vec::new();
+        };
+        let mut done = Vec::new();
+        for (name, rule) in slot.breaking_rules() {
+            // Every connection of the tenant: its registration's and a joined program's.
+            let conns = slot.connections_of(&name).map(|t| t.1).unwrap_or_default();
+            let peers = self.conns.lock().expect("conns");
+            for peer in conns.iter().filter_map(|c| peers.get(c)) {
+                peer.disconnect();
+            }
+            drop(peers);
+            done.push(format!(
+                "gpu {gpu}: tenant `{name}` disconnected, the policy in force does not admit \
+                 it: {rule}"
+            ));
+        }
+        done
     }
 }
 
