@@ -364,17 +364,24 @@ fn a_trim_during_a_capture_fences_cached_blocks_as_they_were_freed() {
 fn the_caches_of_exited_threads_go_to_the_core_at_the_next_tick() {
     let (dev, a) = host_allocator(Bytes::gib(4));
     std::thread::scope(|scope| {
-        for _ in 0..16 {
-            scope.spawn(|| {
-                for _ in 0..2 {
-                    let ps: Vec<u64> = (0..8)
-                        .map(|_| a.alloc(Bytes::kib(64), StreamId(0)).unwrap())
-                        .collect();
-                    for p in ps {
-                        a.free(p, StreamId(0)).unwrap();
+        let threads: Vec<_> = (0..16)
+            .map(|_| {
+                scope.spawn(|| {
+                    for _ in 0..2 {
+                        let ps: Vec<u64> = (0..8)
+                            .map(|_| a.alloc(Bytes::kib(64), StreamId(0)).unwrap())
+                            .collect();
+                        for p in ps {
+                            a.free(p, StreamId(0)).unwrap();
+                        }
                     }
-                }
-            });
+                })
+            })
+            .collect();
+        // Joined one by one: the scope's own wait ends when each closure returns, which may be
+        // before the thread's exit has run its thread-local destructors (and let go its cache).
+        for t in threads {
+            t.join().unwrap();
         }
     });
     let before = a.stats();
