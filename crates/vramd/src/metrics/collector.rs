@@ -9,7 +9,9 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, NoLabelSet};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Unit;
-use vram_proto::{DeviceStatus, StatusReport, TenantStatus};
+use vram_core::broker::AtRisk;
+use vram_core::Bytes;
+use vram_proto::{DeviceStatus, OutsideProcess, StatusReport, TenantStatus};
 use MetricType::{Counter, Gauge};
 
 use super::{tenant_labels, TenantLabels};
@@ -84,9 +86,8 @@ pub fn by_class(mut r: StatusReport) -> StatusReport {
     }
     r.tenants = sums.into_values().collect();
     for d in &mut r.devices {
-        for a in &mut d.at_risk {
-            a.tenant.clear();
-        }
+        d.at_risk = at_risk_summed(std::mem::take(&mut d.at_risk));
+        d.outside_processes = outside_summed(std::mem::take(&mut d.outside_processes));
         for k in &mut d.kept_offline {
             k.tenant.clear();
         }
@@ -94,6 +95,33 @@ pub fn by_class(mut r: StatusReport) -> StatusReport {
     r.shared.buffers_left_out += r.shared.buffers.len() as u64;
     r.shared.buffers.clear();
     r
+}
+
+/// A device's guarantees at risk as one entry without a name: entries per tenant with their
+/// names blanked would be series with the same labels, which a scrape cannot tell apart.
+fn at_risk_summed(at_risk: Vec<AtRisk>) -> Vec<AtRisk> {
+    if at_risk.is_empty() {
+        return at_risk;
+    }
+    let sum = |f: fn(&AtRisk) -> Bytes| at_risk.iter().map(f).sum();
+    vec![AtRisk {
+        tenant: String::new(),
+        guarantee: sum(|a| a.guarantee),
+        unfilled: sum(|a| a.unfilled),
+    }]
+}
+
+/// A device's processes outside vramd as one entry without a pid or name (see
+/// [`at_risk_summed`]); who they are is for `vramd status`, not for whoever reaches the port.
+fn outside_summed(processes: Vec<OutsideProcess>) -> Vec<OutsideProcess> {
+    if processes.is_empty() {
+        return processes;
+    }
+    vec![OutsideProcess {
+        pid: 0,
+        name: String::new(),
+        bytes: processes.iter().map(|p| p.bytes).sum(),
+    }]
 }
 
 /// One family: its descriptor, then one sample per label set.
@@ -562,4 +590,29 @@ fn encode_shared(r: &StatusReport, e: &mut DescriptorEncoder) -> fmt::Result {
         Counter,
         none(s.scrub.mismatches),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summed_by_class_a_device_has_one_at_risk_and_one_outside_entry() {
+        let risk = |t: &str, g, u| AtRisk {
+            tenant: t.into(),
+            guarantee: Bytes::gib(g),
+            unfilled: Bytes::gib(u),
+        };
+        let summed = at_risk_summed(vec![risk("a", 4, 1), risk("b", 6, 2)]);
+        assert_eq!(summed, vec![risk("", 10, 3)]);
+        assert!(at_risk_summed(Vec::new()).is_empty());
+        let outside = |pid, name: &str, g| OutsideProcess {
+            pid,
+            name: name.into(),
+            bytes: Bytes::gib(g),
+        };
+        let summed = outside_summed(vec![outside(7, "hog", 3), outside(9, "other", 2)]);
+        assert_eq!(summed, vec![outside(0, "", 5)]);
+        assert!(outside_summed(Vec::new()).is_empty());
+    }
 }
