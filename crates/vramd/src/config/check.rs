@@ -12,6 +12,10 @@ use super::Config;
 /// memory is a hung allocation to its program.
 pub const MAX_RECLAIM_TIMEOUT_MS: u64 = 60_000;
 
+/// The shortest writer lease on a shared buffer, and so the least `[shared] max_lease_ms`: a
+/// lease shorter than this would run out before a writer could renew it.
+pub const MIN_LEASE_MS: u64 = 10;
+
 /// The longest of the `[connections]` timeouts.
 pub const MAX_CONNECTION_TIMEOUT_MS: u64 = 3_600_000;
 
@@ -62,6 +66,8 @@ pub enum ConfigError {
          tenants' memory"
     )]
     ReclaimTimeoutTooLong { ms: u64, max: u64 },
+    #[error("[shared] max_lease_ms = {ms} is below {min}: no writer lease could be that short")]
+    LeaseTooShort { ms: u64, min: u64 },
     #[error("[connections] {key} = 0: {why}")]
     ZeroLimit {
         key: &'static str,
@@ -108,6 +114,12 @@ impl Config {
             out.push(ConfigError::ReclaimTimeoutTooLong {
                 ms,
                 max: MAX_RECLAIM_TIMEOUT_MS,
+            });
+        }
+        if self.shared.max_lease_ms < MIN_LEASE_MS {
+            out.push(ConfigError::LeaseTooShort {
+                ms: self.shared.max_lease_ms,
+                min: MIN_LEASE_MS,
             });
         }
         self.connection_problems(&mut out);
@@ -267,11 +279,12 @@ mod tests {
         let p = problems(
             "allowed_uids = []\nreclaim_timeout_ms = 70000\n[pool]\nmax = \"1 KiB\"\nsizes = \
              [\"1 KiB\", \"3 MiB\"]\n[connections]\nmax_waits = 0\n[tenants.a]\nclass = \
-             \"normal\"\nguarantee = \"9 GiB\"\n",
+             \"normal\"\nguarantee = \"9 GiB\"\n[shared]\nmax_lease_ms = 0\n",
         );
         let want = [
             "allowed_uids is empty",
             "reclaim_timeout_ms = 70000 is above 60000",
+            "[shared] max_lease_ms = 0 is below 10",
             "[connections] max_waits = 0",
             "[pool] max = 1 KiB is below the device's granularity (2 MiB)",
             "[pool] sizes: 1 KiB is below the device's granularity (2 MiB)",

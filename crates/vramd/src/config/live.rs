@@ -1,6 +1,7 @@
 //! What of the configuration a running daemon can put in force (SIGHUP), and what only a restart
-//! can: the socket, its mode, the backend, the capacity, the metrics address and the pool are
-//! fixed when the daemon starts (they shape what it bound and created); everything else is live.
+//! can: the socket, its mode, the backend, the capacity, the metrics endpoint (its address, its
+//! per-tenant series, who may read `/status`) and the pool are fixed when the daemon starts
+//! (they shape what it bound and created); everything else is live.
 
 use super::Config;
 use crate::server::Reload;
@@ -36,6 +37,12 @@ impl Config {
         if self.metrics != new.metrics {
             keys.push("metrics");
         }
+        if self.metrics_tenants != new.metrics_tenants {
+            keys.push("metrics_tenants");
+        }
+        if self.http_status != new.http_status {
+            keys.push("http_status");
+        }
         if self.pool != new.pool {
             keys.push("[pool]");
         }
@@ -50,10 +57,15 @@ mod tests {
     #[test]
     fn fixed_keys_are_told_apart_from_live_ones() {
         let a: Config = toml::from_str("capacity = \"1 GiB\"\nreclaim_timeout_ms = 100\n").unwrap();
-        let b: Config =
-            toml::from_str("capacity = \"2 GiB\"\nreclaim_timeout_ms = 300\n[pool]\nmax = \"0\"\n")
-                .unwrap();
-        assert_eq!(a.fixed_changes(&b), vec!["capacity", "[pool]"]);
+        let b: Config = toml::from_str(
+            "capacity = \"2 GiB\"\nreclaim_timeout_ms = 300\nmetrics_tenants = true\n\
+             http_status = \"any\"\n[pool]\nmax = \"0\"\n",
+        )
+        .unwrap();
+        assert_eq!(
+            a.fixed_changes(&b),
+            vec!["capacity", "metrics_tenants", "http_status", "[pool]"]
+        );
         assert!(a.fixed_changes(&a).is_empty());
         assert_eq!(b.live().reclaim_timeout.as_millis(), 300);
     }

@@ -14,7 +14,7 @@ use serde::Deserialize;
 use vram_core::broker::{Class, DeclaredTenant, Policy};
 use vram_core::Bytes;
 
-pub use check::{bare_size_hint, ConfigError, Device as CheckedDevice};
+pub use check::{bare_size_hint, ConfigError, Device as CheckedDevice, MIN_LEASE_MS};
 
 #[derive(Debug, Clone, Deserialize, Default)]
 #[serde(deny_unknown_fields)]

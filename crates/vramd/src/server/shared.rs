@@ -424,7 +424,8 @@ impl Op<'_> {
             }
             SharedRequest::Lease { buffer, op, ttl_ms } => {
                 let max = self.shared().max_lease_ms.load(Ordering::Relaxed);
-                let ttl = u64::from(ttl_ms).clamp(10, max.max(10));
+                let least = crate::config::MIN_LEASE_MS;
+                let ttl = u64::from(ttl_ms).clamp(least, max.max(least));
                 let until = self.books(|b, c, now| match op {
                     LeaseOp::Acquire => c
                         .acquire(b, t, buffer, ttl, now)
