@@ -323,3 +323,45 @@ fn once_the_reconnect_window_passed_calls_fail_at_once_until_a_daemon_is_back() 
     client.give_back(vec![first, again]).unwrap();
     client.close();
 }
+
+/// A state file that cannot be written for a while is written once it can, though the books did
+/// not change meanwhile: a restart after that knows what the tenants hold.
+#[test]
+fn the_state_is_saved_once_it_can_be_though_nothing_changed_since() {
+    let d = Restartable::new(CONFIG);
+    let mut state = d.socket().as_os_str().to_owned();
+    state.push(".state");
+    let state = std::path::PathBuf::from(state);
+    // The daemon writes a temporary file beside the state and renames it: a folder in its place
+    // makes every write fail.
+    let blocker = state.with_extension("state.tmp");
+    std::fs::create_dir(&blocker).unwrap();
+    let mut a = Tenant::spawn(d.socket(), "a", &[]);
+    assert_eq!(a.next()["event"], "welcome");
+    assert_eq!(a.cmd("take 128MiB")["taken"], Bytes::mib(128).get());
+    assert!(
+        wait_until(Duration::from_secs(5), || d
+            .log()
+            .contains("cannot save the daemon's state")),
+        "{}",
+        d.log()
+    );
+    std::fs::remove_dir(&blocker).unwrap();
+    let names_a = || {
+        std::fs::read(&state)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .is_some_and(|v| {
+                v["tenants"]
+                    .as_array()
+                    .is_some_and(|t| t.iter().any(|t| t["name"] == "a"))
+            })
+    };
+    assert!(
+        wait_until(Duration::from_secs(5), names_a),
+        "the state file does not name the tenant:\n{}",
+        d.log()
+    );
+    assert!(d.log().contains("state is saved again"), "{}", d.log());
+    a.exit();
+}

@@ -163,6 +163,9 @@ pub(super) struct Keeper {
     /// one temporary file); `true` once the final state is written at shutdown: nothing is
     /// written after it.
     done: std::sync::Mutex<bool>,
+    /// The last write failed: the next round writes again, changed or not (the books it failed
+    /// to save may not change again for a long time).
+    unsaved: std::sync::atomic::AtomicBool,
 }
 
 impl Keeper {
@@ -212,6 +215,7 @@ impl Keeper {
         let keeper = Keeper {
             path,
             done: std::sync::Mutex::new(false),
+            unsaved: std::sync::atomic::AtomicBool::new(false),
         };
         keeper.write(daemon, true);
         keeper
@@ -230,7 +234,9 @@ impl Keeper {
         }
         let mut next = Vec::new();
         let mut tenants = Vec::new();
-        let mut changed = force;
+        use std::sync::atomic::Ordering::Relaxed;
+        let unsaved = self.unsaved.load(Relaxed);
+        let mut changed = force || unsaved;
         for slot in &daemon.slots {
             let (n, t, dirty) = slot.saved();
             next.push(n);
@@ -238,11 +244,21 @@ impl Keeper {
             changed |= dirty;
         }
         if changed {
-            if let Err(e) = save(&self.path, &Saved::new(next, tenants)) {
-                tracing::warn!(
-                    "cannot save the daemon's state: {}",
-                    crate::logging::Chain(&e)
-                );
+            match save(&self.path, &Saved::new(next, tenants)) {
+                Ok(()) if unsaved => {
+                    self.unsaved.store(false, Relaxed);
+                    tracing::info!(path = %self.path.display(), "the daemon's state is saved again");
+                }
+                Ok(()) => {}
+                // Said once, not at every round it is tried again.
+                Err(e) if !unsaved => {
+                    self.unsaved.store(true, Relaxed);
+                    tracing::warn!(
+                        "cannot save the daemon's state (tried again each round until it is): {}",
+                        crate::logging::Chain(&e)
+                    );
+                }
+                Err(_) => {}
             }
         }
     }
