@@ -47,8 +47,8 @@ pub(super) fn with_runtime(
             .is_some()
         {
             changes.push(format!(
-                "tenant `{}` is declared at run time: the configuration's [tenants.{}] waits \
-                 until it is withdrawn",
+                "tenant `{}` is declared at run time: the configuration's [tenants.{}] is put \
+                 in force by the first reload (SIGHUP) after it is withdrawn",
                 d.name, d.name
             ));
         }
