@@ -14,7 +14,7 @@ use vram_core::Bytes;
 use vram_device::{ByteAccess, DeviceInfo, Handle};
 use vram_proto::{GrantId, ProtoError, Reply, Request, StatusReport, Welcome};
 
-use crate::link::{Link, Lost};
+use crate::link::{Books, Link, Lost};
 use crate::transport::Transport;
 use crate::ClientError;
 
@@ -157,9 +157,11 @@ impl Client {
                         None => Bytes::ZERO,
                     };
                     let done = Request::ReclaimDone { ask, returned };
-                    // After a reconnect the ask is the old daemon's: nothing to answer.
-                    if view.link.call(&done, Lost::Done).is_err() {
-                        return;
+                    // After a reconnect the ask is the old daemon's: nothing to answer. A daemon
+                    // away for longer than the link waits is no reason to stop: the link comes
+                    // back with the daemon, and the worker must be there for its asks.
+                    if let Err(e) = view.link.call(&done, Lost::Done) {
+                        tracing::warn!("vramd: cannot answer a reclaim request: {e}");
                     }
                 }
             })
@@ -258,7 +260,7 @@ impl Client {
                 sizes: sizes.to_vec(),
             },
         };
-        let r = self.link.call(&request, Lost::Retry)?;
+        let (r, books) = self.link.call_booked(&request, Lost::Retry, |_| {})?;
         let granted = match r.msg {
             Reply::Granted { grant, size } => vec![(grant, size)],
             Reply::GrantedMany { grants } => grants,
@@ -283,6 +285,8 @@ impl Client {
         };
         if let Some(e) = bad {
             drop(r.fds);
+            // Never noted as held: a reconnect meanwhile has the new daemon unbook them.
+            drop(books);
             if let Err(back) = self.give_back_ids(granted.iter().map(|g| g.0).collect()) {
                 tracing::warn!(
                     "giving back a grant that does not match the request failed: {back}"
@@ -290,7 +294,8 @@ impl Client {
             }
             return Err(e);
         }
-        self.link.note_granted(granted.iter().copied());
+        books.granted(granted.iter().copied());
+        drop(books);
         Ok(granted
             .into_iter()
             .zip(r.fds)
@@ -309,8 +314,11 @@ impl Client {
 
     /// Returns grants by id (their handles already dropped by the caller).
     pub fn give_back_ids(&self, grants: Vec<GrantId>) -> Result<Bytes, ClientError> {
-        self.link.note_returned(&grants);
-        match self.link.call(&Request::Return { grants }, Lost::Done)?.msg {
+        let returned = |books: &Books<'_>| books.returned(&grants);
+        let request = Request::Return {
+            grants: grants.clone(),
+        };
+        match self.link.call_booked(&request, Lost::Done, returned)?.0.msg {
             Reply::Returned { held, .. } => Ok(held),
             // Reconnected: the new daemon books only what this client still holds.
             Reply::Ack => Ok(Bytes::ZERO),
@@ -323,8 +331,11 @@ impl Client {
     /// every later request of this client (a grant, a status, [`Client::ping`]) finds them back;
     /// a refusal (an id it does not know) is logged when its reply is read.
     pub fn give_back_unanswered(&self, grants: Vec<GrantId>) -> Result<(), ClientError> {
-        self.link.note_returned(&grants);
-        self.link.send_only(&Request::Return { grants })
+        let request = Request::Return {
+            grants: grants.clone(),
+        };
+        self.link
+            .send_only(&request, |books| books.returned(&grants))
     }
 
     /// Tells the daemon what the allocator uses and caches, for status, metrics and reclaim.
@@ -338,9 +349,12 @@ impl Client {
     /// against its limit. One round trip; a refusal is an error with
     /// [`ClientError::is_refusal`], and the caller must then release that memory.
     pub fn charge(&self, bytes: Bytes) -> Result<(), ClientError> {
-        match self.link.call(&Request::Charge { bytes }, Lost::Retry)?.msg {
+        let (r, books) = self
+            .link
+            .call_booked(&Request::Charge { bytes }, Lost::Retry, |_| {})?;
+        match r.msg {
             Reply::Ack => {
-                self.link.note_charged(bytes);
+                books.charged(bytes);
                 Ok(())
             }
             other => Err(unexpected("Charge", &other)),
@@ -349,8 +363,8 @@ impl Client {
 
     /// Takes back a charge (the memory was released), without waiting for the answer.
     pub fn uncharge(&self, bytes: Bytes) -> Result<(), ClientError> {
-        self.link.note_uncharged(bytes);
-        self.link.send_only(&Request::Uncharge { bytes })
+        self.link
+            .send_only(&Request::Uncharge { bytes }, |books| books.uncharged(bytes))
     }
 
     /// Tells the daemon that this process refused an allocation of `bytes` itself (`reason`: the
@@ -362,11 +376,12 @@ impl Client {
         reason: &str,
         message: &str,
     ) -> Result<(), ClientError> {
-        self.link.send_only(&Request::Refused {
+        let request = Request::Refused {
             bytes,
             reason: reason.to_string(),
             message: message.to_string(),
-        })
+        };
+        self.link.send_only(&request, |_| {})
     }
 
     /// The tenant's memory as the daemon books it, and what it could still get. One round trip.

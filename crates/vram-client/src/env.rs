@@ -6,12 +6,20 @@ use vram_proto::env;
 
 use crate::{ClientError, TenantOptions};
 
-fn var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
+/// The variable's value; `None` if unset or empty; an error if it is not UTF-8 (never taken as
+/// unset: an unreadable `VRAMD_LIMIT` is no reason to hold the whole device).
+fn var(name: &str) -> Result<Option<String>, ClientError> {
+    match std::env::var(name) {
+        Ok(v) => Ok(Some(v).filter(|v| !v.is_empty())),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(ClientError::Environment(format!(
+            "{name} {v:?} is not UTF-8"
+        ))),
+    }
 }
 
 fn bytes(name: &str) -> Result<Option<Bytes>, ClientError> {
-    var(name)
+    var(name)?
         .map(|v| {
             v.parse()
                 .map_err(|e| ClientError::Environment(format!("{name} `{v}`: {e}")))
@@ -29,17 +37,17 @@ impl TenantOptions {
     /// error naming it.
     pub fn from_env() -> Result<TenantOptions, ClientError> {
         env::check_renamed().map_err(ClientError::Environment)?;
-        let gpu = var(env::GPU)
+        let gpu = var(env::GPU)?
             .map(|v| {
                 v.parse::<u32>()
                     .map_err(|e| ClientError::Environment(format!("{} `{v}`: {e}", env::GPU)))
             })
             .transpose()?;
-        let name = var(env::TENANT);
+        let name = var(env::TENANT)?;
         Ok(TenantOptions {
-            join: var(env::JOIN).filter(|_| name.is_none()),
+            join: var(env::JOIN)?.filter(|_| name.is_none()),
             name: name.unwrap_or_else(|| format!("pid-{}", std::process::id())),
-            class: var(env::CLASS),
+            class: var(env::CLASS)?,
             guarantee: bytes(env::GUARANTEE)?,
             limit: bytes(env::LIMIT)?,
             gpu,
@@ -100,6 +108,13 @@ mod tests {
         std::env::set_var(env::LIMIT, "lots");
         let e = TenantOptions::from_env().unwrap_err().to_string();
         assert!(e.contains("VRAMD_LIMIT `lots`"), "{e}");
+        {
+            use std::os::unix::ffi::OsStrExt;
+            let not_utf8 = std::ffi::OsStr::from_bytes(b"8\xffGiB");
+            std::env::set_var(env::LIMIT, not_utf8);
+        }
+        let e = TenantOptions::from_env().unwrap_err().to_string();
+        assert!(e.contains("VRAMD_LIMIT") && e.contains("not UTF-8"), "{e}");
         std::env::remove_var(env::LIMIT);
 
         std::env::set_var("VRAMD_PRIORITY", "batch");

@@ -51,6 +51,12 @@ pub(crate) struct Link {
     /// Grants held and not given back, by id (ids stay valid across daemon restarts).
     held: Mutex<BTreeMap<GrantId, Bytes>>,
     charged: AtomicU64,
+    /// Held (shared) by a call from before it is sent until what it changed in `held` and
+    /// `charged` is noted, and (exclusive) by a reconnect from its account of them until the new
+    /// transport is in place: so the account a new daemon books is never taken between a
+    /// call's effect and its note (a return noted after the account, then lost with the old
+    /// connection, would leave the grant booked for good; a grant noted after it, unbooked).
+    books: RwLock<()>,
     /// Serialises reconnects: one thread reconnects, the others wait for its outcome. Holds why
     /// the last reconnect gave up, while its transport is still the one in use: later calls then
     /// try once each, not for another window.
@@ -85,6 +91,7 @@ impl Link {
             reclaim_tx: Mutex::new(Some(reclaim_tx)),
             held: Mutex::new(BTreeMap::new()),
             charged: AtomicU64::new(0),
+            books: RwLock::new(()),
             reconnecting: Mutex::new(None),
             reconnects: AtomicU64::new(0),
             reconnect_for_ms: AtomicU64::new(RECONNECT_FOR.as_millis() as u64),
@@ -131,8 +138,26 @@ impl Link {
         request: &Request,
         lost: Lost,
     ) -> Result<Received<Reply>, ClientError> {
+        self.call_booked(request, lost, |_| {}).map(|(r, _)| r)
+    }
+
+    /// [`Link::call`] for a request that changes what the link says it holds: `before` notes
+    /// a change made before the request is sent (a return), and the reply comes with the books
+    /// still held, for the caller to note what the reply made (a grant, a charge) before a
+    /// reconnect can take its account of them.
+    pub(crate) fn call_booked(
+        self: &Arc<Self>,
+        request: &Request,
+        lost: Lost,
+        before: impl FnOnce(&Books<'_>),
+    ) -> Result<(Received<Reply>, Books<'_>), ClientError> {
         let started = Instant::now();
+        let mut before = Some(before);
         loop {
+            let books = self.books();
+            if let Some(f) = before.take() {
+                f(&books);
+            }
             let t = self.transport();
             match t.call(request) {
                 Err(e)
@@ -140,54 +165,50 @@ impl Link {
                         && lost != Lost::Fail
                         && !self.closed.load(Ordering::Acquire) =>
                 {
+                    // A reconnect takes the books exclusively.
+                    drop(books);
                     if started.elapsed() > self.reconnect_for() {
                         return Err(e);
                     }
                     self.reconnect(&t, &e)?;
                     if lost == Lost::Done {
-                        return Ok(Received {
+                        let reply = Received {
                             id: 0,
                             msg: Reply::Ack,
                             fds: Vec::new(),
-                        });
+                        };
+                        return Ok((reply, self.books()));
                     }
                 }
-                r => return r,
+                r => return r.map(|r| (r, books)),
             }
         }
     }
 
-    /// Sends `request` without waiting for its reply. On a lost connection the request is
-    /// dropped: what it would have told the daemon travels with the reconnect.
-    pub(crate) fn send_only(self: &Arc<Self>, request: &Request) -> Result<(), ClientError> {
+    /// Sends `request` without waiting for its reply, after `before` notes what it changes. On
+    /// a lost connection the request is dropped: what it would have told the daemon travels
+    /// with the reconnect (the note is made before the reconnect's account of the books).
+    pub(crate) fn send_only(
+        self: &Arc<Self>,
+        request: &Request,
+        before: impl FnOnce(&Books<'_>),
+    ) -> Result<(), ClientError> {
+        let books = self.books();
+        before(&books);
         let t = self.transport();
-        match t.send_only(request) {
+        let sent = t.send_only(request);
+        drop(books);
+        match sent {
             Err(e) if t.is_dead() && !self.closed.load(Ordering::Acquire) => self.reconnect(&t, &e),
             r => r,
         }
     }
 
-    pub(crate) fn note_granted(&self, grants: impl IntoIterator<Item = (GrantId, Bytes)>) {
-        lock(&self.held).extend(grants);
-    }
-
-    pub(crate) fn note_returned(&self, ids: &[GrantId]) {
-        let mut held = lock(&self.held);
-        for id in ids {
-            held.remove(id);
+    fn books(&self) -> Books<'_> {
+        Books {
+            link: self,
+            _held: self.books.read().unwrap_or_else(PoisonError::into_inner),
         }
-    }
-
-    pub(crate) fn note_charged(&self, bytes: Bytes) {
-        self.charged.fetch_add(bytes.get(), Ordering::Relaxed);
-    }
-
-    pub(crate) fn note_uncharged(&self, bytes: Bytes) {
-        let _ = self
-            .charged
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
-                Some(c.saturating_sub(bytes.get()))
-            });
     }
 
     /// How long a lost link keeps trying to reconnect before calls fail.
@@ -283,8 +304,9 @@ impl Link {
     }
 
     /// One attempt to register again as this tenant, saying what it holds; on success the new
-    /// transport replaces the old.
+    /// transport replaces the old. The books are held exclusively throughout (see `books`).
     fn register_again(self: &Arc<Self>) -> Result<(), ClientError> {
+        let _books = self.books.write().unwrap_or_else(PoisonError::into_inner);
         let resume = Resume {
             grants: lock(&self.held).iter().map(|(id, b)| (*id, *b)).collect(),
             charged: Bytes(self.charged.load(Ordering::Relaxed)),
@@ -366,4 +388,37 @@ fn register(
         }
     };
     Ok((transport, welcome))
+}
+
+/// What the link says it holds, held for a call (see `Link::books`): the only way to note a
+/// change to it.
+pub(crate) struct Books<'a> {
+    link: &'a Link,
+    _held: std::sync::RwLockReadGuard<'a, ()>,
+}
+
+impl Books<'_> {
+    pub(crate) fn granted(&self, grants: impl IntoIterator<Item = (GrantId, Bytes)>) {
+        lock(&self.link.held).extend(grants);
+    }
+
+    pub(crate) fn returned(&self, ids: &[GrantId]) {
+        let mut held = lock(&self.link.held);
+        for id in ids {
+            held.remove(id);
+        }
+    }
+
+    pub(crate) fn charged(&self, bytes: Bytes) {
+        self.link.charged.fetch_add(bytes.get(), Ordering::Relaxed);
+    }
+
+    pub(crate) fn uncharged(&self, bytes: Bytes) {
+        let _ = self
+            .link
+            .charged
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
+                Some(c.saturating_sub(bytes.get()))
+            });
+    }
 }

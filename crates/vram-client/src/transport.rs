@@ -292,6 +292,10 @@ impl Transport {
     fn fail(&self, mail: &mut Mailroom, reason: String) {
         *lock(&self.dead_reason) = reason.clone();
         self.dead.store(true, Ordering::Release);
+        // Closed for the daemon too (a reply this side could not read leaves the connection
+        // open there): until it is, the daemon keeps the tenant's name, and the reconnect that
+        // follows would be refused with it.
+        self.close();
         for b in mail.boxes.values_mut().filter(|b| b.is_none()) {
             *b = Some(Err(reason.clone()));
         }

@@ -362,6 +362,12 @@ fn the_state_is_saved_once_it_can_be_though_nothing_changed_since() {
         "the state file does not name the tenant:\n{}",
         d.log()
     );
-    assert!(d.log().contains("state is saved again"), "{}", d.log());
+    assert!(
+        wait_until(Duration::from_secs(5), || d
+            .log()
+            .contains("state is saved again")),
+        "{}",
+        d.log()
+    );
     a.exit();
 }

@@ -1,0 +1,129 @@
+//! What a tenant says it holds when it reconnects to a restarted daemon, against a daemon played
+//! here on the protocol (`vram_proto::Conn`), so that each step can be held where a race would
+//! fall: a return made while the reconnect is under way reaches the new daemon, and a reply the
+//! client cannot read ends the connection for the daemon too.
+
+use std::os::fd::AsFd;
+use std::os::unix::net::UnixListener;
+use std::sync::Arc;
+use std::time::Duration;
+
+use vram_client::{Client, TenantOptions};
+use vram_core::Bytes;
+use vram_proto::{
+    BackendKind, Conn, DeviceDesc, FrameHeader, GrantId, ProtoError, Received, Reply, Request,
+    Welcome,
+};
+
+fn welcome() -> Reply {
+    Reply::Welcome(Welcome {
+        tenant: 1,
+        name: "t".into(),
+        class: "normal".into(),
+        priority: 0,
+        guarantee: Bytes::ZERO,
+        limit: Bytes::gib(1),
+        device: DeviceDesc {
+            index: 0,
+            uuid: "host-0".into(),
+            name: "host".into(),
+            backend: BackendKind::Host,
+            capacity: Bytes::gib(1),
+            granularity: Bytes::mib(2),
+        },
+    })
+}
+
+/// A client registered with the daemon played on `listener`, and that daemon's end.
+fn connected(listener: &UnixListener, socket: &std::path::Path) -> (Arc<Client>, Conn) {
+    let socket = socket.to_path_buf();
+    let client =
+        std::thread::spawn(move || Client::connect(Some(&socket), &TenantOptions::named("t")));
+    let (stream, _) = listener.accept().unwrap();
+    let daemon = Conn::new(stream);
+    let hello: Received<Request> = daemon.recv().unwrap();
+    assert!(matches!(hello.msg, Request::Hello(_)), "{:?}", hello.msg);
+    daemon.send(hello.id, &welcome(), &[]).unwrap();
+    (Arc::new(client.join().unwrap().unwrap()), daemon)
+}
+
+#[test]
+fn a_return_made_while_the_client_reconnects_reaches_the_new_daemon() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("vramd.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let (client, old) = connected(&listener, &socket);
+
+    let c = client.clone();
+    let grant = std::thread::spawn(move || c.grant_fd(Bytes::mib(2)).unwrap());
+    let ask: Received<Request> = old.recv().unwrap();
+    let memory = std::fs::File::create(dir.path().join("memory")).unwrap();
+    let granted = Reply::Granted {
+        grant: GrantId(7),
+        size: Bytes::mib(2),
+    };
+    old.send(ask.id, &granted, &[memory.as_fd()]).unwrap();
+    let (id, _, fd) = grant.join().unwrap();
+    drop(fd);
+
+    // The daemon restarts; the client registers again, saying it holds grant 7.
+    drop(old);
+    let (stream, _) = listener.accept().unwrap();
+    let new = Conn::new(stream);
+    let hello: Received<Request> = new.recv().unwrap();
+    let Request::Hello(h) = &hello.msg else {
+        panic!("{:?}", hello.msg)
+    };
+    let resume = h.resume.clone().expect("a reconnect says what it holds");
+    assert_eq!(resume.grants, vec![(GrantId(7), Bytes::mib(2))]);
+    // While the Welcome is on its way, the tenant gives the grant back.
+    let c = client.clone();
+    let back = std::thread::spawn(move || c.give_back_ids(vec![id]));
+    std::thread::sleep(Duration::from_millis(200));
+    new.send(hello.id, &welcome(), &[]).unwrap();
+    // The new daemon booked grant 7 from the account: the return must reach it.
+    let next = new
+        .recv_within::<Request>(Some(Duration::from_secs(5)))
+        .expect("the return reaches the new daemon");
+    assert!(
+        matches!(&next.msg, Request::Return { grants } if grants == &[GrantId(7)]),
+        "{:?}",
+        next.msg
+    );
+    let returned = Reply::Returned {
+        bytes: Bytes::mib(2),
+        held: Bytes::ZERO,
+    };
+    new.send(next.id, &returned, &[]).unwrap();
+    assert_eq!(back.join().unwrap().unwrap(), Bytes::ZERO);
+}
+
+#[test]
+fn a_reply_the_client_cannot_read_closes_the_connection_for_the_daemon_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("vramd.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let (client, old) = connected(&listener, &socket);
+    // A frame whose payload is no reply this client knows.
+    let mut frame = FrameHeader::new(0, 3).encode().to_vec();
+    frame.extend_from_slice(&[0, 0xff, 0xff]);
+    old.send_bytes(&frame).unwrap();
+    // The client gives the connection up, and the daemon sees it closed: otherwise the
+    // tenant's name stays taken there and the reconnect that follows is refused with it.
+    match old.recv_within::<Request>(Some(Duration::from_secs(5))) {
+        Err(ProtoError::Closed) => {}
+        other => panic!("the old connection is still open: {other:?}"),
+    }
+    let (stream, _) = listener.accept().unwrap();
+    let new = Conn::new(stream);
+    let hello: Received<Request> = new.recv().unwrap();
+    assert!(matches!(hello.msg, Request::Hello(_)), "{:?}", hello.msg);
+    new.send(hello.id, &welcome(), &[]).unwrap();
+    let c = client.clone();
+    let ping = std::thread::spawn(move || c.ping());
+    let p: Received<Request> = new.recv().unwrap();
+    assert!(matches!(p.msg, Request::Ping), "{:?}", p.msg);
+    new.send(p.id, &Reply::Pong, &[]).unwrap();
+    ping.join().unwrap().unwrap();
+    assert_eq!(client.reconnects(), 1);
+}
