@@ -317,7 +317,13 @@ impl Link {
         *self
             .transport
             .write()
-            .unwrap_or_else(PoisonError::into_inner) = transport;
+            .unwrap_or_else(PoisonError::into_inner) = transport.clone();
+        // Checked after the swap: an owner that closed before it found the old transport to
+        // close, so the new registration ends here, as the old one did.
+        if self.closed.load(Ordering::Acquire) {
+            transport.close();
+            return Err(ClientError::Lost("the client is closing".into()));
+        }
         self.reconnects.fetch_add(1, Ordering::Relaxed);
         tracing::debug!(tenant = welcome.name, "vramd: registered again");
         Ok(())

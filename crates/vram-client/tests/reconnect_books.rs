@@ -127,3 +127,28 @@ fn a_reply_the_client_cannot_read_closes_the_connection_for_the_daemon_too() {
     ping.join().unwrap().unwrap();
     assert_eq!(client.reconnects(), 1);
 }
+
+#[test]
+fn a_client_closed_while_it_reconnects_leaves_no_registration_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("vramd.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
+    let (client, old) = connected(&listener, &socket);
+    // The daemon restarts; the client registers again.
+    drop(old);
+    let (stream, _) = listener.accept().unwrap();
+    let new = Conn::new(stream);
+    let hello: Received<Request> = new.recv().unwrap();
+    assert!(matches!(hello.msg, Request::Hello(_)), "{:?}", hello.msg);
+    // The owner closes before the Welcome comes.
+    client.close();
+    new.send(hello.id, &welcome(), &[]).unwrap();
+    loop {
+        match new.recv_within::<Request>(Some(Duration::from_secs(5))) {
+            // A parting word is fine; the connection must end.
+            Ok(r) if matches!(r.msg, Request::Bye) => continue,
+            Err(ProtoError::Closed) => break,
+            other => panic!("the new registration stays open: {other:?}"),
+        }
+    }
+}
