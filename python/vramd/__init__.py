@@ -88,12 +88,24 @@ class _Closes:
 class Tenant(_Closes):
     """This process as a tenant. Made by `connect` (or `current`); one per process at a time."""
 
+    # vram_alloc's device for the tenant's own GPU, whatever its CUDA ordinal in this process
+    # (`stats()["gpu"]` is the daemon's number for it, which CUDA_VISIBLE_DEVICES may change).
+    _DEVICE = -1
+
     def __init__(self):
         self._ended = False
-        self._gpu = self.stats()["gpu"]
+        # Connects now, as first use would, so that a refusal is this call's error.
+        self.stats()
+
+    def _live(self):
+        # After close, libvram.so's first use would make a new tenant of this process, one no
+        # `close` of this object would end.
+        if self._ended:
+            raise VramdError("vramd: this tenant was closed; vramd.connect() makes a new one")
 
     def stats(self):
         """{"tenant", "gpu", "limit", "guarantee", "stats": {...}}: the allocator's figures."""
+        self._live()
         return _lib.take_json(_lib.lib().vram_stats_json(), "vram_stats_json")
 
     # The tenant's name, limit and guarantee (bytes) and daemon device, as its welcome said.
@@ -105,16 +117,19 @@ class Tenant(_Closes):
     def alloc(self, size, stream=None):
         """The address of a block of at least `size` bytes on the tenant's device; VramdError
         (tenant, limit, what it holds) when refused."""
-        p = _lib.lib().vram_alloc(parse_size(size), self._gpu, stream)
+        self._live()
+        p = _lib.lib().vram_alloc(parse_size(size), self._DEVICE, stream)
         _lib.check(p, "vram_alloc")
         return p
 
     def free(self, ptr, stream=None):
         """Frees a block from `alloc` (a pointer it never gave is logged by libvram, not fatal)."""
-        _lib.lib().vram_free(ptr, 0, self._gpu, stream)
+        self._live()
+        _lib.lib().vram_free(ptr, 0, self._DEVICE, stream)
 
     def mem_get_info(self):
         """(free, total) as this tenant sees it: total is its limit, free what it may still take."""
+        self._live()
         free, total = ctypes.c_uint64(), ctypes.c_uint64()
         _lib.check(
             _lib.lib().vram_mem_get_info(ctypes.byref(free), ctypes.byref(total)) == 0,
@@ -124,6 +139,7 @@ class Tenant(_Closes):
 
     def trim(self):
         """Gives every idle byte back to the daemon now; returns the bytes."""
+        self._live()
         return _lib.lib().vram_trim()
 
     def close(self):

@@ -170,21 +170,49 @@ def end_tenant(tenant):
     libraries took with cudaMalloc for the life of the process (cuBLAS's own buffers, docs/ray.md)."""
     gc.collect()
     torch = sys.modules.get("torch")
-    if torch is not None:
-        import vramd_torch
+    try:
+        if torch is not None:
+            import vramd_torch
 
-        if vramd_torch.installed():
-            torch.cuda.synchronize()
-            clear = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
-            if clear is not None:
-                clear()
-            torch.cuda.empty_cache()
-    tenant.close()
+            if vramd_torch.installed() and torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+                clear = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
+                if clear is not None:
+                    clear()
+                torch.cuda.empty_cache()
+    finally:
+        # Also after a CUDA error (a failed kernel makes synchronize raise): the tenant ends,
+        # or says what it still holds.
+        tenant.close()
 
 
 # A task that ended holding memory leaves its tenant connected; no later task on this worker may
 # inherit it, so the worker leaves instead of running the next one (Ray runs it on a fresh one).
 _leftover = None
+
+# The ask this worker's runtime_env carries (the variables `options` sets), taken out of the
+# environment when the worker starts (`setup_worker`). Ray passes a runtime_env on to the tasks
+# and actors a task starts, which asked for nothing and had nothing reserved: only a task or
+# actor that Ray gave vramd's resource becomes a tenant with the ask, and nothing else in the
+# worker (such a child task, a subprocess, libvram.so's first use) finds a guarantee that is not
+# its own in the environment.
+_ask = {}
+_ASK_VARS = (GUARANTEE_VAR, LIMIT_VAR, CLASS_VAR)
+
+
+def _asked(ray):
+    """Whether Ray gave the running task or actor vramd's resource."""
+    return ray.get_runtime_context().get_assigned_resources().get(RESOURCE, 0) > 0
+
+
+def _become_asked(name):
+    """`become_tenant(name)` with this worker's ask (see `_ask`)."""
+    return become_tenant(
+        name,
+        memory=_ask.get(GUARANTEE_VAR),
+        limit=_ask.get(LIMIT_VAR),
+        priority=_ask.get(CLASS_VAR),
+    )
 
 
 def _exit_if_leftover(name):
@@ -206,20 +234,22 @@ def task_tenant(name):
     process exits the process rather than run anything under it."""
     global _leftover
     _exit_if_leftover(name)
-    tenant = become_tenant(name)
+    tenant = _become_asked(name)
     try:
         yield tenant
     except BaseException:
         try:
             end_tenant(tenant)
-        except VramdError as e:
-            _leftover = name
+        except BaseException as e:
+            if not tenant._ended:
+                _leftover = name
             print(f"{e}", file=sys.stderr)
         raise
     try:
         end_tenant(tenant)
-    except VramdError:
-        _leftover = name
+    except BaseException:
+        if not tenant._ended:
+            _leftover = name
         raise
 
 
@@ -235,12 +265,17 @@ def _for_task(fn):
     if inspect.isgeneratorfunction(fn):
 
         def run(*args, **kwargs):
+            if not _asked(ray):
+                yield from fn(*args, **kwargs)
+                return
             with task_tenant(name()):
                 yield from fn(*args, **kwargs)
 
     else:
 
         def run(*args, **kwargs):
+            if not _asked(ray):
+                return fn(*args, **kwargs)
             with task_tenant(name()):
                 return fn(*args, **kwargs)
 
@@ -253,9 +288,10 @@ def _for_actor_creation(init):
     import ray
 
     def run(*args, **kwargs):
-        name = f"ray-actor-{ray.get_runtime_context().get_actor_id()}"
-        _exit_if_leftover(name)
-        become_tenant(name)
+        if _asked(ray):
+            name = f"ray-actor-{ray.get_runtime_context().get_actor_id()}"
+            _exit_if_leftover(name)
+            _become_asked(name)
         return init(*args, **kwargs)
 
     return _like(run, init)
@@ -272,8 +308,9 @@ def _like(wrapper, fn):
 
 def setup_worker():
     """Ray's setup hook in the workers of `options` (named by the runtime_env `options` returns):
-    has each task run as a tenant of its own and each actor's constructor as the actor's tenant.
-    Does nothing in a worker without an ask (VRAMD_GUARANTEE unset), so it may also be the job's
+    has each task that Ray gave vramd's resource run as a tenant of its own and each such actor's
+    constructor as the actor's tenant; takes the ask out of the environment (see `_ask`). Does
+    nothing in a worker without an ask (VRAMD_GUARANTEE unset), so it may also be the job's
     `worker_process_setup_hook`.
 
     Ray has no per-task hook: this wraps what the worker's function manager hands to Ray's task
@@ -281,6 +318,8 @@ def setup_worker():
     it fails here, in every such worker, with this message, rather than run tasks unenforced."""
     if not os.environ.get(GUARANTEE_VAR):
         return
+    global _ask
+    _ask = {var: os.environ.pop(var) for var in _ASK_VARS if var in os.environ}
     import ray
 
     _run_job_hook(ray)

@@ -63,10 +63,14 @@ typedef struct vram_options {
  * VRAM_ERR_CONNECTED, the tenant named in vram_last_error(). */
 int vram_init(const vram_options_t *opts);
 
+/* `device` for vram_alloc and vram_free: the GPU this process was admitted on, whatever its
+ * ordinal here (for callers that do not know CUDA's numbering). */
+#define VRAM_TENANT_DEVICE (-1)
+
 /* A block of at least `size` bytes for use on `stream` (an opaque cudaStream_t; any value on the
- * host backend), or NULL. `device` is the program's CUDA device ordinal (as cudaGetDevice gives
- * it, after CUDA_VISIBLE_DEVICES) and must be the GPU this process was admitted on, compared by
- * UUID; on the host backend it is the daemon's device index. */
+ * host backend), or NULL. `device` is VRAM_TENANT_DEVICE, or the program's CUDA device ordinal
+ * (as cudaGetDevice gives it, after CUDA_VISIBLE_DEVICES), which must be the GPU this process was
+ * admitted on, compared by UUID; on the host backend the daemon's device index. */
 void *vram_alloc(ssize_t size, int device, void *stream);
 
 /* Frees a block from vram_alloc, last used on `stream`. `size` is the size asked for (unused:

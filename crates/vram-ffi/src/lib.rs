@@ -454,6 +454,10 @@ fn guarded<R>(fallback: R, f: impl FnOnce() -> Result<R, String>) -> R {
 }
 
 fn check_device(t: &Tenant, device: c_int) -> Result<(), String> {
+    // The tenant's own GPU, whatever its ordinal in this process (`VRAM_TENANT_DEVICE`).
+    if device == -1 {
+        return Ok(());
+    }
     if !is_tenant_ordinal(t, device) {
         return Err(format!(
             "vramd: device {device} asked for, but this process is a tenant of the daemon's gpu \

@@ -95,6 +95,13 @@ fn a_process_ends_one_tenant_and_becomes_another() {
     let p = vram::vram_alloc(8 << 20, 0, stream);
     assert!(!p.is_null(), "{:?}", vram::last_error());
     vram::vram_free(p, 0, 0, stream);
+    // VRAM_TENANT_DEVICE (-1) is the tenant's GPU whatever its number; another is refused.
+    let p = vram::vram_alloc(8 << 20, -1, stream);
+    assert!(!p.is_null(), "{:?}", vram::last_error());
+    vram::vram_free(p, 0, -1, stream);
+    assert!(vram::vram_alloc(8 << 20, 5, stream).is_null());
+    let e = vram::last_error().unwrap();
+    assert!(e.contains("device 5 asked for"), "{e}");
     assert_eq!(vram::vram_disconnect(), 0, "{:?}", vram::last_error());
     assert!(gone(), "{:?}", tenants());
 }

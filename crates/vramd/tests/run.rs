@@ -391,3 +391,88 @@ fn the_program_joins_the_run_and_a_process_given_a_name_is_a_tenant_of_its_own()
         "{stderr}"
     );
 }
+
+/// The Python package's `Tenant` after `close`: an error, not a new tenant made behind its back
+/// by libvram.so's first use (which no `close` of that object would end); and its blocks are on
+/// the tenant's GPU whatever number the daemon gives it (`VRAM_TENANT_DEVICE`).
+#[test]
+fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
+    let lib = library().expect("libvram.so builds");
+    let d = Daemon::start(CONFIG);
+    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python");
+    let script = "import vramd\n\
+        t = vramd.connect(name='closing', limit='64MiB')\n\
+        p = t.alloc(2 << 20)\n\
+        t.free(p)\n\
+        t.close()\n\
+        try:\n    t.name\n    print('no error')\n\
+        except vramd.VramdError as e:\n    print('closed:', e)\n\
+        print(sorted(x['name'] for x in vramd.status()['tenants']))\n";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .env("PYTHONPATH", &python)
+        .env("VRAMD_LIB", &lib)
+        .env("VRAMD_SOCKET", &d.socket)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "closed: vramd: this tenant was closed; vramd.connect() makes a new one",
+            "[]"
+        ],
+        "{stderr}"
+    );
+}
+
+/// A Ray task's tenant whose end meets a CUDA error (PyTorch's synchronize raises after a failed
+/// kernel) is still ended, or marked left over so that its worker runs nothing after it; never
+/// left connected with the next task refused under its name.
+#[test]
+fn a_task_tenant_is_ended_when_its_cuda_work_failed() {
+    let lib = library().expect("libvram.so builds");
+    let d = Daemon::start(CONFIG);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = format!(
+        "{}:{}",
+        root.join("../../python").display(),
+        root.join("tests/fake_torch").display()
+    );
+    let script = "import vramd, vramd.ray as vr, vramd_torch, torch\n\
+        def failed():\n    raise RuntimeError('CUDA error: device-side assert triggered')\n\
+        torch.cuda.is_initialized = lambda: True\n\
+        torch.cuda.synchronize = failed\n\
+        vramd_torch.installed = lambda: 'full'\n\
+        try:\n    with vr.task_tenant('t1'):\n        pass\n\
+        except RuntimeError as e:\n    print('raised:', e)\n\
+        print(vr._leftover, sorted(x['name'] for x in vramd.status()['tenants']))\n";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .env("PYTHONPATH", &python)
+        .env("VRAMD_LIB", &lib)
+        .env("VRAMD_SOCKET", &d.socket)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(
+        lines,
+        [
+            "raised: CUDA error: device-side assert triggered",
+            "None []"
+        ],
+        "{stderr}"
+    );
+}

@@ -267,6 +267,28 @@ def main():
             assert r["torch"] == ("full", True) and r["preloaded"], r
         say("ok", f"ten plain tasks with options() on {len(set(pids))} worker process(es) in {took:.1f} s: ten tenants, each starting with nothing and alone on the daemon, PyTorch's hook set")
 
+        # A task started by a task that asked inherits its runtime_env (Ray passes it on), not
+        # its ask: Ray reserved nothing for it, so it is no tenant with the parent's guarantee,
+        # and no guarantee is left in its environment for anything it starts.
+        def child_body():
+            names = {x["name"]: x["guarantee"] for x in vramd.status(os.environ["VRAMD_SOCKET"])["tenants"]}
+            return {"pid": os.getpid(), "guarantee_var": os.environ.get("VRAMD_GUARANTEE"), "tenants": names}
+
+        child = ray.remote(num_cpus=0)(child_body)
+
+        @vr.remote(memory="256MiB", limit="512MiB", num_cpus=0)
+        def parent():
+            me = vramd.current().name
+            return me, ray.get(child.options(scheduling_strategy=on(head_node)).remote(), timeout=120)
+
+        before = tenants(HEAD)
+        me, seen = ray.get(parent.options(scheduling_strategy=on(head_node)).remote(), timeout=120)
+        assert seen["guarantee_var"] is None, seen
+        assert me in seen["tenants"] and seen["tenants"][me] == 256 * MiB, (me, seen)
+        guaranteed = [n for n, g in seen["tenants"].items() if g and n != me and n not in before]
+        assert guaranteed == [], f"the child task holds a guarantee: {seen}"
+        say("ok", f"a task started by a task that asked is no tenant with its guarantee: tenants {sorted(seen['tenants'])} while the parent `{me}` ran")
+
         # PyTorch's integration in a worker, as under `vramd run --torch-mode pool`: libvram.so
         # preloaded into the worker, the allocator installed when torch is imported (a stand-in
         # torch, tests/fake_torch: no GPU here), mem_get_info answering the tenant's view.
