@@ -52,7 +52,14 @@ def install(mode=None):
         if mode == "full":
             from . import _full
 
-            _full.install()
+            try:
+                _full.install()
+            except _full.NoShim as e:
+                raise RuntimeError(
+                    f"vramd: full mode is not available ({e}; set CXX to a C++ compiler), and "
+                    "PyTorch keeps its own allocator: use pool mode (`vramd run --torch-mode "
+                    "pool`) to have its memory from vramd without a compiler"
+                ) from None
         else:
             from . import _pool
 

@@ -4,7 +4,6 @@ import ctypes
 import hashlib
 import os
 import subprocess
-import sys
 import tempfile
 
 from . import _lib
@@ -50,8 +49,13 @@ extern "C" void vramd_torch_capture_end(int device, vramd_pool_id) {
 """
 
 
+class NoShim(RuntimeError):
+    """The shim cannot be built here (no C++ compiler, PyTorch's headers missing, ...)."""
+
+
 def _shim():
-    """Builds (once per torch version) the shim; None, with a warning, if it cannot."""
+    """Builds (once per torch version) the shim; NoShim, with the compiler's words, if it
+    cannot."""
     import torch
     import torch.utils.cpp_extension as ext
 
@@ -63,6 +67,14 @@ def _shim():
     out = os.path.join(cache, f"vramd_oom_{key}.so")
     if os.path.exists(out):
         return out
+    try:
+        return _build_shim(ext, abi, cache, out)
+    except OSError as e:
+        # No compiler (`c++` not found), an unwritable cache, ...
+        raise NoShim(f"cannot build the OOM shim: {e}") from None
+
+
+def _build_shim(ext, abi, cache, out):
     os.makedirs(cache, exist_ok=True)
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "shim.cpp")
@@ -76,9 +88,7 @@ def _shim():
                 f"-Wl,-rpath,{libdir}"]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
-            print(f"vramd: cannot build the OOM shim ({r.stderr.strip()[-400:]}); a refused "
-                  "allocation in full mode will not raise torch.OutOfMemoryError", file=sys.stderr)
-            return None
+            raise NoShim(f"cannot build the OOM shim: {r.stderr.strip()[-400:]}")
         os.replace(os.path.join(d, "shim.so"), out)
     return out
 
@@ -92,13 +102,11 @@ def install():
             "vramd: full mode must be installed before CUDA is initialised; use pool mode "
             "(vramd_torch.install(mode='pool')) in a process that already uses CUDA"
         )
+    # Without the shim a refusal would be a tensor at address 0: NoShim, nothing changed.
     shim = _shim()
-    if shim:
-        lib = ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "vramd_torch_alloc", "vramd_torch_free")
-        _announce_captures(alloc, lib)
-    else:
-        alloc = torch.cuda.memory.CUDAPluggableAllocator(_lib.path(), "vram_alloc", "vram_free")
+    lib = ctypes.CDLL(shim, mode=ctypes.RTLD_GLOBAL)
+    alloc = torch.cuda.memory.CUDAPluggableAllocator(shim, "vramd_torch_alloc", "vramd_torch_free")
+    _announce_captures(alloc, lib)
     torch.cuda.memory.change_current_allocator(alloc)
     _allocator = alloc
     _patch_stats(torch)

@@ -476,3 +476,60 @@ fn a_task_tenant_is_ended_when_its_cuda_work_failed() {
         "{stderr}"
     );
 }
+
+/// Full mode where its out-of-memory shim cannot be built (no C++ compiler): a clear error,
+/// PyTorch's allocator left as it was; never vramd's raw allocator, whose refusal PyTorch would
+/// turn into a tensor at address 0.
+#[test]
+fn full_mode_without_a_compiler_is_a_clear_error() {
+    let lib = library().expect("libvram.so builds");
+    let d = Daemon::start(CONFIG);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = format!(
+        "{}:{}",
+        root.join("../../python").display(),
+        root.join("tests/fake_torch").display()
+    );
+    let cache = tempfile::tempdir().unwrap();
+    // What the shim's build reads of PyTorch, stood in for; the allocator change recorded.
+    let script = "import sys, types, torch, vramd_torch\n\
+        torch.__version__ = '0+stand-in'\n\
+        torch._C = types.SimpleNamespace(_GLIBCXX_USE_CXX11_ABI=1)\n\
+        ext = types.ModuleType('torch.utils.cpp_extension')\n\
+        ext.include_paths = lambda: []\n\
+        ext.library_paths = lambda: ['/nonexistent']\n\
+        torch.utils = types.ModuleType('torch.utils')\n\
+        torch.utils.cpp_extension = ext\n\
+        sys.modules['torch.utils'] = torch.utils\n\
+        sys.modules['torch.utils.cpp_extension'] = ext\n\
+        changed = []\n\
+        torch.cuda.memory.change_current_allocator = changed.append\n\
+        torch.cuda.memory.CUDAPluggableAllocator = lambda *a: a\n\
+        try:\n    vramd_torch.install(mode='full')\n    print('installed', changed)\n\
+        except RuntimeError as e:\n    print('refused:', e)\n\
+        print(vramd_torch.installed(), changed)\n";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .env("PYTHONPATH", &python)
+        .env("VRAMD_LIB", &lib)
+        .env("VRAMD_SOCKET", &d.socket)
+        .env("VRAMD_TORCH_CACHE", cache.path())
+        .env("CXX", "/nonexistent/c++")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stdout}{stderr}");
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 2, "{stdout}{stderr}");
+    assert!(
+        lines[0]
+            .starts_with("refused: vramd: full mode is not available (cannot build the OOM shim")
+            && lines[0].contains("/nonexistent/c++"),
+        "{stdout}{stderr}"
+    );
+    assert_eq!(lines[1], "None []", "{stdout}{stderr}");
+}
