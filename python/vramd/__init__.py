@@ -50,17 +50,35 @@ def parse_size(v):
     if isinstance(v, int) and not isinstance(v, bool):
         if v < 0:
             raise ValueError(f"vramd: a size cannot be negative ({v})")
-        return v
+        return _fits(v, v)
     m = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(v))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"vramd: `{v}` is not a size (such as 20GiB, 512MiB or a number of bytes)")
     num, mult = m.group(1), _UNITS[m.group(2).lower()]
     if num.isdigit():
-        return int(num) * mult
+        return _fits(int(num) * mult, v)
     try:
-        return round(float(num) * mult)
-    except ValueError:
+        return _fits(round(float(num) * mult), v)
+    except (ValueError, OverflowError):
         raise ValueError(f"vramd: `{v}` is not a size") from None
+
+
+# The largest size the C ABI takes (ssize_t): a larger one would wrap around in ctypes.
+_MAX_SIZE = (1 << 63) - 1
+
+
+def _fits(n, asked):
+    if n > _MAX_SIZE:
+        raise ValueError(f"vramd: {asked} is more bytes than any device has")
+    return n
+
+
+def _millis(what, ms):
+    """`ms` as the C ABI's uint32 milliseconds: a negative or too long a time would wrap."""
+    ms = int(ms)
+    if not 0 <= ms <= 0xFFFF_FFFF:
+        raise ValueError(f"vramd: {what} of {ms} ms is not between 0 and {0xFFFF_FFFF} ms")
+    return ms
 
 
 def _size_arg(v):
@@ -222,6 +240,7 @@ class SharedBuffer(_Closes):
         return cls(h, name)
 
     def lease(self, ttl_ms=10_000):
+        ttl_ms = _millis("a lease", ttl_ms)
         _lib.check(_lib.lib().vram_shared_lease(self._h, ttl_ms) == 0, "vram_shared_lease")
 
     def release_lease(self):
@@ -255,7 +274,8 @@ class SharedBuffer(_Closes):
     def wait(self, than=0, timeout_s=1.0):
         """The number of a version newer than `than`, or None after `timeout_s`."""
         v = ctypes.c_uint64()
-        r = _lib.lib().vram_shared_wait(self._h, than, int(timeout_s * 1000), ctypes.byref(v))
+        timeout_ms = _millis("a wait", timeout_s * 1000)
+        r = _lib.lib().vram_shared_wait(self._h, than, timeout_ms, ctypes.byref(v))
         _lib.check(r >= 0, "vram_shared_wait")
         return v.value if r == 1 else None
 

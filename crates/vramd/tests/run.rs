@@ -393,8 +393,9 @@ fn the_program_joins_the_run_and_a_process_given_a_name_is_a_tenant_of_its_own()
 }
 
 /// The Python package's `Tenant` after `close`: an error, not a new tenant made behind its back
-/// by libvram.so's first use (which no `close` of that object would end); and its blocks are on
-/// the tenant's GPU whatever number the daemon gives it (`VRAM_TENANT_DEVICE`).
+/// by libvram.so's first use (which no `close` of that object would end); its blocks are on the
+/// tenant's GPU whatever number the daemon gives it (`VRAM_TENANT_DEVICE`); a size beyond what
+/// the C ABI takes is an error, not wrapped around to a small one.
 #[test]
 fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
     let lib = library().expect("libvram.so builds");
@@ -402,6 +403,8 @@ fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
     let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python");
     let script = "import vramd\n\
         t = vramd.connect(name='closing', limit='64MiB')\n\
+        try:\n    t.alloc((1 << 64) + (1 << 20))\n    print('allocated')\n\
+        except ValueError as e:\n    print(e)\n\
         p = t.alloc(2 << 20)\n\
         t.free(p)\n\
         t.close()\n\
@@ -425,6 +428,7 @@ fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
     assert_eq!(
         lines,
         [
+            "vramd: 18446744073710600192 is more bytes than any device has",
             "closed: vramd: this tenant was closed; vramd.connect() makes a new one",
             "[]"
         ],
