@@ -398,9 +398,7 @@ fn the_program_joins_the_run_and_a_process_given_a_name_is_a_tenant_of_its_own()
 /// the C ABI takes is an error, not wrapped around to a small one.
 #[test]
 fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
-    let lib = library().expect("libvram.so builds");
     let d = Daemon::start(CONFIG);
-    let python = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../python");
     let script = "import vramd\n\
         t = vramd.connect(name='closing', limit='64MiB')\n\
         try:\n    t.alloc((1 << 64) + (1 << 20))\n    print('allocated')\n\
@@ -411,28 +409,13 @@ fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
         try:\n    t.name\n    print('no error')\n\
         except vramd.VramdError as e:\n    print('closed:', e)\n\
         print(sorted(x['name'] for x in vramd.status()['tenants']))\n";
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .env("PYTHONPATH", &python)
-        .env("VRAMD_LIB", &lib)
-        .env("VRAMD_SOCKET", &d.socket)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{stdout}{stderr}");
-    let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(
-        lines,
+        python_lines(&d, script, &[]),
         [
             "vramd: 18446744073710600192 is more bytes than any device has",
             "closed: vramd: this tenant was closed; vramd.connect() makes a new one",
             "[]"
-        ],
-        "{stderr}"
+        ]
     );
 }
 
@@ -441,14 +424,7 @@ fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
 /// left connected with the next task refused under its name.
 #[test]
 fn a_task_tenant_is_ended_when_its_cuda_work_failed() {
-    let lib = library().expect("libvram.so builds");
     let d = Daemon::start(CONFIG);
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let python = format!(
-        "{}:{}",
-        root.join("../../python").display(),
-        root.join("tests/fake_torch").display()
-    );
     let script = "import vramd, vramd.ray as vr, vramd_torch, torch\n\
         def failed():\n    raise RuntimeError('CUDA error: device-side assert triggered')\n\
         torch.cuda.is_initialized = lambda: True\n\
@@ -457,27 +433,12 @@ fn a_task_tenant_is_ended_when_its_cuda_work_failed() {
         try:\n    with vr.task_tenant('t1'):\n        pass\n\
         except RuntimeError as e:\n    print('raised:', e)\n\
         print(vr._leftover, sorted(x['name'] for x in vramd.status()['tenants']))\n";
-    let out = Command::new("python3")
-        .args(["-c", script])
-        .env("PYTHONPATH", &python)
-        .env("VRAMD_LIB", &lib)
-        .env("VRAMD_SOCKET", &d.socket)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{stdout}{stderr}");
-    let lines: Vec<&str> = stdout.lines().collect();
     assert_eq!(
-        lines,
+        python_lines(&d, script, &[]),
         [
             "raised: CUDA error: device-side assert triggered",
             "None []"
-        ],
-        "{stderr}"
+        ]
     );
 }
 
@@ -486,14 +447,7 @@ fn a_task_tenant_is_ended_when_its_cuda_work_failed() {
 /// turn into a tensor at address 0.
 #[test]
 fn full_mode_without_a_compiler_is_a_clear_error() {
-    let lib = library().expect("libvram.so builds");
     let d = Daemon::start(CONFIG);
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let python = format!(
-        "{}:{}",
-        root.join("../../python").display(),
-        root.join("tests/fake_torch").display()
-    );
     let cache = tempfile::tempdir().unwrap();
     // What the shim's build reads of PyTorch, stood in for; the allocator change recorded.
     let script = "import sys, types, torch, vramd_torch\n\
@@ -512,28 +466,46 @@ fn full_mode_without_a_compiler_is_a_clear_error() {
         try:\n    vramd_torch.install(mode='full')\n    print('installed', changed)\n\
         except RuntimeError as e:\n    print('refused:', e)\n\
         print(vramd_torch.installed(), changed)\n";
-    let out = Command::new("python3")
-        .args(["-c", script])
+    let env = [
+        ("VRAMD_TORCH_CACHE", cache.path()),
+        ("CXX", Path::new("/nonexistent/c++")),
+    ];
+    let lines = python_lines(&d, script, &env);
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(
+        lines[0]
+            .starts_with("refused: vramd: full mode is not available (cannot build the OOM shim")
+            && lines[0].contains("/nonexistent/c++"),
+        "{lines:?}"
+    );
+    assert_eq!(lines[1], "None []");
+}
+
+/// The lines `script` prints, run by python3 against `d` with the repository's packages and the
+/// stand-in torch importable and libvram.so found through `VRAMD_LIB`; `env` added. The script
+/// must succeed.
+fn python_lines(d: &Daemon, script: &str, env: &[(&str, &Path)]) -> Vec<String> {
+    let lib = library().expect("libvram.so builds");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = format!(
+        "{}:{}",
+        root.join("../../python").display(),
+        root.join("tests/fake_torch").display()
+    );
+    let mut cmd = Command::new("python3");
+    cmd.args(["-c", script])
         .env("PYTHONPATH", &python)
         .env("VRAMD_LIB", &lib)
         .env("VRAMD_SOCKET", &d.socket)
-        .env("VRAMD_TORCH_CACHE", cache.path())
-        .env("CXX", "/nonexistent/c++")
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+        .stdin(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().unwrap();
     let (stdout, stderr) = (
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr),
     );
     assert!(out.status.success(), "{stdout}{stderr}");
-    let lines: Vec<&str> = stdout.lines().collect();
-    assert_eq!(lines.len(), 2, "{stdout}{stderr}");
-    assert!(
-        lines[0]
-            .starts_with("refused: vramd: full mode is not available (cannot build the OOM shim")
-            && lines[0].contains("/nonexistent/c++"),
-        "{stdout}{stderr}"
-    );
-    assert_eq!(lines[1], "None []", "{stdout}{stderr}");
+    stdout.lines().map(str::to_owned).collect()
 }
