@@ -684,6 +684,7 @@ impl Slot {
                 g.sort();
                 Some(super::state::SavedTenant {
                     gpu: self.index,
+                    uuid: self.device.info().uuid.clone(),
                     name: t.name.clone(),
                     class: t.class.clone(),
                     guarantee: t.guarantee,

@@ -39,6 +39,10 @@ pub struct Saved {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SavedTenant {
     pub gpu: u32,
+    /// The GPU's UUID, which finds it again if the daemon numbers its devices otherwise after
+    /// the restart (a GPU gone, another device list); empty: `gpu` decides.
+    #[serde(default)]
+    pub uuid: String,
     pub name: String,
     pub class: String,
     pub guarantee: Bytes,
@@ -175,16 +179,19 @@ impl Keeper {
         let path = path_for(socket);
         if let Some(saved) = load(&path) {
             let mut adopted = 0;
-            for (gpu, slot) in daemon.slots.iter().enumerate() {
-                // Well above any id the daemon before gave in the moments its file lacks.
-                let next = saved.next_grant.get(gpu).copied().unwrap_or(1);
+            // Well above any id the daemon before gave on any device in the moments its file
+            // lacks (devices may be numbered otherwise now).
+            let next = saved.next_grant.iter().copied().max().unwrap_or(1);
+            for slot in &daemon.slots {
                 slot.start_grants_at(next.saturating_add(1 << 24));
             }
+            let uuids: Vec<String> = daemon.slots.iter().map(|s| s.desc().uuid).collect();
             for t in &saved.tenants {
-                let Some(slot) = daemon.slots.get(t.gpu as usize) else {
+                let Some(slot) = slot_of(t, &uuids).map(|i| &daemon.slots[i]) else {
                     tracing::warn!(
                         tenant = t.name,
                         gpu = t.gpu,
+                        uuid = t.uuid,
                         "not adopted: no such device now"
                     );
                     continue;
@@ -285,9 +292,55 @@ impl Keeper {
     }
 }
 
+/// Which of the devices now (their UUIDs, by index) a saved tenant's GPU is: by UUID where the
+/// file names it, else by index.
+fn slot_of(t: &SavedTenant, uuids: &[String]) -> Option<usize> {
+    if t.uuid.is_empty() {
+        let i = t.gpu as usize;
+        return (i < uuids.len()).then_some(i);
+    }
+    uuids.iter().position(|u| *u == t.uuid)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_saved_tenant_finds_its_gpu_by_uuid_though_the_numbers_changed() {
+        let mut t = SavedTenant {
+            gpu: 2,
+            uuid: "GPU-c".into(),
+            name: "trainer".into(),
+            class: "normal".into(),
+            guarantee: Bytes::ZERO,
+            limit: Bytes::gib(8),
+            pid: 1,
+            uid: 0,
+            start_time: 0,
+            grants: Vec::new(),
+            charged: Bytes::ZERO,
+            invitation: None,
+        };
+        // GPU-b is gone: GPU-c is the daemon's device 1 now.
+        let now = [
+            "GPU-a".to_string(),
+            "GPU-c".to_string(),
+            "GPU-d".to_string(),
+        ];
+        assert_eq!(slot_of(&t, &now), Some(1));
+        t.uuid = "GPU-b".into();
+        assert_eq!(
+            slot_of(&t, &now),
+            None,
+            "its GPU is gone: not adopted elsewhere"
+        );
+        // A file without UUIDs: the index.
+        t.uuid.clear();
+        assert_eq!(slot_of(&t, &now), Some(2));
+        t.gpu = 3;
+        assert_eq!(slot_of(&t, &now), None);
+    }
 
     #[test]
     fn a_saved_state_reads_back_and_a_bad_file_is_set_aside() {
@@ -298,6 +351,7 @@ mod tests {
             vec![7],
             vec![SavedTenant {
                 gpu: 0,
+                uuid: "host-0".into(),
                 name: "trainer".into(),
                 class: "high".into(),
                 guarantee: Bytes::gib(4),
