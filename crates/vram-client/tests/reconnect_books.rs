@@ -34,9 +34,12 @@ fn welcome() -> Reply {
     })
 }
 
-/// A client registered with the daemon played on `listener`, and that daemon's end.
-fn connected(listener: &UnixListener, socket: &std::path::Path) -> (Arc<Client>, Conn) {
-    let socket = socket.to_path_buf();
+/// A daemon played on a socket in a folder of its own (the folder, the listener), a client
+/// registered with it, and the daemon's end of that registration.
+fn connected() -> (tempfile::TempDir, UnixListener, Arc<Client>, Conn) {
+    let dir = tempfile::tempdir().unwrap();
+    let socket = dir.path().join("vramd.sock");
+    let listener = UnixListener::bind(&socket).unwrap();
     let client =
         std::thread::spawn(move || Client::connect(Some(&socket), &TenantOptions::named("t")));
     let (stream, _) = listener.accept().unwrap();
@@ -44,15 +47,17 @@ fn connected(listener: &UnixListener, socket: &std::path::Path) -> (Arc<Client>,
     let hello: Received<Request> = daemon.recv().unwrap();
     assert!(matches!(hello.msg, Request::Hello(_)), "{:?}", hello.msg);
     daemon.send(hello.id, &welcome(), &[]).unwrap();
-    (Arc::new(client.join().unwrap().unwrap()), daemon)
+    (
+        dir,
+        listener,
+        Arc::new(client.join().unwrap().unwrap()),
+        daemon,
+    )
 }
 
 #[test]
 fn a_return_made_while_the_client_reconnects_reaches_the_new_daemon() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("vramd.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    let (client, old) = connected(&listener, &socket);
+    let (dir, listener, client, old) = connected();
 
     let c = client.clone();
     let grant = std::thread::spawn(move || c.grant_fd(Bytes::mib(2)).unwrap());
@@ -100,10 +105,7 @@ fn a_return_made_while_the_client_reconnects_reaches_the_new_daemon() {
 
 #[test]
 fn a_reply_the_client_cannot_read_closes_the_connection_for_the_daemon_too() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("vramd.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    let (client, old) = connected(&listener, &socket);
+    let (_dir, listener, client, old) = connected();
     // A frame whose payload is no reply this client knows.
     let mut frame = FrameHeader::new(0, 3).encode().to_vec();
     frame.extend_from_slice(&[0, 0xff, 0xff]);
@@ -130,10 +132,7 @@ fn a_reply_the_client_cannot_read_closes_the_connection_for_the_daemon_too() {
 
 #[test]
 fn a_client_closed_while_it_reconnects_leaves_no_registration_open() {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("vramd.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    let (client, old) = connected(&listener, &socket);
+    let (_dir, listener, client, old) = connected();
     // The daemon restarts; the client registers again.
     drop(old);
     let (stream, _) = listener.accept().unwrap();

@@ -102,7 +102,6 @@ impl Checkpoint {
     fn change(&self, file: File) -> Change {
         Change {
             path: self.path.clone(),
-            bytes: serde_json::to_vec_pretty(&file).expect("serializes"),
             file,
         }
     }
@@ -113,7 +112,6 @@ impl Checkpoint {
 #[must_use = "the change is on disk only once written, and in the checkpoint once committed"]
 pub struct Change {
     path: PathBuf,
-    bytes: Vec<u8>,
     file: File,
 }
 
@@ -137,7 +135,7 @@ impl Change {
             .path
             .with_extension(format!("tmp.{}.{n}", std::process::id()));
         let written = std::fs::File::create(&tmp).and_then(|mut f| {
-            f.write_all(&self.bytes)?;
+            f.write_all(&serde_json::to_vec_pretty(&self.file).expect("serializes"))?;
             f.sync_all()
         });
         let renamed = written.and_then(|()| std::fs::rename(&tmp, &self.path));

@@ -95,11 +95,7 @@ pub(crate) fn current_gpu(t: &Tenant) -> Gpu {
     if unsafe { get(&mut device) } != CUDA_SUCCESS {
         return Gpu::Elsewhere;
     }
-    if is_tenant_device(t, device) {
-        Gpu::Tenant
-    } else {
-        Gpu::Elsewhere
-    }
+    gpu_of(t, device)
 }
 
 /// The GPU a stream-ordered allocation on `stream` is made on: the device of the stream's own
@@ -152,7 +148,12 @@ pub(crate) fn stream_gpu(t: &Tenant, stream: CuStream) -> Gpu {
         }
         device
     };
-    if is_tenant_device(t, device) {
+    gpu_of(t, device)
+}
+
+/// [`Gpu`] of the driver's device `ordinal`.
+fn gpu_of(t: &Tenant, ordinal: c_int) -> Gpu {
+    if is_tenant_device(t, ordinal) {
         Gpu::Tenant
     } else {
         Gpu::Elsewhere
