@@ -221,9 +221,14 @@ fn sigquit_stops_the_daemon_cleanly() {
         "the socket outlived SIGQUIT:\n{}",
         d.log()
     );
-    let log = d.log();
-    assert!(log.contains("signal received"), "{log}");
-    assert!(log.contains("stopped"), "{log}");
+    // The socket goes before the last line is written: wait for that line rather than read
+    // the log once.
+    assert!(
+        wait_until(Duration::from_secs(10), || d.log().contains("stopped")),
+        "no `stopped` after SIGQUIT:\n{}",
+        d.log()
+    );
+    assert!(d.log().contains("signal received"), "{}", d.log());
     t.kill();
     // The daemon is gone already; `stop` checks that it exited 0.
     d.stop();
