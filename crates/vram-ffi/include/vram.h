@@ -124,10 +124,13 @@ int vram_interposing(void);
  * with the driver's signatures (CUresult; CUDA_ERROR_OUT_OF_MEMORY = 2 when refused):
  *
  *   cuMemAlloc_v2, cuMemAllocPitch_v2 (rows rounded up to 512 bytes), cuMemFree_v2,
- *   cuMemAllocAsync, cuMemFreeAsync, cuMemAllocFromPoolAsync (and their _ptsz forms; the pool
- *   is not used): served by the tenant's caching allocator, stream-ordered where the call is.
- *   cuMemFree_v2 synchronises the context first; memory vramd did not hand out goes to the
- *   driver.
+ *   cuMemAllocAsync, cuMemFreeAsync, cuMemAllocFromPoolAsync (and their _ptsz forms): served
+ *   by the tenant's caching allocator, stream-ordered where the call is. cuMemFree_v2
+ *   synchronises the context first; memory vramd did not hand out goes to the driver.
+ *   cuMemPoolCreate, cuMemPoolDestroy: the driver's, the pool's place kept. An allocation from
+ *   a pool on the host, on another GPU or whose allocations may be exported is the driver's;
+ *   on the tenant's GPU it is charged, as below, and uncharged when freed. Other pools' settings
+ *   (release threshold, maximum size) do not apply to vramd's memory.
  *   cuMemCreate, cuMemAllocManaged: the driver makes the memory; its size is then charged to the
  *   tenant against its limit (on the tenant's GPU; cuMemCreate elsewhere is not charged), and
  *   taken back when the driver frees it: for cuMemCreate, once every reference to the handle is
@@ -153,7 +156,10 @@ unsigned long long vram_interposed_calls(void);
  *    "proc_address_replaced": {"by_pointer": N, "by_name": N},
  *    "hooks": {"cuMemAlloc_v2": {"served": N, "passed": N, "refused": N}, ...}}
  * "served": by vramd (allocated, freed, charged, uncharged, answered with the tenant's view);
- * "passed": to the function underneath, unchanged; "refused": failed by vramd. */
+ * "passed": to the function underneath, unchanged; "refused": failed by vramd. Besides the
+ * entry points' names: "cuMemFree_v2_managed" (frees of charged managed memory) and
+ * "cuMemAllocFromPoolAsync_driver_pool" (allocations from pools whose memory is the driver's:
+ * "served" when charged, "passed" when not GPU memory of the tenant's). */
 char *vram_interposer_stats_json(void);
 
 /* For a caching layer above libvram (PyTorch's, in pool mode): how many of the bytes it holds

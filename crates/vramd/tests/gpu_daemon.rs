@@ -7,6 +7,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::{wait_until, Daemon};
+use serde_json::json;
 use vram_core::Bytes;
 use vram_device::cuda::{self, CudaDevice};
 
@@ -232,6 +233,26 @@ fn an_import_kept_after_its_return_is_not_lent_to_anyone() {
     d.stop();
 }
 
+/// Runs `program` with python3 under `vramd run` as tenant `tenant` (limit 1 GiB, GPU 0) and
+/// reads the JSON line it prints.
+fn run_python(d: &Daemon, tenant: &str, program: &str) -> serde_json::Value {
+    let lib = common::library().expect("libvram.so");
+    let out = std::process::Command::new(common::VRAMD)
+        .arg("run")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["--tenant", tenant, "--limit", "1GiB", "--gpu", "0", "--"])
+        .args(["python3", "-c", program])
+        .env("VRAMD_LIB", &lib)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    serde_json::from_str(stdout.trim()).unwrap_or_else(|e| panic!("{e}: {stdout}{stderr}"))
+}
+
 /// A program of the driver API (through ctypes, as XLA and CuPy reach it) under `vramd run`:
 /// 8 MiB allocated with `cuMemAllocAsync` on a stream of device 0's primary context, with that
 /// context current, with no context current, and (where there are two GPUs) on a stream of
@@ -293,32 +314,110 @@ print(json.dumps(out), flush=True)
 fn a_stream_ordered_allocation_goes_where_its_stream_is() {
     let Some(_dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
-    let lib = common::library().expect("libvram.so");
-    let out = std::process::Command::new(common::VRAMD)
-        .arg("run")
-        .arg("--socket")
-        .arg(&d.socket)
-        .args(["--tenant", "streams", "--limit", "1GiB", "--gpu", "0", "--"])
-        .args(["python3", "-c", STREAM_DEVICE_PROGRAM])
-        .env("VRAMD_LIB", &lib)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stdout}{stderr}");
-    let got: serde_json::Value = serde_json::from_str(stdout.trim()).expect(&stdout);
+    let got = run_python(&d, "streams", STREAM_DEVICE_PROGRAM);
     println!("MEASURED stream-ordered allocations by stream: {got}");
-    let served = serde_json::json!({"served": 1, "passed": 0});
-    assert_eq!(got["current"], served, "{got}\n{stderr}");
-    assert_eq!(got["no_current"], served, "{got}\n{stderr}");
+    let served = json!({"served": 1, "passed": 0});
+    assert_eq!(got["current"], served, "{got}");
+    assert_eq!(got["no_current"], served, "{got}");
     if got["devices"].as_u64() > Some(1) {
-        assert_eq!(
-            got["other_gpu_stream"],
-            serde_json::json!({"served": 0, "passed": 1})
-        );
+        assert_eq!(got["other_gpu_stream"], json!({"served": 0, "passed": 1}));
     } else {
         println!("(one GPU: a stream of another GPU was not tried)");
+    }
+    d.stop();
+}
+
+/// A program of the driver API (through ctypes) under `vramd run`, allocating 8 MiB from each
+/// of three pools it makes on device 0's primary context: one on the device (vramd's memory), one
+/// on the host (the driver's; the CPU writes it), one whose allocations may be exported (the
+/// driver's, charged: the tenant's free memory shrinks by 8 MiB until the free). Prints what the
+/// hooks did with each and what the driver said.
+const POOL_PROGRAM: &str = r#"
+import ctypes, json
+cu = ctypes.CDLL("libcuda.so.1")
+def ok(what, r):
+    if r:
+        raise SystemExit(f"{what}: CUresult {r}")
+class Props(ctypes.Structure):
+    _fields_ = [("alloc_type", ctypes.c_int), ("handle_types", ctypes.c_int),
+                ("location_type", ctypes.c_int), ("location_id", ctypes.c_int),
+                ("win32", ctypes.c_void_p), ("max_size", ctypes.c_size_t),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 54)]
+P, S = ctypes.POINTER, ctypes.c_size_t
+cu.cuMemPoolCreate.argtypes = [P(ctypes.c_void_p), P(Props)]
+cu.cuMemPoolDestroy.argtypes = [ctypes.c_void_p]
+cu.cuMemAllocFromPoolAsync.argtypes = [P(ctypes.c_ulonglong), S, ctypes.c_void_p, ctypes.c_void_p]
+cu.cuMemFreeAsync.argtypes = [ctypes.c_ulonglong, ctypes.c_void_p]
+cu.cuMemPoolExportPointer.argtypes = [ctypes.c_void_p, ctypes.c_ulonglong]
+cu.cuMemGetInfo_v2.argtypes = [P(S), P(S)]
+for f in ("cuCtxSetCurrent", "cuStreamSynchronize"):
+    getattr(cu, f).argtypes = [ctypes.c_void_p]
+lib = ctypes.CDLL(None)
+lib.vram_interposer_stats_json.restype = ctypes.c_void_p
+lib.vram_string_free.argtypes = [ctypes.c_void_p]
+def hooks():
+    p = lib.vram_interposer_stats_json()
+    h = json.loads(ctypes.string_at(p))["hooks"]
+    lib.vram_string_free(p)
+    a, b = h["cuMemAllocFromPoolAsync"], h["cuMemAllocFromPoolAsync_driver_pool"]
+    return [a["served"], b["served"], b["passed"]]
+def free_memory():
+    f, t = S(), S()
+    ok("cuMemGetInfo", cu.cuMemGetInfo_v2(ctypes.byref(f), ctypes.byref(t)))
+    return f.value
+ok("cuInit", cu.cuInit(0))
+d, c, s = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_void_p()
+ok("cuDeviceGet", cu.cuDeviceGet(ctypes.byref(d), 0))
+ok("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), d))
+ok("cuCtxSetCurrent", cu.cuCtxSetCurrent(c))
+ok("cuStreamCreate", cu.cuStreamCreate(ctypes.byref(s), 1))
+N = 8 << 20
+def case(handle_types, location_type):
+    pool = ctypes.c_void_p()
+    r = cu.cuMemPoolCreate(ctypes.byref(pool), ctypes.byref(Props(1, handle_types, location_type, 0)))
+    if r:
+        return {"pool_refused": r}
+    before_hooks, before_free = hooks(), free_memory()
+    p = ctypes.c_ulonglong()
+    ok("cuMemAllocFromPoolAsync", cu.cuMemAllocFromPoolAsync(ctypes.byref(p), N, pool, s))
+    ok("cuStreamSynchronize", cu.cuStreamSynchronize(s))
+    out = {"hooks": [a - b for a, b in zip(hooks(), before_hooks)],
+           "charged": before_free - free_memory()}
+    if location_type == 2:
+        ctypes.memset(p.value, 7, N)
+        out["cpu_wrote"] = ctypes.string_at(p.value + N - 4, 4) == b"\x07" * 4
+    if handle_types:
+        data = (ctypes.c_ubyte * 64)()
+        out["exported"] = cu.cuMemPoolExportPointer(data, p)
+    ok("cuMemFreeAsync", cu.cuMemFreeAsync(p, s))
+    ok("cuStreamSynchronize", cu.cuStreamSynchronize(s))
+    out["uncharged"] = free_memory() == before_free
+    ok("cuMemPoolDestroy", cu.cuMemPoolDestroy(pool))
+    return out
+print(json.dumps({"device": case(0, 1), "host": case(0, 2), "exportable": case(1, 1)}), flush=True)
+"#;
+
+/// Pools a program makes: vramd serves the one on its GPU; the one on the host (which the CPU
+/// must be able to write) and the one whose allocations may be exported are the driver's, the
+/// latter charged until its free.
+fn a_pool_on_the_host_or_for_export_is_the_drivers() {
+    let Some(_dev) = gpu() else { return };
+    let d = Daemon::start_on("cuda", CONFIG);
+    let got = run_python(&d, "pools", POOL_PROGRAM);
+    println!("MEASURED allocations from pools the program made: {got}");
+    let mib8 = 8u64 << 20;
+    // [served by vramd's allocator, charged as the driver's, passed uncharged]
+    assert_eq!(got["device"]["hooks"], json!([1, 0, 0]), "{got}");
+    assert_eq!(got["exportable"]["hooks"], json!([0, 1, 0]), "{got}");
+    assert_eq!(got["exportable"]["charged"], json!(mib8), "{got}");
+    assert_eq!(got["exportable"]["exported"], json!(0), "{got}");
+    assert_eq!(got["exportable"]["uncharged"], json!(true), "{got}");
+    if got["host"].get("pool_refused").is_some() {
+        println!("(the driver makes no pool on the host: not tried)");
+    } else {
+        assert_eq!(got["host"]["hooks"], json!([0, 0, 1]), "{got}");
+        assert_eq!(got["host"]["charged"], json!(0), "{got}");
+        assert_eq!(got["host"]["cpu_wrote"], json!(true), "{got}");
     }
     d.stop();
 }
@@ -330,6 +429,7 @@ vram_testing::gpu_main! {
         tenants_share_nothing_but_see_their_own_writes,
         each_gpu_has_its_own_books,
         a_stream_ordered_allocation_goes_where_its_stream_is,
+        a_pool_on_the_host_or_for_export_is_the_drivers,
         an_import_kept_after_its_return_is_not_lent_to_anyone,
     ],
 }

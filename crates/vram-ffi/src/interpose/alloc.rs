@@ -11,8 +11,8 @@
 //! A stream-ordered allocation is vramd's when its stream is on the tenant's GPU
 //! ([`super::stream_gpu`]), whatever context the calling thread has current; a synchronous one
 //! when the current context is. `cuMemAllocFromPoolAsync` is served from the tenant's memory
-//! whatever pool it names: a pool's own settings (release threshold, IPC export, a location on
-//! the host) do not apply to vramd's memory.
+//! too, except from a pool whose memory must be the driver's (on the host, exportable, on another
+//! device: [`super::pools`]).
 //!
 //! `cuMemFree_v2` of vramd's memory synchronises the context first, as the driver's does
 //! (callers rely on it); a pointer vramd did not hand out goes to the driver's own function, and
@@ -28,7 +28,7 @@ use vram_core::Bytes;
 use super::real::{self, MemAllocAsync, MemAllocFromPoolAsync, MemFreeAsync};
 use super::stats::{self, Hook};
 use super::{
-    charged, stream_gpu, tenant_or_log, CuDevicePtr, CuResult, CuStream, Gpu,
+    charged, pools, stream_gpu, tenant_or_log, CuDevicePtr, CuResult, CuStream, Gpu,
     CUDA_ERROR_INVALID_VALUE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
 use crate::{current, guarded};
@@ -201,14 +201,16 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CuDevicePtr) -> CuResult {
     if let Some(r) = charged::free_managed(dptr) {
         return r;
     }
-    if dptr != 0 {
-        stats::passed(Hook::MemFree);
-    }
-    match real::driver().mem_free {
+    let free = || match real::driver().mem_free {
         // SAFETY: the driver's own function with the caller's argument.
         Some(f) => unsafe { f(dptr) },
         None => CUDA_ERROR_NOT_FOUND,
+    };
+    if dptr != 0 {
+        stats::passed(Hook::MemFree);
     }
+    // A charged pool allocation is uncharged once freed.
+    pools::free_charged(dptr, free).unwrap_or_else(free)
 }
 
 /// `cuMemAllocAsync` and its `_ptsz` form.
@@ -258,11 +260,13 @@ fn free_async(
         return r;
     }
     stats::passed(Hook::MemFreeAsync);
-    match real {
+    let free = || match real {
         // SAFETY: the driver's own function with the caller's arguments.
         Some(f) => unsafe { f(dptr, stream) },
         None => CUDA_ERROR_NOT_FOUND,
-    }
+    };
+    // A charged pool allocation is uncharged once freed.
+    pools::free_charged(dptr, free).unwrap_or_else(free)
 }
 
 /// `cuMemAllocFromPoolAsync` and its `_ptsz` form.
@@ -279,6 +283,28 @@ unsafe fn alloc_from_pool_async(
 ) -> CuResult {
     if dptr.is_null() || bytesize == 0 {
         return CUDA_ERROR_INVALID_VALUE;
+    }
+    if pools::drivers(pool) {
+        let make = || match real {
+            // SAFETY: the driver's own function with the caller's arguments.
+            Some(f) => unsafe { f(dptr, bytesize, pool, stream) },
+            None => CUDA_ERROR_NOT_FOUND,
+        };
+        let free = if per_thread {
+            real::driver().mem_free_async_ptsz
+        } else {
+            real::driver().mem_free_async
+        };
+        let unmake = |ptr| {
+            if let Some(f) = free {
+                // SAFETY: the driver's own free, in the order of the caller's stream, of the
+                // memory it just made there; nobody else has seen the pointer.
+                unsafe { f(ptr, stream) };
+            }
+        };
+        // SAFETY: `dptr` is the caller's, valid for one write (checked non-null), which the
+        // driver's function makes before it is read.
+        return unsafe { pools::alloc_from_drivers_pool(dptr, bytesize, pool, make, unmake) };
     }
     let sid = stream_id(stream, per_thread);
     match serve(

@@ -28,7 +28,7 @@
 use std::ffi::{c_char, c_void, CStr};
 use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 
-use super::{alloc, charged, info, nvml, procaddr, vmm};
+use super::{alloc, charged, info, nvml, pools, procaddr, vmm};
 
 /// glibc's `dlsym`.
 pub(crate) type DlsymFn = unsafe extern "C" fn(*mut c_void, *const c_char) -> *mut c_void;
@@ -85,6 +85,8 @@ pub(crate) fn hook_for(name: &[u8]) -> Option<*mut c_void> {
         b"cuMemFreeAsync_ptsz" => alloc::cuMemFreeAsync_ptsz as *mut c_void,
         b"cuMemAllocFromPoolAsync" => alloc::cuMemAllocFromPoolAsync as *mut c_void,
         b"cuMemAllocFromPoolAsync_ptsz" => alloc::cuMemAllocFromPoolAsync_ptsz as *mut c_void,
+        b"cuMemPoolCreate" => pools::cuMemPoolCreate as *mut c_void,
+        b"cuMemPoolDestroy" => pools::cuMemPoolDestroy as *mut c_void,
         b"cuMemCreate" => vmm::cuMemCreate as *mut c_void,
         b"cuMemRelease" => vmm::cuMemRelease as *mut c_void,
         b"cuMemRetainAllocationHandle" => vmm::cuMemRetainAllocationHandle as *mut c_void,

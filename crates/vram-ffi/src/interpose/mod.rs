@@ -10,7 +10,8 @@
 //!   statically (XLA).
 //! - [`alloc`]: `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2` and the stream-ordered
 //!   `cuMemAllocAsync` / `cuMemFreeAsync` / `cuMemAllocFromPoolAsync` (and their per-thread
-//!   default stream `_ptsz` forms) are served by the tenant's caching allocator.
+//!   default stream `_ptsz` forms) are served by the tenant's caching allocator; [`pools`]
+//!   (`cuMemPoolCreate`, `cuMemPoolDestroy`) says which pools' allocations are the driver's.
 //! - [`vmm`] and [`charged`]: memory a library makes itself through the driver (`cuMemCreate`,
 //!   as NCCL, XLA and PyTorch's expandable segments do; `cuMemAllocManaged`) is made by the
 //!   driver and charged to the tenant; a refused charge frees it again and fails the call with
@@ -39,6 +40,7 @@ pub(crate) mod charged;
 pub(crate) mod dlsym;
 pub(crate) mod info;
 pub(crate) mod nvml;
+pub(crate) mod pools;
 pub(crate) mod procaddr;
 pub(crate) mod real;
 pub(crate) mod stats;

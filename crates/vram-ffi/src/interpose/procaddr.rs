@@ -15,7 +15,9 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use super::{alloc, charged, dlsym, info, real, vmm, CuResult, CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS};
+use super::{
+    alloc, charged, dlsym, info, pools, real, vmm, CuResult, CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS,
+};
 
 /// `CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM`.
 const PER_THREAD_DEFAULT_STREAM: u64 = 1 << 1;
@@ -48,6 +50,8 @@ fn hook_by_name(name: &[u8], version: c_int, flags: u64) -> Option<*mut c_void> 
         b"cuMemFreeAsync" => alloc::cuMemFreeAsync as _,
         b"cuMemAllocFromPoolAsync" if per_thread => alloc::cuMemAllocFromPoolAsync_ptsz as _,
         b"cuMemAllocFromPoolAsync" => alloc::cuMemAllocFromPoolAsync as _,
+        b"cuMemPoolCreate" => pools::cuMemPoolCreate as _,
+        b"cuMemPoolDestroy" => pools::cuMemPoolDestroy as _,
         b"cuMemCreate" => vmm::cuMemCreate as _,
         b"cuMemRelease" => vmm::cuMemRelease as _,
         b"cuMemRetainAllocationHandle" => vmm::cuMemRetainAllocationHandle as _,

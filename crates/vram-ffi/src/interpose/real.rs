@@ -19,6 +19,9 @@ pub(crate) type MemAllocAsync = unsafe extern "C" fn(*mut CuDevicePtr, usize, Cu
 pub(crate) type MemFreeAsync = unsafe extern "C" fn(CuDevicePtr, CuStream) -> CuResult;
 pub(crate) type MemAllocFromPoolAsync =
     unsafe extern "C" fn(*mut CuDevicePtr, usize, *mut c_void, CuStream) -> CuResult;
+pub(crate) type MemPoolCreate =
+    unsafe extern "C" fn(*mut *mut c_void, *const super::pools::PoolProps) -> CuResult;
+pub(crate) type MemPoolDestroy = unsafe extern "C" fn(*mut c_void) -> CuResult;
 pub(crate) type MemCreate =
     unsafe extern "C" fn(*mut u64, usize, *const super::vmm::AllocationProp, u64) -> CuResult;
 pub(crate) type MemRelease = unsafe extern "C" fn(u64) -> CuResult;
@@ -53,6 +56,8 @@ pub(crate) struct Driver {
     pub mem_free_async_ptsz: Option<MemFreeAsync>,
     pub mem_alloc_from_pool_async: Option<MemAllocFromPoolAsync>,
     pub mem_alloc_from_pool_async_ptsz: Option<MemAllocFromPoolAsync>,
+    pub mem_pool_create: Option<MemPoolCreate>,
+    pub mem_pool_destroy: Option<MemPoolDestroy>,
     pub mem_create: Option<MemCreate>,
     pub mem_release: Option<MemRelease>,
     pub mem_retain_allocation_handle: Option<MemRetainAllocationHandle>,
@@ -117,6 +122,8 @@ pub(crate) fn driver() -> &'static Driver {
                 mem_free_async_ptsz: function(lib, c"cuMemFreeAsync_ptsz"),
                 mem_alloc_from_pool_async: function(lib, c"cuMemAllocFromPoolAsync"),
                 mem_alloc_from_pool_async_ptsz: function(lib, c"cuMemAllocFromPoolAsync_ptsz"),
+                mem_pool_create: function(lib, c"cuMemPoolCreate"),
+                mem_pool_destroy: function(lib, c"cuMemPoolDestroy"),
                 mem_create: function(lib, c"cuMemCreate"),
                 mem_release: function(lib, c"cuMemRelease"),
                 mem_retain_allocation_handle: function(lib, c"cuMemRetainAllocationHandle"),
@@ -154,6 +161,8 @@ const HOOKED: &[&CStr] = &[
     c"cuMemFreeAsync_ptsz",
     c"cuMemAllocFromPoolAsync",
     c"cuMemAllocFromPoolAsync_ptsz",
+    c"cuMemPoolCreate",
+    c"cuMemPoolDestroy",
     c"cuMemCreate",
     c"cuMemRelease",
     c"cuMemRetainAllocationHandle",

@@ -21,6 +21,7 @@ pub(crate) enum Hook {
     MemAllocAsync,
     MemFreeAsync,
     MemAllocFromPoolAsync,
+    MemAllocFromDriverPool,
     MemCreate,
     MemRelease,
     MemRetain,
@@ -34,7 +35,7 @@ pub(crate) enum Hook {
     NvmlMemoryInfoV2,
 }
 
-const HOOKS: [(Hook, &str); 21] = [
+const HOOKS: [(Hook, &str); 22] = [
     (Hook::CudaMalloc, "cudaMalloc"),
     (Hook::CudaFree, "cudaFree"),
     (Hook::CudaMallocAsync, "cudaMallocAsync"),
@@ -45,6 +46,10 @@ const HOOKS: [(Hook, &str); 21] = [
     (Hook::MemAllocAsync, "cuMemAllocAsync"),
     (Hook::MemFreeAsync, "cuMemFreeAsync"),
     (Hook::MemAllocFromPoolAsync, "cuMemAllocFromPoolAsync"),
+    (
+        Hook::MemAllocFromDriverPool,
+        "cuMemAllocFromPoolAsync_driver_pool",
+    ),
     (Hook::MemCreate, "cuMemCreate"),
     (Hook::MemRelease, "cuMemRelease"),
     (Hook::MemRetain, "cuMemRetainAllocationHandle"),

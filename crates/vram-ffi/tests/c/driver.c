@@ -23,6 +23,9 @@ typedef CUresult (*pitch_fn)(CUdeviceptr *, size_t *, size_t, size_t, unsigned i
 typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, void *);
 typedef CUresult (*free_async_fn)(CUdeviceptr, void *);
 typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned int);
+typedef CUresult (*pool_create_fn)(void **, const void *);
+typedef CUresult (*pool_destroy_fn)(void *);
+typedef CUresult (*from_pool_fn)(CUdeviceptr *, size_t, void *, void *);
 typedef CUresult (*create_fn)(unsigned long long *, size_t, const void *, unsigned long long);
 typedef CUresult (*release_fn)(unsigned long long);
 typedef CUresult (*map_fn)(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long long);
@@ -42,6 +45,17 @@ struct prop {
     unsigned char flags[8];
 };
 static const struct prop DEVICE0 = {1, 0, 1, 0, NULL, {0}};
+
+/* CUmemPoolProps: pinned memory, handle types (1: a POSIX file descriptor), location type
+ * (1: a device, 2: the host) and id. */
+struct pool_props {
+    unsigned int type, handle_types, location_type;
+    int location_id;
+    void *win32;
+    size_t max_size;
+    unsigned short usage;
+    unsigned char reserved[54];
+};
 
 typedef struct {
     unsigned long long total, free, used;
@@ -174,6 +188,43 @@ int main(int argc, char **argv) {
     CHECK(free_ptsz(d, NULL) == 0);
     CHECK(calls("cuMemAllocAsync") == 0 && calls("cuMemFreeAsync") == 0);
 
+    /* Pools the program makes: from one on the device vramd serves; from one on the host, and
+     * from one whose allocations may be exported, the driver does, charging only the latter
+     * (the tenant's free memory shrinks by it until its free). */
+    pool_create_fn pool_create = (pool_create_fn)sym("cuMemPoolCreate");
+    pool_destroy_fn pool_destroy = (pool_destroy_fn)sym("cuMemPoolDestroy");
+    from_pool_fn from_pool = (from_pool_fn)sym("cuMemAllocFromPoolAsync");
+    CHECK(pool_create && (void *)pool_create == dlsym(RTLD_DEFAULT, "cuMemPoolCreate"));
+    CHECK(proc("cuMemPoolCreate", &f, 12000, 0, NULL) == 0 && f == (void *)pool_create);
+    struct pool_props on_device = {1, 0, 1, 0, NULL, 0, 0, {0}};
+    struct pool_props on_host = {1, 0, 2, 0, NULL, 0, 0, {0}};
+    struct pool_props exportable = {1, 1, 1, 0, NULL, 0, 0, {0}};
+    void *device_pool = NULL, *host_pool = NULL, *export_pool = NULL;
+    CHECK(pool_create(&device_pool, &on_device) == 0 && pool_create(&host_pool, &on_host) == 0);
+    CHECK(pool_create(&export_pool, &exportable) == 0 && calls("cuMemPoolCreate") == 3);
+    CUdeviceptr pd = 0, ph = 0, pe = 0, pbig = 0;
+    CHECK(from_pool(&pd, 1 << 20, device_pool, stream) == 0 && pd != 0);
+    CHECK(calls("cuMemAllocFromPoolAsync") == 0);
+    CHECK(from_pool(&ph, 1 << 20, host_pool, stream) == 0 && ph != 0);
+    CHECK(calls("cuMemAllocFromPoolAsync") == 1);
+    memset((void *)ph, 5, 1 << 20);
+    info_fn pool_info = (info_fn)sym("cuMemGetInfo_v2");
+    size_t before = 0, charged = 0, after = 0, pool_total = 0;
+    CHECK(pool_info(&before, &pool_total) == 0);
+    CHECK(from_pool(&pe, (size_t)8 << 20, export_pool, stream) == 0 && pe != 0);
+    CHECK(calls("cuMemAllocFromPoolAsync") == 2);
+    CHECK(pool_info(&charged, &pool_total) == 0 && charged == before - ((size_t)8 << 20));
+    /* Past the limit: the driver's memory is freed again and the call fails. */
+    CHECK(from_pool(&pbig, (size_t)512 << 20, export_pool, stream) == 2 && pbig == 0);
+    CHECK(calls("cuMemAllocFromPoolAsync") == 3 && calls("cuMemFreeAsync") == 1);
+    CHECK(free_async(pd, stream) == 0 && calls("cuMemFreeAsync") == 1);
+    CHECK(free_async(ph, stream) == 0 && calls("cuMemFreeAsync") == 2);
+    CHECK(free_async(pe, stream) == 0 && calls("cuMemFreeAsync") == 3);
+    CHECK(pool_info(&after, &pool_total) == 0 && after == before);
+    /* A destroyed pool is forgotten: a pool given its handle again is judged anew. */
+    CHECK(pool_destroy(export_pool) == 0 && calls("cuMemPoolDestroy") == 1);
+    CHECK(pool_destroy(host_pool) == 0 && pool_destroy(device_pool) == 0);
+
     /* Pitched: rows of 1000 bytes 1024 apart. */
     CUdeviceptr e = 0;
     size_t pitch = 0;
@@ -256,7 +307,7 @@ int main(int argc, char **argv) {
     printf("stats: %s\n", stats);
     vram_string_free(stats);
     printf("interposed calls: %llu\n", vram_interposed_calls());
-    CHECK(vram_interposed_calls() == 10);
+    CHECK(vram_interposed_calls() == 12);
     printf("driver: ok\n");
     fflush(stdout);
     /* The test reads the daemon's status meanwhile, then writes a line or closes stdin. */

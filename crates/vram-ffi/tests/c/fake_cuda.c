@@ -27,13 +27,16 @@ enum {
     C_MEM_GET_INFO,
     C_MEM_MAP,
     C_MEM_UNMAP,
+    C_MEM_ALLOC_FROM_POOL,
+    C_MEM_POOL_CREATE,
+    C_MEM_POOL_DESTROY,
     C_COUNT
 };
 static const char *const NAMES[C_COUNT] = {
     "cuDeviceGetCount", "cuCtxSynchronize", "cuMemAlloc_v2",    "cuMemAllocPitch_v2",
     "cuMemFree_v2",     "cuMemAllocAsync",  "cuMemFreeAsync",   "cuMemAllocManaged",
     "cuMemCreate",      "cuMemRelease",     "cuMemGetInfo_v2",  "cuMemMap",
-    "cuMemUnmap",
+    "cuMemUnmap",       "cuMemAllocFromPoolAsync", "cuMemPoolCreate", "cuMemPoolDestroy",
 };
 static int calls[C_COUNT];
 
@@ -119,11 +122,28 @@ CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *stream) { return cuMemFreeAsyn
 
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *stream) {
     (void)pool;
-    return cuMemAllocAsync(p, n, stream);
+    (void)stream;
+    count(C_MEM_ALLOC_FROM_POOL);
+    return host_alloc(p, n);
 }
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, void *pool, void *stream) {
+    return cuMemAllocFromPoolAsync(p, n, pool, stream);
+}
+
+/* A pool is a number; its properties are libvram.so's to read. */
+static unsigned long long next_pool = 0x5000;
+
+CUresult cuMemPoolCreate(void **pool, const void *props) {
+    (void)props;
+    count(C_MEM_POOL_CREATE);
+    *pool = (void *)__atomic_add_fetch(&next_pool, 1, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+CUresult cuMemPoolDestroy(void *pool) {
     (void)pool;
-    return cuMemAllocAsync(p, n, stream);
+    count(C_MEM_POOL_DESTROY);
+    return 0;
 }
 
 CUresult cuMemAllocManaged(CUdeviceptr *p, size_t n, unsigned int flags) {
@@ -249,6 +269,8 @@ static const struct entry TABLE[] = {
     {"cuMemFreeAsync", 11020, 1, (void *)cuMemFreeAsync_ptsz},
     {"cuMemAllocFromPoolAsync", 11020, 0, (void *)cuMemAllocFromPoolAsync},
     {"cuMemAllocFromPoolAsync", 11020, 1, (void *)cuMemAllocFromPoolAsync_ptsz},
+    {"cuMemPoolCreate", 11020, 0, (void *)cuMemPoolCreate},
+    {"cuMemPoolDestroy", 11020, 0, (void *)cuMemPoolDestroy},
     {"cuDeviceGetUuid", 11040, 0, (void *)cuDeviceGetUuid_v2},
     {"cuGetProcAddress", 11030, 0, (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2},
