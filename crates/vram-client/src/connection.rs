@@ -15,7 +15,7 @@ use vram_device::{ByteAccess, DeviceInfo, Handle};
 use vram_proto::{GrantId, ProtoError, Reply, Request, StatusReport, Welcome};
 
 use crate::link::{Books, Link, Lost};
-use crate::transport::Transport;
+use crate::transport::{Transport, ANSWER_WITHIN};
 use crate::ClientError;
 
 /// How a process asks to be admitted. Unset fields take the daemon's defaults for the class.
@@ -446,12 +446,21 @@ impl Observer {
     }
 
     pub fn status(&self) -> Result<StatusReport, ClientError> {
-        status_call(&self.shared)
+        match self.ask(&Request::Status)?.msg {
+            Reply::Status(s) => Ok(*s),
+            other => Err(unexpected("Status", &other)),
+        }
+    }
+
+    /// Every request of a tool is answered at once by a running daemon: one that does not
+    /// answer within [`ANSWER_WITHIN`] is reported, not waited for.
+    fn ask(&self, request: &Request) -> Result<vram_proto::Received<Reply>, ClientError> {
+        self.shared.call_within(request, Some(ANSWER_WITHIN))
     }
 
     /// Admin: declares a tenant at run time (see `Request::Declare`); whether anything changed.
     pub fn declare(&self, d: &vram_proto::Declaration) -> Result<bool, ClientError> {
-        match self.shared.call(&Request::Declare(d.clone()))?.msg {
+        match self.ask(&Request::Declare(d.clone()))?.msg {
             Reply::Declared { changed } => Ok(changed),
             other => Err(unexpected("Declare", &other)),
         }
@@ -463,7 +472,7 @@ impl Observer {
         let request = Request::Withdraw {
             name: name.to_string(),
         };
-        match self.shared.call(&request)?.msg {
+        match self.ask(&request)?.msg {
             Reply::Withdrawn {
                 released,
                 connections,
@@ -474,7 +483,7 @@ impl Observer {
 
     /// Admin: the tenants declared at run time.
     pub fn declarations(&self) -> Result<Vec<vram_proto::Declaration>, ClientError> {
-        match self.shared.call(&Request::Declarations)?.msg {
+        match self.ask(&Request::Declarations)?.msg {
             Reply::Declarations(d) => Ok(d),
             other => Err(unexpected("Declarations", &other)),
         }
@@ -488,13 +497,6 @@ impl Drop for Observer {
             .conn()
             .stream()
             .shutdown(std::net::Shutdown::Both);
-    }
-}
-
-fn status_call(shared: &Transport) -> Result<StatusReport, ClientError> {
-    match shared.call(&Request::Status)?.msg {
-        Reply::Status(s) => Ok(*s),
-        other => Err(unexpected("Status", &other)),
     }
 }
 

@@ -15,6 +15,13 @@ pub enum ClientError {
     Daemon(ErrorReply),
     #[error("connection to vramd lost: {0}")]
     Lost(String),
+    /// The daemon took the request but did not answer it in time (stopped, or wedged).
+    #[error(
+        "vramd took the request but did not answer within {} s: is the daemon stopped \
+         (`kill -CONT` it) or overloaded?",
+        waited.as_secs()
+    )]
+    NoAnswer { waited: std::time::Duration },
     #[error("protocol error: {0}")]
     Proto(#[from] ProtoError),
     #[error("device error: {0}")]

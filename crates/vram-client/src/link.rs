@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use vram_core::Bytes;
 use vram_proto::{ErrorCode, GrantId, Hello, Received, Reply, Request, Resume, Role, Welcome};
 
-use crate::transport::Transport;
+use crate::transport::{Transport, ANSWER_WITHIN};
 use crate::{ClientError, TenantOptions};
 
 /// The first pause between reconnect attempts; it doubles up to [`BACKOFF_MAX`].
@@ -375,7 +375,7 @@ fn register(
         client: format!("vram-client {}", env!("CARGO_PKG_VERSION")),
         resume,
     };
-    let reply = transport.call(&Request::Hello(hello));
+    let reply = transport.call_within(&Request::Hello(hello), Some(ANSWER_WITHIN));
     let welcome = match reply {
         Ok(Received {
             msg: Reply::Welcome(w),

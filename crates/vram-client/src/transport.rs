@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc::SyncSender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rustix::net::RecvFlags;
 use vram_core::Bytes;
@@ -32,6 +32,11 @@ const QUIET: Duration = Duration::from_millis(1);
 /// looks, so that on a crowded machine (many tenants on few cores) it gives way to the daemon,
 /// which a pure spin would starve.
 const SPIN: Duration = Duration::from_micros(200);
+
+/// How long a request the daemon answers at once (a registration, a status report) may go
+/// unanswered before the call gives up: far beyond any answer of a running daemon, even a busy
+/// one adopting its tenants after a restart.
+pub(crate) const ANSWER_WITHIN: Duration = Duration::from_secs(30);
 
 /// A reply, or why the connection is gone.
 type Mail = Result<Received<Reply>, String>;
@@ -137,11 +142,24 @@ impl Transport {
 
     /// Sends `request` and waits for its reply; an error reply is [`ClientError::Daemon`].
     pub(crate) fn call(&self, request: &Request) -> Result<Received<Reply>, ClientError> {
+        self.call_within(request, None)
+    }
+
+    /// [`Transport::call`], giving up after `within` ([`ClientError::NoAnswer`]); a reply that
+    /// comes later is dropped. For requests the daemon answers at once (a registration, a
+    /// status), so that a daemon that is stopped or wedged is reported rather than waited for
+    /// forever. A grant may wait on other tenants' returns and is not bounded.
+    pub(crate) fn call_within(
+        &self,
+        request: &Request,
+        within: Option<Duration>,
+    ) -> Result<Received<Reply>, ClientError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         self.calls.fetch_add(1, Ordering::AcqRel);
         self.in_flight.fetch_add(1, Ordering::AcqRel);
         lock(&self.mail).boxes.insert(id, None);
-        let result = self.exchange(id, request);
+        let deadline = within.map(|w| (Instant::now() + w, w));
+        let result = self.exchange(id, request, deadline);
         lock(&self.mail).boxes.remove(&id);
         self.in_flight.fetch_sub(1, Ordering::AcqRel);
         result
@@ -160,7 +178,13 @@ impl Transport {
         Ok(())
     }
 
-    fn exchange(&self, id: u64, request: &Request) -> Result<Received<Reply>, ClientError> {
+    /// `deadline`: when to give up waiting for the reply, and the bound it came from.
+    fn exchange(
+        &self,
+        id: u64,
+        request: &Request,
+        deadline: Option<(Instant, Duration)>,
+    ) -> Result<Received<Reply>, ClientError> {
         if self.dead.load(Ordering::Acquire) {
             return Err(self.lost(lock(&self.dead_reason).clone()));
         }
@@ -174,61 +198,82 @@ impl Transport {
             }
             // The daemon closed the connection, perhaps after a last word still unread: read on
             // to the close.
-            let _ = self.wait_reply(id);
+            let _ = self.wait_reply(id, deadline.map(|d| d.0));
             return Err(match lock(&self.last_word).clone() {
                 Some(last) => ClientError::Daemon(last),
                 None => e.into(),
             });
         }
-        match self.wait_reply(id) {
-            Ok(r) => match r.msg {
+        match self.wait_reply(id, deadline.map(|d| d.0)) {
+            Some(Ok(r)) => match r.msg {
                 Reply::Error(e) => Err(ClientError::Daemon(e)),
                 _ => Ok(r),
             },
-            Err(reason) => Err(self.lost(reason)),
+            Some(Err(reason)) => Err(self.lost(reason)),
+            None => Err(ClientError::NoAnswer {
+                waited: deadline.map(|d| d.1).unwrap_or_default(),
+            }),
         }
     }
 
-    /// Waits for the reply to `id`, reading the socket whenever no other thread does. A reader
-    /// whose reply has come reads on while whole frames are buffered, so none is left unheard.
-    fn wait_reply(&self, id: u64) -> Mail {
+    /// Waits for the reply to `id`, reading the socket whenever no other thread does; `None`
+    /// once `deadline` passed without it. A reader whose reply has come reads on while whole
+    /// frames are buffered, so none is left unheard.
+    fn wait_reply(&self, id: u64, deadline: Option<Instant>) -> Option<Mail> {
         let mut mail = lock(&self.mail);
         loop {
             let mine = matches!(mail.boxes.get(&id), Some(Some(_)));
             if mine && (mail.reading || !self.conn.has_frame()) {
-                return mail
-                    .boxes
-                    .get_mut(&id)
-                    .and_then(Option::take)
-                    .expect("checked above");
+                return mail.boxes.get_mut(&id).and_then(Option::take);
             }
+            let left = match deadline {
+                Some(d) if !mine => match d.checked_duration_since(Instant::now()) {
+                    Some(left) if !left.is_zero() => Some(left),
+                    _ => return None,
+                },
+                _ => None,
+            };
             if mail.reading {
                 mail.waiting += 1;
-                mail = self
-                    .mail_cv
-                    .wait(mail)
-                    .unwrap_or_else(PoisonError::into_inner);
+                mail = match left {
+                    Some(left) => {
+                        let waited = self.mail_cv.wait_timeout(mail, left);
+                        waited.unwrap_or_else(PoisonError::into_inner).0
+                    }
+                    None => self
+                        .mail_cv
+                        .wait(mail)
+                        .unwrap_or_else(PoisonError::into_inner),
+                };
                 mail.waiting -= 1;
                 continue;
             }
-            mail = self.read_one(mail);
+            mail = self.read_one(mail, left);
         }
     }
 
     /// Reads one frame with the mailroom unlocked, then delivers it and wakes whoever waits.
-    fn read_one<'a>(&'a self, mut mail: MutexGuard<'a, Mailroom>) -> MutexGuard<'a, Mailroom> {
+    /// With `within`, waits at most that long for a frame to start, and reads nothing if none
+    /// did.
+    fn read_one<'a>(
+        &'a self,
+        mut mail: MutexGuard<'a, Mailroom>,
+        within: Option<Duration>,
+    ) -> MutexGuard<'a, Mailroom> {
         mail.reading = true;
         drop(mail);
         if !self.conn.has_frame() {
-            let started = std::time::Instant::now();
+            let started = Instant::now();
             while !readable_now(self.conn.stream()) && started.elapsed() < SPIN {
                 std::thread::yield_now();
             }
         }
-        let frame = self.conn.recv::<Reply>();
+        let frame = self.conn.recv_within::<Reply>(within);
         let mut mail = lock(&self.mail);
         mail.reading = false;
         match frame {
+            // Nothing began within the bound: nothing was read, the stream is as it was.
+            Err(ProtoError::Idle(_)) if within.is_some() => {}
             Ok(r) if r.id == 0 => self.unasked(r.msg),
             Ok(r) => match mail.boxes.get_mut(&r.id) {
                 Some(b) => *b = Some(Ok(r)),
@@ -328,7 +373,7 @@ impl Transport {
                 && !self.dead.load(Ordering::Acquire)
                 && (self.conn.has_frame() || readable_now(self.conn.stream()))
             {
-                mail = self.read_one(mail);
+                mail = self.read_one(mail, None);
             }
         }
     }
@@ -355,4 +400,42 @@ fn readable_now(stream: &UnixStream) -> bool {
         rustix::net::recv(stream, &mut byte, RecvFlags::PEEK | RecvFlags::DONTWAIT),
         Err(rustix::io::Errno::AGAIN)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A daemon that takes a request and does not answer it (stopped, wedged): the bounded call
+    /// gives up with the reason, the connection stays usable, and the late reply is dropped
+    /// rather than taken for the next call's.
+    #[test]
+    fn an_unanswered_call_gives_up_and_its_late_reply_is_not_taken_for_the_next() {
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let t = Transport::new(ours, None);
+        t.start_idle_reader();
+        let daemon = Conn::new(theirs);
+        let started = Instant::now();
+        let err = t
+            .call_within(&Request::Ping, Some(Duration::from_millis(200)))
+            .unwrap_err();
+        let waited = started.elapsed();
+        assert!(matches!(err, ClientError::NoAnswer { .. }), "{err}");
+        assert!(err.to_string().contains("did not answer"), "{err}");
+        assert!(waited >= Duration::from_millis(200), "{waited:?}");
+        assert!(waited < Duration::from_secs(5), "{waited:?}");
+        assert!(!t.is_dead());
+
+        let first: Received<Request> = daemon.recv().unwrap();
+        daemon.send(first.id, &Reply::Pong, &[]).unwrap();
+        let second = std::thread::spawn({
+            let t = t.clone();
+            move || t.call_within(&Request::Budget, Some(Duration::from_secs(10)))
+        });
+        let asked: Received<Request> = daemon.recv().unwrap();
+        assert!(matches!(asked.msg, Request::Budget), "{:?}", asked.msg);
+        daemon.send(asked.id, &Reply::Ack, &[]).unwrap();
+        let got = second.join().unwrap().unwrap();
+        assert!(matches!(got.msg, Reply::Ack), "{:?}", got.msg);
+    }
 }
