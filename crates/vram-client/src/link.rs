@@ -12,7 +12,9 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use vram_core::Bytes;
-use vram_proto::{ErrorCode, GrantId, Hello, Received, Reply, Request, Resume, Role, Welcome};
+use vram_proto::{
+    ErrorCode, GrantId, Hello, Received, Reply, Request, Resume, Role, Welcome, RESUME_PART,
+};
 
 use crate::transport::{Transport, ANSWER_WITHIN};
 use crate::{ClientError, TenantOptions};
@@ -369,13 +371,15 @@ fn register(
             limit: opts.limit,
         },
     };
-    let hello = Hello {
-        role,
-        gpu: opts.gpu,
-        client: format!("vram-client {}", env!("CARGO_PKG_VERSION")),
-        resume,
-    };
-    let reply = transport.call_within(&Request::Hello(hello), Some(ANSWER_WITHIN));
+    let reply = send_ahead(&transport, resume).and_then(|resume| {
+        let hello = Hello {
+            role,
+            gpu: opts.gpu,
+            client: format!("vram-client {}", env!("CARGO_PKG_VERSION")),
+            resume,
+        };
+        transport.call_within(&Request::Hello(hello), Some(ANSWER_WITHIN))
+    });
     let welcome = match reply {
         Ok(Received {
             msg: Reply::Welcome(w),
@@ -394,6 +398,31 @@ fn register(
         }
     };
     Ok((transport, welcome))
+}
+
+/// Sends ahead of the `Hello` what of a reconnect's account does not fit its frame
+/// (`ResumeMore`, [`RESUME_PART`] grants each); returns the rest, for the `Hello`.
+fn send_ahead(
+    transport: &Transport,
+    resume: Option<Resume>,
+) -> Result<Option<Resume>, ClientError> {
+    let Some(mut resume) = resume else {
+        return Ok(None);
+    };
+    while resume.grants.len() > RESUME_PART {
+        let grants = resume.grants.split_off(resume.grants.len() - RESUME_PART);
+        let request = Request::ResumeMore { grants };
+        match transport.call_within(&request, Some(ANSWER_WITHIN))?.msg {
+            Reply::Ack => {}
+            other => {
+                return Err(ClientError::Unexpected {
+                    request: "ResumeMore",
+                    reply: format!("{other:?}"),
+                })
+            }
+        }
+    }
+    Ok(Some(resume))
 }
 
 /// What the link says it holds, held for a call (see `Link::books`): the only way to note a
@@ -426,5 +455,66 @@ impl Books<'_> {
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| {
                 Some(c.saturating_sub(bytes.get()))
             });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::net::UnixStream;
+    use vram_proto::Conn;
+
+    /// An account far too long for one frame goes ahead of the `Hello` in parts that each fit,
+    /// and nothing of it is lost or repeated.
+    #[test]
+    fn a_long_account_goes_ahead_in_parts_that_fit_a_frame() {
+        let grants: Vec<(GrantId, Bytes)> = (0..3 * RESUME_PART as u64 + 5)
+            .map(|i| (GrantId(u64::MAX - i), Bytes::mib(2 + i)))
+            .collect();
+        let whole = Request::Hello(Hello {
+            role: Role::Observer,
+            gpu: None,
+            client: String::new(),
+            resume: Some(Resume {
+                grants: grants.clone(),
+                charged: Bytes::ZERO,
+            }),
+        });
+        let len = vram_proto::payload_len(1, &whole).unwrap();
+        assert!(
+            len > vram_proto::MAX_PAYLOAD,
+            "{len}: the test needs a longer account"
+        );
+
+        let (ours, theirs) = UnixStream::pair().unwrap();
+        let transport = Transport::new(ours, None);
+        let daemon = std::thread::spawn(move || {
+            let conn = Conn::new(theirs);
+            let mut got = Vec::new();
+            // Each part is a frame the daemon accepts (within MAX_PAYLOAD), answered in turn.
+            for _ in 0..3 {
+                let r: Received<Request> = conn.recv().unwrap();
+                let Request::ResumeMore { grants } = r.msg else {
+                    panic!("{:?}", r.msg);
+                };
+                assert_eq!(grants.len(), RESUME_PART);
+                got.extend(grants);
+                conn.send(r.id, &Reply::Ack, &[]).unwrap();
+            }
+            got
+        });
+        let resume = Resume {
+            grants: grants.clone(),
+            charged: Bytes::mib(6),
+        };
+        let rest = send_ahead(&transport, Some(resume)).unwrap().unwrap();
+        let mut all = daemon.join().unwrap();
+        assert_eq!(rest.grants.len(), 5);
+        assert_eq!(rest.charged, Bytes::mib(6));
+        all.extend(rest.grants);
+        all.sort();
+        let mut want = grants;
+        want.sort();
+        assert_eq!(all, want);
     }
 }

@@ -16,7 +16,7 @@ pub use conn::{payload_len, Conn, Received, DEFAULT_FRAME_TIMEOUT};
 pub use frame::{FrameHeader, HEADER_LEN, MAGIC};
 pub use message::{
     Budget, Declaration, DeviceDesc, Envelope, ErrorCode, ErrorReply, ExitStatus, GrantId, Hello,
-    Reply, Request, Resume, Role, Welcome,
+    Reply, Request, Resume, Role, Welcome, RESUME_PART,
 };
 pub use shared::{
     Corruption, LeaseOp, ScrubStatus, SharedBufferStatus, SharedReply, SharedRequest, SharedStatus,

@@ -130,7 +130,18 @@ pub enum Request {
     /// Admin: the tenants declared with `Declare` and not withdrawn. Answered with
     /// `Declarations`.
     Declarations,
+    /// Part of a reconnecting tenant's account (`Hello::resume`) too long for one frame: sent
+    /// before the `Hello`, as many as needed (at most [`RESUME_PART`] grants each); the `Hello`'s
+    /// own `resume` carries the rest and the charges. Answered with `Ack`.
+    ResumeMore {
+        grants: Vec<(GrantId, Bytes)>,
+    },
 }
+
+/// The most grants one frame of a reconnecting tenant's account carries (`Request::ResumeMore`,
+/// and the `Hello`'s `resume`): a grant's id and size take at most 20 bytes encoded, so a frame
+/// of this many stays well within [`crate::MAX_PAYLOAD`].
+pub const RESUME_PART: usize = 8192;
 
 /// A tenant declared at run time (`Request::Declare`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -341,5 +352,33 @@ mod tests {
             assert_eq!(postcard::from_bytes::<DeviceDesc>(&bytes).unwrap(), desc);
         }
         assert!(postcard::from_bytes::<DeviceDesc>(&named("rocm")).is_err());
+    }
+
+    /// The largest part of a reconnect's account, every id and size as long as it can be, fits
+    /// a frame: as `ResumeMore`, and as a `Hello` with a long name and client string.
+    #[test]
+    fn the_largest_part_of_a_resume_fits_a_frame() {
+        let grants = vec![(GrantId(u64::MAX), Bytes(u64::MAX)); RESUME_PART];
+        let more = Request::ResumeMore {
+            grants: grants.clone(),
+        };
+        let hello = Request::Hello(Hello {
+            role: Role::Tenant {
+                name: "n".repeat(255),
+                class: Some("c".repeat(255)),
+                guarantee: Some(Bytes(u64::MAX)),
+                limit: Some(Bytes(u64::MAX)),
+            },
+            gpu: Some(u32::MAX),
+            client: "v".repeat(255),
+            resume: Some(Resume {
+                grants,
+                charged: Bytes(u64::MAX),
+            }),
+        });
+        for request in [more, hello] {
+            let len = crate::payload_len(u64::MAX, &request).unwrap();
+            assert!(len <= crate::MAX_PAYLOAD, "{len} bytes");
+        }
     }
 }

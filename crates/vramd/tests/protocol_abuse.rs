@@ -345,6 +345,54 @@ fn a_resume_claiming_an_id_not_yet_given_takes_nobody_elses_memory() {
     d.stop();
 }
 
+/// A reconnecting tenant's account sent ahead of its `Hello` in parts (`ResumeMore`) is booked
+/// with the `Hello`'s; a peer cannot make the daemon keep more of it than the device could have
+/// granted, nor send it after the `Hello`.
+#[test]
+fn an_account_sent_ahead_is_bounded_and_only_before_the_hello() {
+    use vram_proto::{GrantId, Resume};
+
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let part = |from: u64, n: u64| Request::ResumeMore {
+        grants: (from..from + n)
+            .map(|i| (GrantId(1 << 40 | i), Bytes::mib(2)))
+            .collect(),
+    };
+    // 1 GiB in 2 MiB granules: 512 grants at most.
+    let greedy = raw(&d.socket);
+    assert_eq!(ask(&greedy, 1, part(0, 300)), Reply::Ack);
+    let e = error_of(ask(&greedy, 2, part(300, 300)));
+    assert_eq!(e.code, ErrorCode::Malformed, "{e:?}");
+    assert!(e.message.contains("(512)"), "{e:?}");
+
+    let conn = raw(&d.socket);
+    assert_eq!(ask(&conn, 1, part(0, 10)), Reply::Ack);
+    let hello = vram_proto::Hello {
+        role: vram_proto::Role::Tenant {
+            name: "back".into(),
+            class: None,
+            guarantee: None,
+            limit: None,
+        },
+        gpu: None,
+        client: "protocol_abuse test".into(),
+        resume: Some(Resume {
+            grants: vec![(GrantId(1 << 41), Bytes::mib(2))],
+            charged: Bytes::ZERO,
+        }),
+    };
+    let welcome = ask(&conn, 2, Request::Hello(hello));
+    assert!(matches!(welcome, Reply::Welcome(_)), "{welcome:?}");
+    assert_eq!(d.held_by("back"), Bytes::mib(22));
+    let e = error_of(ask(&conn, 3, part(20, 1)));
+    assert_eq!(e.code, ErrorCode::Malformed, "{e:?}");
+    assert!(e.message.contains("before the Hello"), "{e:?}");
+    assert_eq!(d.held_by("back"), Bytes::mib(22));
+    drop((greedy, conn));
+    d.wait_for_no_tenants();
+    d.stop();
+}
+
 /// The reply to `request`, sent with id `id`, skipping anything unasked.
 fn ask(conn: &Conn, id: u64, request: Request) -> Reply {
     conn.send(id, &request, &[]).unwrap();

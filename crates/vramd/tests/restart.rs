@@ -174,6 +174,41 @@ fn grants_the_state_file_has_not_caught_up_with_are_booked_when_the_tenant_recon
         .is_empty()));
 }
 
+/// A tenant holding more grants than one frame of its account names (`RESUME_PART`) reconnects
+/// with every one of them: the account goes in parts (`ResumeMore`) ahead of its `Hello`. The
+/// daemon is killed at once, so that its state file cannot have caught up: what the tenant says
+/// is what the new daemon books.
+#[test]
+fn a_tenant_holding_more_grants_than_a_frame_names_reconnects_with_all_of_them() {
+    let mut d = Restartable::new("capacity = \"24 GiB\"\n[pool]\nmax = \"64 MiB\"\n");
+    let mut a = Tenant::spawn(d.socket(), "many", &["--limit", "20GiB"]);
+    assert_eq!(a.next()["event"], "welcome");
+    let grants = vram_proto::RESUME_PART as u64 + 100;
+    let total = Bytes::mib(2 * grants);
+    let took = a.cmd(&format!("take {}MiB 2MiB", 2 * grants));
+    assert_eq!(took["taken"], total.get(), "{took}");
+    d.stop(rustix::process::Signal::KILL);
+    d.start();
+    assert!(
+        wait_until(Duration::from_secs(20), || {
+            held_by(&d.status(), "many") == Some(total)
+        }),
+        "{:?}\n{}",
+        d.status().tenants,
+        d.log()
+    );
+    // Reconnected (a take needs the connection), its memory intact.
+    let took = a.cmd("take 2MiB 2MiB");
+    assert_eq!(took["taken"], Bytes::mib(2).get(), "{took}\n{}", d.log());
+    assert_eq!(held_by(&d.status(), "many"), Some(total + Bytes::mib(2)));
+    assert_eq!(a.cmd("verify")["bad"], 0);
+    a.exit();
+    assert!(wait_until(Duration::from_secs(10), || d
+        .status()
+        .tenants
+        .is_empty()));
+}
+
 /// The chaos run: daemon restarts (SIGKILL and SIGTERM, alternating) while 16 tenants
 /// take memory, write patterns, verify them and give it back throughout, each also keeping a
 /// block written before the first restart. No allocation fails, no pattern is lost, and once

@@ -48,6 +48,9 @@ struct Session {
     /// What the peer reports (how its program ended, reclaims answered): a peer that repeats
     /// them is logged at most once per `LOG_EVERY` too.
     reports: Every,
+    /// A reconnecting tenant's account sent ahead of its `Hello` (`ResumeMore`), for the
+    /// `Hello`'s `resume`.
+    resume_more: Vec<(vram_proto::GrantId, Bytes)>,
 }
 
 /// Serves connection `conn_id` (admitted by the accept loop) until it ends, then cleans up.
@@ -61,6 +64,7 @@ pub fn run(daemon: Arc<Daemon>, conn_id: u64, peer: Arc<Peer>) {
         tenant: None,
         warnings: Every::default(),
         reports: Every::default(),
+        resume_more: Vec::new(),
     };
     session.serve();
     session.finish();
@@ -199,6 +203,7 @@ impl Session {
             Request::Declare(d) => super::admin::declare(&self.daemon, self.uid, d),
             Request::Withdraw { name } => super::admin::withdraw(&self.daemon, self.uid, &name),
             Request::Declarations => super::admin::list(&self.daemon, self.uid),
+            Request::ResumeMore { grants } => self.resume_more(grants),
             Request::ReclaimDone { ask, returned } => self.registered().map(|_| {
                 if let Some(more) = self.reports.due() {
                     let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
@@ -247,7 +252,49 @@ impl Session {
             })
     }
 
-    fn hello(&mut self, hello: Hello) -> Result<Reply, ErrorReply> {
+    /// Keeps part of a reconnecting tenant's account for its `Hello`: at most as many grants as
+    /// the largest device here could have granted.
+    fn resume_more(
+        &mut self,
+        grants: Vec<(vram_proto::GrantId, Bytes)>,
+    ) -> Result<Reply, ErrorReply> {
+        let malformed = |message: String| ErrorReply {
+            code: ErrorCode::Malformed,
+            reason: None,
+            message,
+        };
+        if self.tenant.is_some() {
+            return Err(malformed(
+                "ResumeMore comes before the Hello it belongs to".into(),
+            ));
+        }
+        let most = self
+            .daemon
+            .slots
+            .iter()
+            .map(|s| {
+                let d = s.desc();
+                d.capacity.get() / d.granularity.get().max(1)
+            })
+            .max()
+            .unwrap_or(0);
+        let total = (self.resume_more.len() + grants.len()) as u64;
+        if total > most {
+            self.resume_more = Vec::new();
+            return Err(malformed(format!(
+                "an account of {total} grants or more: more than any device here could have \
+                 granted ({most})"
+            )));
+        }
+        self.resume_more.extend(grants);
+        Ok(Reply::Ack)
+    }
+
+    fn hello(&mut self, mut hello: Hello) -> Result<Reply, ErrorReply> {
+        let ahead = std::mem::take(&mut self.resume_more);
+        if let Some(r) = hello.resume.as_mut() {
+            r.grants.extend(ahead);
+        }
         if let Some(t) = &self.tenant {
             return Err(ErrorReply {
                 code: ErrorCode::NotRegistered,
