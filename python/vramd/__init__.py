@@ -16,6 +16,8 @@ everything back, and the process may then connect as another. PyTorch: `vramd_to
 
 import ctypes
 import re
+import threading
+import weakref
 
 from . import _lib
 from ._lib import load
@@ -202,27 +204,74 @@ def current():
 
 class Pin:
     """A published version pinned read-only: `ptr`, `version`, `checksum`, `size`; `view()` is a
-    read-only memoryview of it on the host backend (device memory elsewhere)."""
+    read-only memoryview of it on the host backend (`ptr` is device memory elsewhere).
+
+    `release()` gives the pin back once nothing made from `view()` is left (the memoryviews,
+    their slices, arrays over them): until then the memory stays mapped, so that no view ever
+    reads memory that is gone."""
 
     def __init__(self, buf, ptr, version, checksum, size):
         self._buf, self.ptr, self.version, self.checksum, self.size = buf, ptr, version, checksum, size
+        # The pinned memory as a ctypes array, made at the first view: every view and every
+        # object made from one keeps it alive, so its end says that nothing reads the pin.
+        self._mem = None
 
     def view(self):
-        return memoryview((ctypes.c_char * self.size).from_address(self.ptr)).toreadonly()
+        if not self.ptr:
+            raise VramdError("vramd: this pin was released")
+        if self._mem is None:
+            self._mem = (ctypes.c_char * self.size).from_address(self.ptr)
+            self._buf._hold()
+            weakref.finalize(self._mem, self._buf._release_pin, self.ptr)
+        return memoryview(self._mem).toreadonly()
 
     def release(self):
-        if self.ptr:
-            _lib.check(_lib.lib().vram_shared_release(self._buf._h, self.ptr) == 0, "vram_shared_release")
-            self.ptr = None
+        """Gives the pin back: now if no view was made, else once the last one is gone."""
+        if not self.ptr:
+            return
+        ptr, self.ptr = self.ptr, None
+        if self._mem is None:
+            self._buf._release_pin(ptr, held=False)
+        # Else the finalizer of `_mem` releases it, once the views are gone too.
+        self._mem = None
 
 
 class SharedBuffer(_Closes):
     """A named shared buffer (one writer at a time under a lease, readers pinning published
-    versions; see docs/protocol.md). `create` or `open`, then `close` (or a `with` block)."""
+    versions; see docs/protocol.md). `create` or `open`, then `close` (or a `with` block).
+
+    One buffer's calls are serialised by a lock, since a pin's release may come from whichever
+    thread drops its last view. `close` ends the buffer's handle once no pin's view is left."""
 
     def __init__(self, handle, name):
         self._h, self.name = handle, name
         self._draft = None
+        self._lock = threading.RLock()
+        # Pins whose views are still alive, and whether close() waits for them.
+        self._viewed = 0
+        self._closing = False
+
+    def _hold(self):
+        with self._lock:
+            self._viewed += 1
+
+    def _release_pin(self, ptr, held=True):
+        with self._lock:
+            try:
+                if self._h:
+                    ok = _lib.lib().vram_shared_release(self._h, ptr) == 0
+                    _lib.check(ok, "vram_shared_release")
+            finally:
+                if held:
+                    self._viewed -= 1
+                    if self._closing and self._viewed == 0:
+                        self._close_now()
+
+    def _call(self, name, *args):
+        with self._lock:
+            if not self._h or self._closing:
+                raise VramdError(f"vramd: shared buffer `{self.name}` was closed")
+            return getattr(_lib.lib(), name)(self._h, *args)
 
     @classmethod
     def create(cls, name, size, readers=None, writers=None):
@@ -241,33 +290,33 @@ class SharedBuffer(_Closes):
 
     def lease(self, ttl_ms=10_000):
         ttl_ms = _millis("a lease", ttl_ms)
-        _lib.check(_lib.lib().vram_shared_lease(self._h, ttl_ms) == 0, "vram_shared_lease")
+        _lib.check(self._call("vram_shared_lease", ttl_ms) == 0, "vram_shared_lease")
 
     def release_lease(self):
-        _lib.check(_lib.lib().vram_shared_release_lease(self._h) == 0, "vram_shared_release_lease")
+        _lib.check(self._call("vram_shared_release_lease") == 0, "vram_shared_release_lease")
 
     def begin_write(self, base=0):
         """Fresh memory for the next version, from version `base` (0 before the first publish):
         (pointer, the new version's number)."""
         v = ctypes.c_uint64()
-        p = _lib.lib().vram_shared_begin_write(self._h, base, ctypes.byref(v))
+        p = self._call("vram_shared_begin_write", base, ctypes.byref(v))
         _lib.check(p, "vram_shared_begin_write")
         return p, v.value
 
     def publish(self):
         """Publishes the draft; the daemon's checksum of it."""
         c = ctypes.c_uint64()
-        _lib.check(_lib.lib().vram_shared_publish(self._h, ctypes.byref(c)) == 0, "vram_shared_publish")
+        _lib.check(self._call("vram_shared_publish", ctypes.byref(c)) == 0, "vram_shared_publish")
         return c.value
 
     def pin(self):
         v, c, n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
-        p = _lib.lib().vram_shared_pin(self._h, ctypes.byref(v), ctypes.byref(c), ctypes.byref(n))
+        p = self._call("vram_shared_pin", ctypes.byref(v), ctypes.byref(c), ctypes.byref(n))
         _lib.check(p, "vram_shared_pin")
         return Pin(self, p, v.value, c.value, n.value)
 
     def verify(self, version):
-        r = _lib.lib().vram_shared_verify(self._h, version)
+        r = self._call("vram_shared_verify", version)
         _lib.check(r >= 0, "vram_shared_verify")
         return r == 1
 
@@ -275,11 +324,20 @@ class SharedBuffer(_Closes):
         """The number of a version newer than `than`, or None after `timeout_s`."""
         v = ctypes.c_uint64()
         timeout_ms = _millis("a wait", timeout_s * 1000)
-        r = _lib.lib().vram_shared_wait(self._h, than, timeout_ms, ctypes.byref(v))
+        r = self._call("vram_shared_wait", than, timeout_ms, ctypes.byref(v))
         _lib.check(r >= 0, "vram_shared_wait")
         return v.value if r == 1 else None
 
     def close(self):
+        """Ends the buffer's handle (its pins, draft and lease go back); while a pin's view is
+        alive, once the last is gone."""
+        with self._lock:
+            if self._viewed:
+                self._closing = True
+            else:
+                self._close_now()
+
+    def _close_now(self):
         if self._h:
             _lib.lib().vram_shared_close(self._h)
             self._h = None

@@ -419,6 +419,45 @@ fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
     );
 }
 
+/// A pinned version read through the Python package's `Pin.view`: a slice of a view outlives
+/// the pin's `release` and the buffer's `close` and still reads the version (the memory stays
+/// mapped until nothing made from a view is left), then the tenant ends cleanly.
+#[test]
+fn a_python_pins_view_outlives_its_release_and_reads_the_version() {
+    let d = Daemon::start(CONFIG);
+    let script = "import ctypes, gc, vramd\n\
+        t = vramd.connect(name='pins', limit='64MiB')\n\
+        b = vramd.SharedBuffer.create('weights', 2 << 20)\n\
+        b.lease()\n\
+        p, v = b.begin_write()\n\
+        ctypes.memset(p, 7, 2 << 20)\n\
+        b.publish()\n\
+        pin = b.pin()\n\
+        mv = pin.view()\n\
+        part = mv[(1 << 20):(1 << 20) + 8]\n\
+        del mv\n\
+        pin.release()\n\
+        b.close()\n\
+        print(bytes(part) == b'\\x07' * 8)\n\
+        try:\n    pin.view()\n\
+        except vramd.VramdError as e:\n    print(e)\n\
+        try:\n    b.pin()\n\
+        except vramd.VramdError as e:\n    print(e)\n\
+        del part\n\
+        gc.collect()\n\
+        t.close()\n\
+        print(sorted(x['name'] for x in vramd.status()['tenants']))\n";
+    assert_eq!(
+        python_lines(&d, script, &[]),
+        [
+            "True",
+            "vramd: this pin was released",
+            "vramd: shared buffer `weights` was closed",
+            "[]"
+        ]
+    );
+}
+
 /// A Ray task's tenant whose end meets a CUDA error (PyTorch's synchronize raises after a failed
 /// kernel) is still ended, or marked left over so that its worker runs nothing after it; never
 /// left connected with the next task refused under its name.
