@@ -20,6 +20,10 @@ _path = None
 c_char_p, c_int, c_uint64, c_void_p = ctypes.c_char_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p
 _u64p = ctypes.POINTER(ctypes.c_uint64)
 
+# The C ABI this package calls (`vram_abi_version` in include/vram.h): a libvram.so of another
+# is refused when loaded, before any call of it.
+ABI_VERSION = 1
+
 # Return and argument types of the calls used from Python (include/vram.h).
 _SIGNATURES = {
     "vram_alloc": (c_void_p, [ctypes.c_ssize_t, c_int, c_void_p]),
@@ -93,12 +97,31 @@ def load(path=None):
         if not os.path.isfile(p):
             raise RuntimeError(f"vramd: {p} is not a file")
         l = ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL)
+        _check_abi(l, p)
         for name, (res, args) in _SIGNATURES.items():
             f = getattr(l, name)
             f.restype = res
             f.argtypes = args
         _lib, _path = l, p
         return l
+
+
+def _check_abi(l, p):
+    """Refuses a libvram.so of another C ABI than this package's, with both versions."""
+    advice = "use the libvram.so built with this package (the same vramd release)"
+    try:
+        abi = l.vram_abi_version
+    except AttributeError:
+        raise RuntimeError(
+            f"vramd: {p} has no vram_abi_version: it is not a libvram.so this package can use "
+            f"(it needs C ABI {ABI_VERSION}); {advice}"
+        ) from None
+    abi.restype, abi.argtypes = ctypes.c_uint32, []
+    theirs = abi()
+    if theirs != ABI_VERSION:
+        raise RuntimeError(
+            f"vramd: {p} speaks C ABI {theirs}; this package speaks {ABI_VERSION}; {advice}"
+        )
 
 
 def lib():

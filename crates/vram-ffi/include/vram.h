@@ -80,6 +80,10 @@ void vram_free(void *ptr, ssize_t size, int device, void *stream);
 /* The calling thread's last error, or NULL. Valid until this thread's next call into libvram. */
 const char *vram_last_error(void);
 
+/* The version of this C ABI: raised whenever a function here changes its signature or meaning,
+ * or goes. A caller built for one version (the Python package checks) refuses another. */
+uint32_t vram_abi_version(void);
+
 /* The allocator's statistics as a JSON object; free it with vram_string_free. NULL on error. */
 char *vram_stats_json(void);
 

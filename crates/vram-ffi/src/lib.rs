@@ -518,6 +518,17 @@ pub extern "C" fn vram_free(ptr: *mut c_void, _size: isize, device: c_int, strea
     })
 }
 
+/// The C ABI's version: raised whenever a function of `include/vram.h` changes its signature or
+/// meaning, or goes, so that a caller built for another (the Python package) can refuse this
+/// library with the reason rather than call it wrongly.
+pub const ABI_VERSION: u32 = 1;
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_abi_version() -> u32 {
+    ABI_VERSION
+}
+
 /// See `include/vram.h`.
 #[no_mangle]
 pub extern "C" fn vram_last_error() -> *const c_char {

@@ -419,6 +419,26 @@ fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
     );
 }
 
+/// The Python package refuses a library that is not a libvram.so of its C ABI, with the reason,
+/// before calling anything of it; the right one then loads.
+#[test]
+fn the_python_package_refuses_a_library_of_another_abi() {
+    let d = Daemon::start(CONFIG);
+    let script = "import _ctypes, vramd\n\
+        try:\n    vramd.load(_ctypes.__file__)\n\
+        except RuntimeError as e:\n    print(str(e).replace(_ctypes.__file__, 'P'))\n\
+        vramd.load()\n\
+        print(vramd._lib.lib().vram_abi_version() == vramd._lib.ABI_VERSION)\n";
+    assert_eq!(
+        python_lines(&d, script, &[]),
+        [
+            "vramd: P has no vram_abi_version: it is not a libvram.so this package can use (it \
+             needs C ABI 1); use the libvram.so built with this package (the same vramd release)",
+            "True"
+        ]
+    );
+}
+
 /// A pinned version read through the Python package's `Pin.view`: a slice of a view outlives
 /// the pin's `release` and the buffer's `close` and still reads the version (the memory stays
 /// mapped until nothing made from a view is left), then the tenant ends cleanly.
