@@ -70,8 +70,33 @@ pub fn device_id(uid: &str) -> String {
     format!("{KIND}={uid}")
 }
 
+/// The file name of a claim's spec: this prefix, its uid, `.json`.
+const SPEC_PREFIX: &str = "vramd.io-claim_";
+
 fn spec_path(layout: &Layout, uid: &str) -> PathBuf {
-    layout.cdi_dir.join(format!("vramd.io-claim_{uid}.json"))
+    layout.cdi_dir.join(format!("{SPEC_PREFIX}{uid}.json"))
+}
+
+/// The claims (uids) that have a spec of this plugin's in the CDI directory (none if there is no
+/// directory yet).
+pub fn claims_with_specs(layout: &Layout) -> std::io::Result<Vec<String>> {
+    let entries = match std::fs::read_dir(&layout.cdi_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut uids = Vec::new();
+    for entry in entries {
+        let name = entry?.file_name();
+        let uid = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(SPEC_PREFIX))
+            .and_then(|n| n.strip_suffix(".json"));
+        if let Some(uid) = uid.filter(|u| !u.is_empty()) {
+            uids.push(uid.to_string());
+        }
+    }
+    Ok(uids)
 }
 
 /// The spec for claim `uid`: its tenant `tenant` on the daemon's device `gpu`, with the device
@@ -206,9 +231,12 @@ mod tests {
         assert_eq!(edits.mounts[0].host_path, "/run/vramd");
         assert_eq!(edits.mounts[0].container_path, "/var/run/vramd");
         assert_eq!(device_id("u-1"), "vramd.io/claim=u-1");
+        std::fs::write(layout.cdi_dir.join("other-vendor.json"), "{}").unwrap();
+        assert_eq!(claims_with_specs(&layout).unwrap(), ["u-1"]);
         remove(&layout, "u-1").unwrap();
         remove(&layout, "u-1").unwrap();
         assert!(read(&layout, "u-1").is_none());
+        assert!(claims_with_specs(&layout).unwrap().is_empty());
         assert!(device_nodes(BackendKind::Host, "x").unwrap().is_empty());
     }
 }

@@ -294,11 +294,33 @@ impl Plugin {
         Ok(())
     }
 
-    /// Brings the daemon in line with the checkpoint: a prepared claim's declaration the daemon
+    /// Brings the CDI directory and the daemon in line with the checkpoint: a spec of this
+    /// plugin's that no prepared claim names (the plugin stopped between writing it and its
+    /// checkpoint, or while removing it) is removed; a prepared claim's declaration the daemon
     /// lacks (it restarted) is made again; a declaration of this plugin's that no prepared claim
     /// names (the plugin stopped between declaring and its checkpoint) is withdrawn.
     pub async fn reconcile(&self) -> Result<(), crate::daemon::DaemonError> {
         let cp = self.checkpoint.lock().await;
+        let layout = self.layout.clone();
+        match on_disk(move || cdi::claims_with_specs(&layout)).await {
+            Ok(uids) => {
+                for uid in uids.into_iter().filter(|u| cp.get(u).is_none()) {
+                    let (layout, u) = (self.layout.clone(), uid.clone());
+                    match on_disk(move || cdi::remove(&layout, &u)).await {
+                        Ok(()) => {
+                            tracing::warn!(
+                                claim = uid,
+                                "removed a CDI spec no prepared claim names"
+                            )
+                        }
+                        Err(e) => {
+                            tracing::error!(claim = uid, "cannot remove a stray CDI spec: {e}")
+                        }
+                    }
+                }
+            }
+            Err(e) => tracing::error!("cannot list the CDI directory: {e}"),
+        }
         let declared = self.daemon.declarations().await?;
         for (uid, p) in cp.prepared() {
             if !declared.contains(&p.declaration) {

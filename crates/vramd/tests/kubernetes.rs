@@ -628,12 +628,22 @@ fn a_plugin_restart_or_a_daemon_restart_loses_no_claim_and_doubles_none() {
     let first = prepare(node.dra_socket());
     assert_eq!(first.error, "");
 
-    // The plugin is killed and started again: the kubelet's retry gets the same answer.
+    // The plugin is killed and started again: the kubelet's retry gets the same answer. A spec
+    // of the plugin's that no prepared claim names (it stopped between writing the spec and its
+    // checkpoint) is removed when it starts; the prepared claim's stays.
+    let stray = node
+        .dir
+        .path()
+        .join("cdi/vramd.io-claim_ffffffff-0000-4000-8000-00000000000e.json");
+    std::fs::write(&stray, "{}").unwrap();
+    assert_eq!(node.cdi_specs().len(), 2);
     let node = node.restart(&daemon);
     assert!(wait_until(Duration::from_secs(10), || node
         .dra_socket()
         .exists()));
     assert_eq!(prepare(node.dra_socket()), first);
+    assert!(wait_until(Duration::from_secs(10), || !stray.exists()));
+    assert_eq!(node.cdi_specs().len(), 1, "{:?}", node.cdi_specs());
     assert_eq!(daemon.status().devices[0].reserved, Bytes::mib(512));
 
     // A declaration of the plugin's that no prepared claim names (it stopped between declaring
