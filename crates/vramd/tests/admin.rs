@@ -135,3 +135,39 @@ fn a_declaration_disconnects_a_tenant_of_its_name_that_it_does_not_admit() {
     assert!(d.log().contains("does not admit"), "{}", d.log());
     squatter.kill();
 }
+
+/// A runtime declaration the configuration came to name too (a reload after it) stays in force
+/// while it lasts; withdrawn, the configuration's declaration takes its place at once, without
+/// waiting for another reload.
+#[test]
+fn a_withdrawn_declaration_gives_way_to_the_configurations_of_its_name() {
+    let config = "capacity = \"8 GiB\"\npriority_reserve = \"0\"\n";
+    let d = Daemon::start(config);
+    let admin = Observer::connect(Some(&d.socket)).unwrap();
+    assert!(admin.declare(&declaration("both", Bytes::gib(2))).unwrap());
+    let with_it = format!("{config}[tenants.both]\nguarantee = \"1 GiB\"\n");
+    std::fs::write(d.dir().join("vramd.toml"), with_it).unwrap();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(d.pid() as i32).unwrap(),
+        rustix::process::Signal::HUP,
+    )
+    .unwrap();
+    assert!(wait_until(Duration::from_secs(5), || d
+        .log()
+        .contains("configuration reloaded")));
+    assert!(
+        d.log().contains("takes its place when it is withdrawn"),
+        "{}",
+        d.log()
+    );
+    assert_eq!(d.status().devices[0].reserved, Bytes::gib(2));
+
+    admin.withdraw("both").unwrap();
+    assert_eq!(d.status().devices[0].reserved, Bytes::gib(1), "{}", d.log());
+    assert!(d.log().contains("in force again"), "{}", d.log());
+    let t = d.tenant("both", &[]);
+    let st = d.status();
+    let both = st.tenants.iter().find(|t| t.name == "both").unwrap();
+    assert_eq!(both.guarantee, Bytes::gib(1), "{both:?}");
+    drop(t);
+}

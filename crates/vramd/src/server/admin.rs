@@ -23,12 +23,37 @@ const WITHDRAW_WAIT: Duration = Duration::from_secs(5);
 
 /// The tenants declared at run time, by name. Its lock is taken before any slot's (a reload
 /// holds it across the whole reload, so that no declaration comes or goes in between).
-#[derive(Default)]
-pub(crate) struct Declarations(Mutex<BTreeMap<String, Declaration>>);
+pub(crate) struct Declarations {
+    runtime: Mutex<BTreeMap<String, Declaration>>,
+    /// Per device, the tenants the configuration in force declares: a runtime declaration that
+    /// took the place of one of them (declared first, then the configuration named it too) gives
+    /// way to it when withdrawn. Written with `runtime`'s lock held.
+    configured: Mutex<Vec<BTreeMap<String, DeclaredTenant>>>,
+}
 
 impl Declarations {
+    /// No runtime declaration yet; `configured`: each device's tenants from the configuration.
+    pub(super) fn new(configured: Vec<BTreeMap<String, DeclaredTenant>>) -> Declarations {
+        Declarations {
+            runtime: Mutex::new(BTreeMap::new()),
+            configured: Mutex::new(configured),
+        }
+    }
+
     pub(super) fn lock(&self) -> MutexGuard<'_, BTreeMap<String, Declaration>> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+        self.runtime.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records the configuration's tenants of each device (a reload put in force); call with
+    /// [`Declarations::lock`] held.
+    pub(super) fn set_configured(&self, configured: Vec<BTreeMap<String, DeclaredTenant>>) {
+        *self.configured.lock().unwrap_or_else(|p| p.into_inner()) = configured;
+    }
+
+    /// The configuration's declaration of `name` on device `gpu`, if it has one.
+    fn configured(&self, gpu: usize, name: &str) -> Option<DeclaredTenant> {
+        let c = self.configured.lock().unwrap_or_else(|p| p.into_inner());
+        c.get(gpu)?.get(name).cloned()
     }
 }
 
@@ -47,8 +72,8 @@ pub(super) fn with_runtime(
             .is_some()
         {
             changes.push(format!(
-                "tenant `{}` is declared at run time: the configuration's [tenants.{}] is put \
-                 in force by the first reload (SIGHUP) after it is withdrawn",
+                "tenant `{}` is declared at run time: the configuration's [tenants.{}] takes \
+                 its place when it is withdrawn",
                 d.name, d.name
             ));
         }
@@ -173,17 +198,44 @@ pub(super) fn withdraw(daemon: &Daemon, uid: u32, name: &str) -> Result<Reply, E
     };
     let gpu = d.gpu as usize;
     let slot = &daemon.slots[gpu];
-    slot.with_shared(|broker, _| {
-        let mut policy = broker.policy().clone();
-        policy.tenants.remove(name);
-        broker.replace_policy(policy).map(|_| ())
-    })
-    .map_err(|e| {
-        error(
-            ErrorCode::Admission,
-            format!("cannot withdraw `{name}` on gpu {gpu}: {e}"),
-        )
-    })?;
+    // The configuration's declaration of the name, if it has one, takes its place again.
+    let configured = daemon.declared.configured(gpu, name);
+    let restored = slot
+        .with_shared(|broker, _| {
+            let mut policy = broker.policy().clone();
+            policy.tenants.remove(name);
+            let Some(t) = &configured else {
+                return broker.replace_policy(policy).map(|_| None);
+            };
+            let mut with = policy.clone();
+            with.tenants.insert(name.to_string(), t.clone());
+            match broker.replace_policy(with) {
+                Ok(_) => Ok(Some(Ok(()))),
+                Err(e) => broker
+                    .replace_policy(policy)
+                    .map(|_| Some(Err(e.to_string()))),
+            }
+        })
+        .map_err(|e| {
+            error(
+                ErrorCode::Admission,
+                format!("cannot withdraw `{name}` on gpu {gpu}: {e}"),
+            )
+        })?;
+    match restored {
+        Some(Ok(())) => tracing::info!(
+            tenant = name,
+            gpu,
+            "the configuration's declaration of the withdrawn tenant is in force again"
+        ),
+        Some(Err(e)) => tracing::warn!(
+            tenant = name,
+            gpu,
+            "the configuration's declaration of the withdrawn tenant does not fit now ({e}); \
+             the next reload that fits puts it in force"
+        ),
+        None => {}
+    }
     declared.remove(name);
     drop(declared);
 

@@ -267,9 +267,11 @@ impl Server {
         }
         let mut slots = Vec::new();
         let mut pools = Vec::new();
+        let mut configured = Vec::new();
         for (i, device) in opts.devices.iter().enumerate() {
             let policy = (opts.policy)(device.as_ref());
             policy.check()?;
+            configured.push(policy.tenants.clone());
             let pool = Pool::new(device.clone(), opts.pool.clone());
             slots.push(Slot::new(i as u32, device.clone(), policy, pool.clone())?);
             pools.push(pool);
@@ -297,7 +299,7 @@ impl Server {
             next_ask: AtomicU64::new(1),
             metrics: OnceLock::new(),
             shared: shared::SharedServer::default(),
-            declared: admin::Declarations::default(),
+            declared: admin::Declarations::new(configured),
             driver_check: opts
                 .probe
                 .map(|p| reconcile::DriverCheck::new(p, opts.devices.len(), opts.probe_period)),

@@ -43,18 +43,21 @@ impl Daemon {
         // Held to the end, so that no runtime declaration comes or goes meanwhile.
         let declared = self.declared.lock();
         let mut kept = Vec::new();
+        let mut configured = Vec::new();
         let policies: Vec<Policy> = self
             .slots
             .iter()
             .enumerate()
             .map(|(gpu, s)| {
-                let (p, notes) =
-                    super::admin::with_runtime(&declared, gpu, policy(s.desc().capacity));
+                let from_file = policy(s.desc().capacity);
+                configured.push(from_file.tenants.clone());
+                let (p, notes) = super::admin::with_runtime(&declared, gpu, from_file);
                 kept.extend(notes.into_iter().map(|n| format!("gpu {gpu}: {n}")));
                 p
             })
             .collect();
         let per_gpu = replace_all(&self.slots, &policies, 0)?;
+        self.declared.set_configured(configured);
         let mut changes: Vec<String> = per_gpu
             .into_iter()
             .enumerate()
