@@ -131,10 +131,12 @@ int vram_interposing(void);
  *   cuMemAllocAsync, cuMemFreeAsync, cuMemAllocFromPoolAsync (and their _ptsz forms): served
  *   by the tenant's caching allocator, stream-ordered where the call is. cuMemFree_v2
  *   synchronises the context first; memory vramd did not hand out goes to the driver.
- *   cuMemPoolCreate, cuMemPoolDestroy: the driver's, the pool's place kept. An allocation from
- *   a pool on the host, on another GPU or whose allocations may be exported is the driver's;
- *   on the tenant's GPU it is charged, as below, and uncharged when freed. Other pools' settings
- *   (release threshold, maximum size) do not apply to vramd's memory.
+ *   cuMemPoolCreate, cuMemPoolDestroy, cuMemPoolTrimTo: the driver's, the pool's place kept.
+ *   An allocation from a pool on the host, on another GPU, of managed memory, whose allocations
+ *   may be exported, or from a pool of the tenant's GPU on another GPU's stream is the driver's;
+ *   a pool that may hold the tenant's GPU memory is charged, as below, by what it reserves
+ *   (read after each allocation, free and trim; taken back at its destroy). Other pools'
+ *   settings (release threshold, maximum size) do not apply to vramd's memory.
  *   cuMemCreate, cuMemAllocManaged: the driver makes the memory; its size is then charged to the
  *   tenant against its limit (on the tenant's GPU; cuMemCreate elsewhere is not charged), and
  *   taken back when the driver frees it: for cuMemCreate, once every reference to the handle is
@@ -163,7 +165,7 @@ unsigned long long vram_interposed_calls(void);
  * "passed": to the function underneath, unchanged; "refused": failed by vramd. Besides the
  * entry points' names: "cuMemFree_v2_managed" (frees of charged managed memory) and
  * "cuMemAllocFromPoolAsync_driver_pool" (allocations from pools whose memory is the driver's:
- * "served" when charged, "passed" when not GPU memory of the tenant's). */
+ * "served" when the pool is charged, "passed" when not). */
 char *vram_interposer_stats_json(void);
 
 /* For a caching layer above libvram (PyTorch's, in pool mode): how many of the bytes it holds

@@ -330,8 +330,9 @@ fn a_stream_ordered_allocation_goes_where_its_stream_is() {
 /// A program of the driver API (through ctypes) under `vramd run`, allocating 8 MiB from each
 /// of three pools it makes on device 0's primary context: one on the device (vramd's memory), one
 /// on the host (the driver's; the CPU writes it), one whose allocations may be exported (the
-/// driver's, charged: the tenant's free memory shrinks by 8 MiB until the free). Prints what the
-/// hooks did with each and what the driver said.
+/// driver's, charged by what the pool reserves, until it gives it back). Prints what the hooks
+/// did with each, how the free memory moved (the tenant's view under vramd, the device's
+/// without) and what the driver said.
 const POOL_PROGRAM: &str = r#"
 import ctypes, json
 cu = ctypes.CDLL("libcuda.so.1")
@@ -402,14 +403,16 @@ def case(handle_types, location_type):
     ok("cuStreamSynchronize", cu.cuStreamSynchronize(s))
     out["uncharged"] = free_memory() == before_free
     ok("cuMemPoolDestroy", cu.cuMemPoolDestroy(pool))
+    out["back_at_destroy"] = free_memory() == before_free
     return out
 print(json.dumps({"device": case(0, 1), "host": case(0, 2), "exportable": case(1, 1)}), flush=True)
 "#;
 
 /// Pools a program makes: vramd serves the one on its GPU; the one on the host (which the CPU
 /// must be able to write) and the one whose allocations may be exported are the driver's, the
-/// latter charged until its free. What the driver answers of them (the CPU's write, the
-/// exports) is what it answers the same program run without vramd.
+/// latter charged by what it reserves: the tenant's free memory moves as the device's does for
+/// the same program run without vramd, and the driver's answers (the CPU's write, the exports)
+/// are the same.
 fn a_pool_on_the_host_or_for_export_is_the_drivers() {
     let Some(_dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
@@ -422,7 +425,13 @@ fn a_pool_on_the_host_or_for_export_is_the_drivers() {
     let plain: serde_json::Value =
         serde_json::from_slice(&plain.stdout).unwrap_or_else(|e| panic!("{e}: {plain:?}"));
     println!("MEASURED the same without vramd: {plain}");
-    for key in ["pool_exported", "exported"] {
+    for key in [
+        "pool_exported",
+        "exported",
+        "charged",
+        "uncharged",
+        "back_at_destroy",
+    ] {
         assert_eq!(got["exportable"][key], plain["exportable"][key], "{key}");
     }
     assert_eq!(got["host"]["cpu_wrote"], plain["host"]["cpu_wrote"]);
@@ -430,8 +439,7 @@ fn a_pool_on_the_host_or_for_export_is_the_drivers() {
     // [served by vramd's allocator, charged as the driver's, passed uncharged]
     assert_eq!(got["device"]["hooks"], json!([1, 0, 0]), "{got}");
     assert_eq!(got["exportable"]["hooks"], json!([0, 1, 0]), "{got}");
-    assert_eq!(got["exportable"]["charged"], json!(mib8), "{got}");
-    assert_eq!(got["exportable"]["uncharged"], json!(true), "{got}");
+    assert!(got["exportable"]["charged"].as_u64() >= Some(mib8), "{got}");
     if got["host"].get("pool_refused").is_some() {
         println!("(the driver makes no pool on the host: not tried)");
     } else {

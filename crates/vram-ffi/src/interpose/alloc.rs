@@ -11,8 +11,7 @@
 //! A stream-ordered allocation is vramd's when its stream is on the tenant's GPU
 //! ([`super::stream_gpu`]), whatever context the calling thread has current; a synchronous one
 //! when the current context is. `cuMemAllocFromPoolAsync` is served from the tenant's memory
-//! too, except from a pool whose memory must be the driver's (on the host, exportable, on another
-//! device: [`super::pools`]).
+//! too, except from a pool whose memory must be the driver's ([`super::pools`]).
 //!
 //! `cuMemFree_v2` of vramd's memory synchronises the context first, as the driver's does
 //! (callers rely on it); a pointer vramd did not hand out goes to the driver's own function, and
@@ -284,7 +283,7 @@ unsafe fn alloc_from_pool_async(
     if dptr.is_null() || bytesize == 0 {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if pools::drivers(pool) {
+    if let pools::Verdict::Driver { charged } = pools::verdict(pool, stream) {
         let make = || match real {
             // SAFETY: the driver's own function with the caller's arguments.
             Some(f) => unsafe { f(dptr, bytesize, pool, stream) },
@@ -304,7 +303,7 @@ unsafe fn alloc_from_pool_async(
         };
         // SAFETY: `dptr` is the caller's, valid for one write (checked non-null), which the
         // driver's function makes before it is read.
-        return unsafe { pools::alloc_from_drivers_pool(dptr, bytesize, pool, make, unmake) };
+        return unsafe { pools::alloc_from_drivers_pool(dptr, pool, charged, make, unmake) };
     }
     let sid = stream_id(stream, per_thread);
     match serve(
@@ -376,7 +375,8 @@ pub unsafe extern "C" fn cuMemFreeAsync_ptsz(dptr: CuDevicePtr, stream: CuStream
     free_async(dptr, stream, true, real::driver().mem_free_async_ptsz)
 }
 
-/// See the module documentation: served from the tenant's memory whatever `pool` is.
+/// See the module documentation: served from the tenant's memory unless the pool's memory is
+/// the driver's ([`super::pools`]).
 ///
 /// # Safety
 /// As for the driver's `cuMemAllocFromPoolAsync`: `dptr` is valid for one write.

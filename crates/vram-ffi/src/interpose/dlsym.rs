@@ -87,6 +87,7 @@ pub(crate) fn hook_for(name: &[u8]) -> Option<*mut c_void> {
         b"cuMemAllocFromPoolAsync_ptsz" => alloc::cuMemAllocFromPoolAsync_ptsz as *mut c_void,
         b"cuMemPoolCreate" => pools::cuMemPoolCreate as *mut c_void,
         b"cuMemPoolDestroy" => pools::cuMemPoolDestroy as *mut c_void,
+        b"cuMemPoolTrimTo" => pools::cuMemPoolTrimTo as *mut c_void,
         b"cuMemCreate" => vmm::cuMemCreate as *mut c_void,
         b"cuMemRelease" => vmm::cuMemRelease as *mut c_void,
         b"cuMemRetainAllocationHandle" => vmm::cuMemRetainAllocationHandle as *mut c_void,

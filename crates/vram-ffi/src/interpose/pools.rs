@@ -2,19 +2,26 @@
 //! the driver's.
 //!
 //! [`super::alloc`] serves `cuMemAllocFromPoolAsync` from the tenant's memory, as it serves
-//! `cuMemAllocAsync`. Some pools ask for memory vramd's is not: a pool located on the host
-//! (pinned host memory, which the CPU reads and writes), and a pool whose allocations may be
-//! exported to other processes (`cuMemPoolExportPointer` takes only the pool's own memory). Their
-//! allocations, and those of a pool on another device than the tenant's, are the driver's: a
-//! pool's properties are read when it is made and kept until it is destroyed. An allocation of
-//! the driver's on the tenant's GPU is charged to the tenant, as `cuMemAllocManaged` is
-//! ([`super::charged`]): refused past its limit, uncharged when freed (`cuMemFreeAsync` or
-//! `cuMemFree_v2`). One on the host is not GPU memory and is not charged.
+//! `cuMemAllocAsync`. A pool made here whose memory vramd's cannot stand in for is the driver's:
+//! one located on the host (pinned host memory, which the CPU reads and writes), one whose
+//! allocations may be exported to other processes (`cuMemPoolExportPointer` takes only the
+//! pool's own memory), one of managed memory or of a location this library does not know, one on
+//! another device; and a pool on the tenant's GPU asked for on a stream of another GPU. A pool's
+//! properties are read when it is made and kept until it is destroyed.
 //!
-//! The device's own pools (`cuDeviceGetDefaultMemPool`) and pools the program made on the
-//! tenant's GPU with no export are served by vramd; their settings (release threshold, maximum
-//! size) do not apply to vramd's memory. `cuMemAllocAsync` is served whichever pool is current
-//! for the device (`cuDeviceSetMemPool`).
+//! A driver's pool that may hold memory of the tenant's GPU (all but those on the host or on
+//! another device) is charged to the tenant by what the pool reserves, not by what is allocated
+//! from it: a pool keeps memory beyond its allocations (its release threshold, the driver's own
+//! rounding) and after their free. The reservation
+//! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`) is read after each allocation, free and trim, and
+//! the charge follows it: up, or refused past the tenant's limit (the allocation is freed again
+//! and fails with out-of-memory); down, once the pool gave memory back. Destroying the pool takes
+//! back what is left of its charge.
+//!
+//! The device's own pools (`cuDeviceGetDefaultMemPool`, not made here) and a pool made on the
+//! tenant's GPU with no export, asked for on a stream of the tenant's GPU, are served by vramd;
+//! their settings (release threshold, maximum size) do not apply to vramd's memory.
+//! `cuMemAllocAsync` is served whichever pool is current for the device (`cuDeviceSetMemPool`).
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};
@@ -25,14 +32,15 @@ use vram_core::Bytes;
 use super::real;
 use super::stats::{self, Hook};
 use super::{
-    is_tenant_device, tenant_or_log, CuDevicePtr, CuResult, CUDA_ERROR_NOT_FOUND,
-    CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
+    is_tenant_device, stream_gpu, tenant_or_log, CuDevicePtr, CuResult, CuStream, Gpu,
+    CUDA_ERROR_NOT_FOUND, CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
-use crate::guarded;
+use crate::{guarded, Tenant};
 
 /// `CUmemPoolProps` (cuda.h): only the leading fields are read; the driver reads the rest.
 #[repr(C)]
 pub struct PoolProps {
+    /// `CUmemAllocationType`.
     pub alloc_type: c_uint,
     /// `CUmemAllocationHandleType` flags: non-zero when allocations may be exported.
     pub handle_types: c_uint,
@@ -42,104 +50,183 @@ pub struct PoolProps {
     pub location_id: c_int,
 }
 
+/// `CU_MEM_ALLOCATION_TYPE_PINNED`: device (or pinned host) memory, not managed.
+const ALLOCATION_PINNED: c_uint = 1;
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
 const LOCATION_DEVICE: c_uint = 1;
+/// `CU_MEM_LOCATION_TYPE_HOST`, `_HOST_NUMA`, `_HOST_NUMA_CURRENT`.
+const LOCATIONS_HOST: [c_uint; 3] = [2, 3, 4];
+/// `CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`: the memory the pool holds from the device now.
+const ATTR_RESERVED_MEM_CURRENT: c_int = 5;
 
-/// Where a pool the program made keeps its memory, as far as vramd is concerned.
+/// Where a pool made here keeps its memory, as far as vramd is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Place {
-    /// On device `ordinal`; `exportable` if its allocations may be shared with other processes.
+    /// Pinned memory of device `ordinal`; `exportable` if its allocations may be shared with
+    /// other processes.
     Device { ordinal: c_int, exportable: bool },
-    /// Anywhere else: the host, a host NUMA node.
+    /// Pinned host memory: not GPU memory.
     Host,
+    /// Managed memory, or a location this library does not know: the driver's, charged.
+    Other,
 }
 
-/// Pools made through `cuMemPoolCreate`, by handle, until `cuMemPoolDestroy`.
-static MADE: LazyLock<Mutex<HashMap<usize, Place>>> = LazyLock::new(Default::default);
-/// Charged allocations of the driver's from pools, by pointer: their sizes.
-static CHARGED: LazyLock<Mutex<HashMap<CuDevicePtr, u64>>> = LazyLock::new(Default::default);
+impl Place {
+    fn of(p: &PoolProps) -> Place {
+        if p.alloc_type == ALLOCATION_PINNED && p.location_type == LOCATION_DEVICE {
+            Place::Device {
+                ordinal: p.location_id,
+                exportable: p.handle_types != 0,
+            }
+        } else if p.alloc_type == ALLOCATION_PINNED && LOCATIONS_HOST.contains(&p.location_type) {
+            Place::Host
+        } else {
+            Place::Other
+        }
+    }
+}
+
+/// A pool made through `cuMemPoolCreate`.
+struct Made {
+    place: Place,
+    /// What of the pool's reservation is charged to the tenant now.
+    charged: u64,
+}
+
+/// Pools made through `cuMemPoolCreate`, by handle, until `cuMemPoolDestroy`. Its lock is held
+/// across the driver's create and destroy, so that a handle the driver gives again is never
+/// mistaken for the destroyed pool's.
+static MADE: LazyLock<Mutex<HashMap<usize, Made>>> = LazyLock::new(Default::default);
+/// Allocations from charged pools, by pointer: their pool.
+static FROM: LazyLock<Mutex<HashMap<CuDevicePtr, usize>>> = LazyLock::new(Default::default);
 
 fn lock<T>(m: &'static Mutex<T>) -> MutexGuard<'static, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Whether an allocation from `pool` is the driver's to make (see the module documentation).
-pub(crate) fn drivers(pool: *mut c_void) -> bool {
-    let Some(place) = lock(&MADE).get(&(pool as usize)).copied() else {
-        return false;
+/// What becomes of an allocation from `pool` on `stream`.
+pub(crate) enum Verdict {
+    /// vramd's allocator serves it (a pool not made here, or one on the tenant's GPU asked for
+    /// on its stream).
+    Serve,
+    /// The driver makes it; `charged`: the pool's reservation is charged to the tenant.
+    Driver { charged: bool },
+}
+
+/// See the module documentation. Where the tenant cannot be set up, vramd's path refuses the
+/// call with the reason.
+pub(crate) fn verdict(pool: *mut c_void, stream: CuStream) -> Verdict {
+    let Some(place) = lock(&MADE).get(&(pool as usize)).map(|m| m.place) else {
+        return Verdict::Serve;
+    };
+    let Ok(t) = crate::tenant() else {
+        return Verdict::Serve;
     };
     match place {
-        Place::Host
-        | Place::Device {
+        Place::Host => Verdict::Driver { charged: false },
+        Place::Other => Verdict::Driver { charged: true },
+        Place::Device { ordinal, .. } if !is_tenant_device(t, ordinal) => {
+            Verdict::Driver { charged: false }
+        }
+        Place::Device {
             exportable: true, ..
-        } => true,
-        // Where the tenant cannot be set up, vramd's path refuses the call with the reason.
-        Place::Device { ordinal, .. } => match crate::tenant() {
-            Ok(t) => !is_tenant_device(t, ordinal),
-            Err(_) => false,
-        },
+        } => Verdict::Driver { charged: true },
+        Place::Device { .. } if stream_gpu(t, stream) == Gpu::Tenant => Verdict::Serve,
+        Place::Device { .. } => Verdict::Driver { charged: true },
     }
 }
 
-/// An allocation from a pool whose memory is the driver's: made by `make` (the driver's
-/// function, which writes `*dptr`), then charged if it is on the tenant's GPU; a refused charge
-/// frees it with `unmake` (the driver's stream-ordered free) and fails with out-of-memory.
+/// An allocation from a driver's pool: made by `make` (the driver's function, which writes
+/// `*dptr`); where the pool is `charged`, its reservation is then charged, and a refused charge
+/// frees the allocation with `unmake` (the driver's stream-ordered free) and fails with
+/// out-of-memory.
 ///
 /// # Safety
 /// `dptr` is valid for a read and a write.
 pub(crate) unsafe fn alloc_from_drivers_pool(
     dptr: *mut CuDevicePtr,
-    bytesize: usize,
     pool: *mut c_void,
+    charged: bool,
     make: impl FnOnce() -> CuResult,
     unmake: impl FnOnce(CuDevicePtr),
 ) -> CuResult {
-    let place = lock(&MADE).get(&(pool as usize)).copied();
-    let on_tenant_gpu = match place {
-        Some(Place::Device { ordinal, .. }) => match guarded(None, || tenant_or_log().map(Some)) {
-            Some(t) => is_tenant_device(t, ordinal),
+    let t = if charged {
+        match guarded(None, || tenant_or_log().map(Some)) {
+            Some(t) => Some(t),
             None => {
                 stats::refused(Hook::MemAllocFromDriverPool);
                 return CUDA_ERROR_OUT_OF_MEMORY;
             }
-        },
-        _ => false,
+        }
+    } else {
+        None
     };
     let r = make();
-    if r != CUDA_SUCCESS || !on_tenant_gpu {
+    let Some(t) = t.filter(|_| r == CUDA_SUCCESS) else {
         if r == CUDA_SUCCESS {
             stats::passed(Hook::MemAllocFromDriverPool);
         }
         return r;
-    }
+    };
     // SAFETY: the driver succeeded, so it wrote the pointer through the caller's valid pointer.
     let ptr = unsafe { *dptr };
-    let bytes = bytesize as u64;
-    let charged = guarded(false, || {
-        let t = tenant_or_log()?;
-        super::charged::charge(t, "cuMemAllocFromPoolAsync", Bytes(bytes)).map(|()| true)
-    });
-    if !charged {
+    // A refusal's message is left in `vram_last_error`.
+    if !guarded(false, || settle(t, pool).map(|()| true)) {
         unmake(ptr);
         // SAFETY: as above, the caller's valid pointer.
         unsafe { *dptr = 0 };
         stats::refused(Hook::MemAllocFromDriverPool);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    lock(&CHARGED).insert(ptr, bytes);
+    lock(&FROM).insert(ptr, pool as usize);
     stats::served(Hook::MemAllocFromDriverPool);
     CUDA_SUCCESS
 }
 
-/// A free of a charged pool allocation: done by `free` (the driver's function), then uncharged.
-/// `None` if `ptr` is not such an allocation.
+/// Brings `pool`'s charge in line with what the driver says it reserves: charged up (refused
+/// past the tenant's limit: the message), or uncharged down. A pool the driver cannot report on
+/// keeps its charge.
+fn settle(t: &Tenant, pool: *mut c_void) -> Result<(), String> {
+    let mut made = lock(&MADE);
+    let Some(m) = made.get_mut(&(pool as usize)) else {
+        return Ok(());
+    };
+    let Some(reserved) = reserved(pool) else {
+        return Ok(());
+    };
+    if reserved > m.charged {
+        let more = reserved - m.charged;
+        super::charged::charge(t, "cuMemAllocFromPoolAsync", Bytes(more))?;
+        m.charged = reserved;
+    } else if reserved < m.charged {
+        super::charged::uncharge(m.charged - reserved);
+        m.charged = reserved;
+    }
+    Ok(())
+}
+
+/// The memory `pool` holds from the device now, as the driver reports it.
+fn reserved(pool: *mut c_void) -> Option<u64> {
+    let get = real::driver().mem_pool_get_attribute?;
+    let mut value = 0u64;
+    // SAFETY: the driver's cuMemPoolGetAttribute with a live pool of the caller's and an out
+    // pointer to a u64, the attribute's type (cuda.h: cuuint64_t).
+    let r = unsafe { get(pool, ATTR_RESERVED_MEM_CURRENT, (&raw mut value).cast()) };
+    (r == CUDA_SUCCESS).then_some(value)
+}
+
+/// A free of an allocation from a charged pool: done by `free` (the driver's function), then
+/// the pool's charge settled. `None` if `ptr` is not such an allocation.
 pub(crate) fn free_charged(ptr: CuDevicePtr, free: impl FnOnce() -> CuResult) -> Option<CuResult> {
-    let bytes = lock(&CHARGED).remove(&ptr)?;
+    let pool = lock(&FROM).remove(&ptr)?;
     let r = free();
     if r == CUDA_SUCCESS {
-        super::charged::uncharge(bytes);
+        if let Some(t) = crate::current() {
+            // Down only (a free never makes a pool reserve more): nothing to refuse.
+            guarded((), || settle(t, pool as *mut c_void));
+        }
     } else {
-        lock(&CHARGED).insert(ptr, bytes);
+        lock(&FROM).insert(ptr, pool);
     }
     Some(r)
 }
@@ -157,27 +244,21 @@ pub unsafe extern "C" fn cuMemPoolCreate(
     let Some(create) = real::driver().mem_pool_create else {
         return CUDA_ERROR_NOT_FOUND;
     };
+    let mut made = lock(&MADE);
     // SAFETY: the driver's own function with the caller's arguments.
     let r = unsafe { create(pool, props) };
     if r == CUDA_SUCCESS && !pool.is_null() && !props.is_null() {
         // SAFETY: the driver accepted `props` and wrote the pool through `pool`, both the
         // caller's valid pointers; only the leading fields of the properties are read.
-        let (made, p) = unsafe { (*pool, &*props) };
-        let place = if p.location_type == LOCATION_DEVICE {
-            Place::Device {
-                ordinal: p.location_id,
-                exportable: p.handle_types != 0,
-            }
-        } else {
-            Place::Host
-        };
-        lock(&MADE).insert(made as usize, place);
+        let (handle, p) = unsafe { (*pool, &*props) };
+        let place = Place::of(p);
+        made.insert(handle as usize, Made { place, charged: 0 });
     }
     r
 }
 
-/// See the module documentation: the pool is forgotten once the driver destroyed it (its
-/// handle may be given to another pool).
+/// See the module documentation: once the driver destroyed the pool, what is left of its charge
+/// is taken back and the pool forgotten (its handle may be given to another pool).
 ///
 /// # Safety
 /// As for the driver's `cuMemPoolDestroy`.
@@ -186,10 +267,36 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: *mut c_void) -> CuResult {
     let Some(destroy) = real::driver().mem_pool_destroy else {
         return CUDA_ERROR_NOT_FOUND;
     };
+    let mut made = lock(&MADE);
     // SAFETY: the driver's own function with the caller's argument.
     let r = unsafe { destroy(pool) };
     if r == CUDA_SUCCESS {
-        lock(&MADE).remove(&(pool as usize));
+        if let Some(m) = made.remove(&(pool as usize)) {
+            if m.charged > 0 {
+                super::charged::uncharge(m.charged);
+            }
+        }
+        lock(&FROM).retain(|_, p| *p != pool as usize);
+    }
+    r
+}
+
+/// See the module documentation: the pool gives memory back to the device, and its charge
+/// follows.
+///
+/// # Safety
+/// As for the driver's `cuMemPoolTrimTo`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemPoolTrimTo(pool: *mut c_void, min_bytes_to_keep: usize) -> CuResult {
+    let Some(trim) = real::driver().mem_pool_trim_to else {
+        return CUDA_ERROR_NOT_FOUND;
+    };
+    // SAFETY: the driver's own function with the caller's arguments.
+    let r = unsafe { trim(pool, min_bytes_to_keep) };
+    if r == CUDA_SUCCESS {
+        if let Some(t) = crate::current() {
+            guarded((), || settle(t, pool));
+        }
     }
     r
 }

@@ -52,6 +52,7 @@ fn hook_by_name(name: &[u8], version: c_int, flags: u64) -> Option<*mut c_void> 
         b"cuMemAllocFromPoolAsync" => alloc::cuMemAllocFromPoolAsync as _,
         b"cuMemPoolCreate" => pools::cuMemPoolCreate as _,
         b"cuMemPoolDestroy" => pools::cuMemPoolDestroy as _,
+        b"cuMemPoolTrimTo" => pools::cuMemPoolTrimTo as _,
         b"cuMemCreate" => vmm::cuMemCreate as _,
         b"cuMemRelease" => vmm::cuMemRelease as _,
         b"cuMemRetainAllocationHandle" => vmm::cuMemRetainAllocationHandle as _,

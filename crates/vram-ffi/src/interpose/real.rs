@@ -22,6 +22,9 @@ pub(crate) type MemAllocFromPoolAsync =
 pub(crate) type MemPoolCreate =
     unsafe extern "C" fn(*mut *mut c_void, *const super::pools::PoolProps) -> CuResult;
 pub(crate) type MemPoolDestroy = unsafe extern "C" fn(*mut c_void) -> CuResult;
+pub(crate) type MemPoolTrimTo = unsafe extern "C" fn(*mut c_void, usize) -> CuResult;
+pub(crate) type MemPoolGetAttribute =
+    unsafe extern "C" fn(*mut c_void, c_int, *mut c_void) -> CuResult;
 pub(crate) type MemCreate =
     unsafe extern "C" fn(*mut u64, usize, *const super::vmm::AllocationProp, u64) -> CuResult;
 pub(crate) type MemRelease = unsafe extern "C" fn(u64) -> CuResult;
@@ -58,6 +61,8 @@ pub(crate) struct Driver {
     pub mem_alloc_from_pool_async_ptsz: Option<MemAllocFromPoolAsync>,
     pub mem_pool_create: Option<MemPoolCreate>,
     pub mem_pool_destroy: Option<MemPoolDestroy>,
+    pub mem_pool_trim_to: Option<MemPoolTrimTo>,
+    pub mem_pool_get_attribute: Option<MemPoolGetAttribute>,
     pub mem_create: Option<MemCreate>,
     pub mem_release: Option<MemRelease>,
     pub mem_retain_allocation_handle: Option<MemRetainAllocationHandle>,
@@ -124,6 +129,8 @@ pub(crate) fn driver() -> &'static Driver {
                 mem_alloc_from_pool_async_ptsz: function(lib, c"cuMemAllocFromPoolAsync_ptsz"),
                 mem_pool_create: function(lib, c"cuMemPoolCreate"),
                 mem_pool_destroy: function(lib, c"cuMemPoolDestroy"),
+                mem_pool_trim_to: function(lib, c"cuMemPoolTrimTo"),
+                mem_pool_get_attribute: function(lib, c"cuMemPoolGetAttribute"),
                 mem_create: function(lib, c"cuMemCreate"),
                 mem_release: function(lib, c"cuMemRelease"),
                 mem_retain_allocation_handle: function(lib, c"cuMemRetainAllocationHandle"),
@@ -163,6 +170,7 @@ const HOOKED: &[&CStr] = &[
     c"cuMemAllocFromPoolAsync_ptsz",
     c"cuMemPoolCreate",
     c"cuMemPoolDestroy",
+    c"cuMemPoolTrimTo",
     c"cuMemCreate",
     c"cuMemRelease",
     c"cuMemRetainAllocationHandle",

@@ -188,9 +188,10 @@ int main(int argc, char **argv) {
     CHECK(free_ptsz(d, NULL) == 0);
     CHECK(calls("cuMemAllocAsync") == 0 && calls("cuMemFreeAsync") == 0);
 
-    /* Pools the program makes: from one on the device vramd serves; from one on the host, and
-     * from one whose allocations may be exported, the driver does, charging only the latter
-     * (the tenant's free memory shrinks by it until its free). */
+    /* Pools the program makes: from one on the device vramd serves; from one on the host, one
+     * whose allocations may be exported and one of managed memory, the driver does, charging
+     * the latter two by what the pool reserves (the stand-in rounds to 32 MiB) until the pool
+     * gives it back (the stand-in does at the free, by cuMemFreeAsync or cuMemFree). */
     pool_create_fn pool_create = (pool_create_fn)sym("cuMemPoolCreate");
     pool_destroy_fn pool_destroy = (pool_destroy_fn)sym("cuMemPoolDestroy");
     from_pool_fn from_pool = (from_pool_fn)sym("cuMemAllocFromPoolAsync");
@@ -199,30 +200,40 @@ int main(int argc, char **argv) {
     struct pool_props on_device = {1, 0, 1, 0, NULL, 0, 0, {0}};
     struct pool_props on_host = {1, 0, 2, 0, NULL, 0, 0, {0}};
     struct pool_props exportable = {1, 1, 1, 0, NULL, 0, 0, {0}};
-    void *device_pool = NULL, *host_pool = NULL, *export_pool = NULL;
+    struct pool_props managed_pool = {2, 0, 1, 0, NULL, 0, 0, {0}};
+    void *device_pool = NULL, *host_pool = NULL, *export_pool = NULL, *managed_p = NULL;
     CHECK(pool_create(&device_pool, &on_device) == 0 && pool_create(&host_pool, &on_host) == 0);
-    CHECK(pool_create(&export_pool, &exportable) == 0 && calls("cuMemPoolCreate") == 3);
-    CUdeviceptr pd = 0, ph = 0, pe = 0, pbig = 0;
+    CHECK(pool_create(&export_pool, &exportable) == 0);
+    CHECK(pool_create(&managed_p, &managed_pool) == 0 && calls("cuMemPoolCreate") == 4);
+    CUdeviceptr pd = 0, ph = 0, pe = 0, pm = 0, pbig = 0;
     CHECK(from_pool(&pd, 1 << 20, device_pool, stream) == 0 && pd != 0);
     CHECK(calls("cuMemAllocFromPoolAsync") == 0);
     CHECK(from_pool(&ph, 1 << 20, host_pool, stream) == 0 && ph != 0);
     CHECK(calls("cuMemAllocFromPoolAsync") == 1);
     memset((void *)ph, 5, 1 << 20);
     info_fn pool_info = (info_fn)sym("cuMemGetInfo_v2");
-    size_t before = 0, charged = 0, after = 0, pool_total = 0;
+    size_t before = 0, now = 0, pool_total = 0;
+    const size_t mib32 = (size_t)32 << 20;
     CHECK(pool_info(&before, &pool_total) == 0);
     CHECK(from_pool(&pe, (size_t)8 << 20, export_pool, stream) == 0 && pe != 0);
     CHECK(calls("cuMemAllocFromPoolAsync") == 2);
-    CHECK(pool_info(&charged, &pool_total) == 0 && charged == before - ((size_t)8 << 20));
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - mib32);
+    CHECK(from_pool(&pm, (size_t)4 << 20, managed_p, stream) == 0 && pm != 0);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - 2 * mib32);
     /* Past the limit: the driver's memory is freed again and the call fails. */
     CHECK(from_pool(&pbig, (size_t)512 << 20, export_pool, stream) == 2 && pbig == 0);
-    CHECK(calls("cuMemAllocFromPoolAsync") == 3 && calls("cuMemFreeAsync") == 1);
+    CHECK(strstr(vram_last_error(), "cuMemAllocFromPoolAsync") != NULL);
+    CHECK(calls("cuMemAllocFromPoolAsync") == 4 && calls("cuMemFreeAsync") == 1);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - 2 * mib32);
     CHECK(free_async(pd, stream) == 0 && calls("cuMemFreeAsync") == 1);
     CHECK(free_async(ph, stream) == 0 && calls("cuMemFreeAsync") == 2);
     CHECK(free_async(pe, stream) == 0 && calls("cuMemFreeAsync") == 3);
-    CHECK(pool_info(&after, &pool_total) == 0 && after == before);
-    /* A destroyed pool is forgotten: a pool given its handle again is judged anew. */
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - mib32);
+    CHECK(calls("cuMemFree_v2") == 1);
+    CHECK(mem_free(pm) == 0 && calls("cuMemFree_v2") == 2);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before);
     CHECK(pool_destroy(export_pool) == 0 && calls("cuMemPoolDestroy") == 1);
+    CHECK(pool_destroy(managed_p) == 0);
     CHECK(pool_destroy(host_pool) == 0 && pool_destroy(device_pool) == 0);
 
     /* Pitched: rows of 1000 bytes 1024 apart. */
@@ -267,10 +278,10 @@ int main(int argc, char **argv) {
     CUdeviceptr m = 0;
     CHECK(managed(&m, (size_t)16 << 20, 1) == 0 && m != 0 && calls("cuMemAllocManaged") == 1);
     memset((void *)m, 4, (size_t)16 << 20);
-    CHECK(mem_free(m) == 0 && calls("cuMemFree_v2") == 2);
+    CHECK(mem_free(m) == 0 && calls("cuMemFree_v2") == 3);
     CUdeviceptr mbig = 0;
     CHECK(managed(&mbig, (size_t)512 << 20, 1) == 2 && mbig == 0);
-    CHECK(calls("cuMemFree_v2") == 3);
+    CHECK(calls("cuMemFree_v2") == 4);
 
     /* The tenant's view: total its limit, free what it could still get; NVML agrees exactly
      * for its GPU and passes other GPUs through. */

@@ -76,6 +76,8 @@ CUresult cuCtxSynchronize(void) {
     return 0;
 }
 
+static void unpool(CUdeviceptr p);
+
 static CUresult host_alloc(CUdeviceptr *p, size_t n) {
     void *m = malloc(n);
     if (m == NULL)
@@ -99,6 +101,7 @@ CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t width, size_t 
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
     count(C_MEM_FREE);
+    unpool(p);
     free((void *)p);
     return 0;
 }
@@ -115,16 +118,47 @@ CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, void *stream) {
 CUresult cuMemFreeAsync(CUdeviceptr p, void *stream) {
     (void)stream;
     count(C_MEM_FREE_ASYNC);
+    unpool(p);
     free((void *)p);
     return 0;
 }
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, void *stream) { return cuMemFreeAsync(p, stream); }
 
+/* Allocations from pools (a handful is all the tests make): what each pool reserves is what
+ * is allocated from it, rounded up to 32 MiB, as a real pool rounds; a free gives it back at once. */
+static struct {
+    CUdeviceptr ptr;
+    void *pool;
+    size_t size;
+} pooled[16];
+
+static size_t pool_reserved(void *pool) {
+    size_t n = 0, step = (size_t)32 << 20;
+    for (int i = 0; i < 16; i++)
+        if (pooled[i].ptr && pooled[i].pool == pool)
+            n += pooled[i].size;
+    return (n + step - 1) / step * step;
+}
+
+/* Forgets a pool allocation being freed (nothing if `p` is none). */
+static void unpool(CUdeviceptr p) {
+    for (int i = 0; i < 16; i++)
+        if (pooled[i].ptr == p)
+            pooled[i].ptr = 0;
+}
+
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *stream) {
-    (void)pool;
     (void)stream;
     count(C_MEM_ALLOC_FROM_POOL);
-    return host_alloc(p, n);
+    CUresult r = host_alloc(p, n);
+    for (int i = 0; r == 0 && i < 16; i++)
+        if (pooled[i].ptr == 0) {
+            pooled[i].ptr = *p;
+            pooled[i].pool = pool;
+            pooled[i].size = n;
+            break;
+        }
+    return r;
 }
 CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, void *pool, void *stream) {
     return cuMemAllocFromPoolAsync(p, n, pool, stream);
@@ -132,6 +166,20 @@ CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *p, size_t n, void *pool, void
 
 /* A pool is a number; its properties are libvram.so's to read. */
 static unsigned long long next_pool = 0x5000;
+
+/* CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT (5) only. */
+CUresult cuMemPoolGetAttribute(void *pool, int attr, void *value) {
+    if (attr != 5)
+        return 1;
+    *(unsigned long long *)value = pool_reserved(pool);
+    return 0;
+}
+
+CUresult cuMemPoolTrimTo(void *pool, size_t keep) {
+    (void)pool;
+    (void)keep;
+    return 0;
+}
 
 CUresult cuMemPoolCreate(void **pool, const void *props) {
     (void)props;
@@ -271,6 +319,8 @@ static const struct entry TABLE[] = {
     {"cuMemAllocFromPoolAsync", 11020, 1, (void *)cuMemAllocFromPoolAsync_ptsz},
     {"cuMemPoolCreate", 11020, 0, (void *)cuMemPoolCreate},
     {"cuMemPoolDestroy", 11020, 0, (void *)cuMemPoolDestroy},
+    {"cuMemPoolTrimTo", 11020, 0, (void *)cuMemPoolTrimTo},
+    {"cuMemPoolGetAttribute", 11020, 0, (void *)cuMemPoolGetAttribute},
     {"cuDeviceGetUuid", 11040, 0, (void *)cuDeviceGetUuid_v2},
     {"cuGetProcAddress", 11030, 0, (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2},
