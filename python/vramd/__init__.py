@@ -17,6 +17,7 @@ everything back, and the process may then connect as another. PyTorch: `vramd_to
 import ctypes
 import re
 import threading
+import time
 import weakref
 
 from . import _lib
@@ -208,32 +209,46 @@ class Pin:
 
     `release()` gives the pin back once nothing made from `view()` is left (the memoryviews,
     their slices, arrays over them): until then the memory stays mapped, so that no view ever
-    reads memory that is gone."""
+    reads memory that is gone. Closing the buffer releases its pins the same way."""
 
     def __init__(self, buf, ptr, version, checksum, size):
         self._buf, self.ptr, self.version, self.checksum, self.size = buf, ptr, version, checksum, size
-        # The pinned memory as a ctypes array, made at the first view: every view and every
-        # object made from one keeps it alive, so its end says that nothing reads the pin.
+        self._pinned = ptr
+        self._released = False
+        # The pinned memory as a ctypes array while a view of it lives, held weakly: every view
+        # and every object made from one holds it, so its end says that nothing reads the pin.
         self._mem = None
 
     def view(self):
-        if not self.ptr:
-            raise VramdError("vramd: this pin was released")
-        if self._mem is None:
-            self._mem = (ctypes.c_char * self.size).from_address(self.ptr)
-            self._buf._hold()
-            weakref.finalize(self._mem, self._buf._release_pin, self.ptr)
-        return memoryview(self._mem).toreadonly()
+        with self._buf._lock:
+            if self._released:
+                raise VramdError("vramd: this pin was released")
+            self._buf._check_open()
+            mem = self._mem() if self._mem is not None else None
+            if mem is None:
+                mem = (ctypes.c_char * self.size).from_address(self._pinned)
+                self._mem = weakref.ref(mem)
+                self._buf._viewed += 1
+                weakref.finalize(mem, self._views_gone)
+            return memoryview(mem).toreadonly()
+
+    def _views_gone(self):
+        with self._buf._lock:
+            self._buf._viewed -= 1
+            if self._released:
+                self._buf._release_pin(self._pinned)
+            self._buf._close_if_done()
 
     def release(self):
-        """Gives the pin back: now if no view was made, else once the last one is gone."""
-        if not self.ptr:
-            return
-        ptr, self.ptr = self.ptr, None
-        if self._mem is None:
-            self._buf._release_pin(ptr, held=False)
-        # Else the finalizer of `_mem` releases it, once the views are gone too.
-        self._mem = None
+        """Gives the pin back: now if no view of it is left, else once the last one is gone."""
+        with self._buf._lock:
+            if self._released:
+                return
+            self._released = True
+            self.ptr = None
+            if self._mem is None or self._mem() is None:
+                self._buf._release_pin(self._pinned)
+            # Else `_views_gone` releases it.
 
 
 class SharedBuffer(_Closes):
@@ -241,36 +256,34 @@ class SharedBuffer(_Closes):
     versions; see docs/protocol.md). `create` or `open`, then `close` (or a `with` block).
 
     One buffer's calls are serialised by a lock, since a pin's release may come from whichever
-    thread drops its last view. `close` ends the buffer's handle once no pin's view is left."""
+    thread drops its last view. `close` releases the pins and the lease at once and ends the
+    buffer's handle once no pin's view is left."""
 
     def __init__(self, handle, name):
         self._h, self.name = handle, name
         self._draft = None
         self._lock = threading.RLock()
-        # Pins whose views are still alive, and whether close() waits for them.
+        self._pins = weakref.WeakSet()
+        # Pins with a view alive, and whether close() waits for them.
         self._viewed = 0
         self._closing = False
 
-    def _hold(self):
-        with self._lock:
-            self._viewed += 1
+    def _check_open(self):
+        if not self._h or self._closing:
+            raise VramdError(f"vramd: shared buffer `{self.name}` was closed")
 
-    def _release_pin(self, ptr, held=True):
-        with self._lock:
-            try:
-                if self._h:
-                    ok = _lib.lib().vram_shared_release(self._h, ptr) == 0
-                    _lib.check(ok, "vram_shared_release")
-            finally:
-                if held:
-                    self._viewed -= 1
-                    if self._closing and self._viewed == 0:
-                        self._close_now()
+    def _release_pin(self, ptr):
+        if self._h:
+            ok = _lib.lib().vram_shared_release(self._h, ptr) == 0
+            _lib.check(ok, "vram_shared_release")
+
+    def _close_if_done(self):
+        if self._closing and self._viewed == 0:
+            self._close_now()
 
     def _call(self, name, *args):
         with self._lock:
-            if not self._h or self._closing:
-                raise VramdError(f"vramd: shared buffer `{self.name}` was closed")
+            self._check_open()
             return getattr(_lib.lib(), name)(self._h, *args)
 
     @classmethod
@@ -313,7 +326,9 @@ class SharedBuffer(_Closes):
         v, c, n = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
         p = self._call("vram_shared_pin", ctypes.byref(v), ctypes.byref(c), ctypes.byref(n))
         _lib.check(p, "vram_shared_pin")
-        return Pin(self, p, v.value, c.value, n.value)
+        pin = Pin(self, p, v.value, c.value, n.value)
+        self._pins.add(pin)
+        return pin
 
     def verify(self, version):
         r = self._call("vram_shared_verify", version)
@@ -321,19 +336,32 @@ class SharedBuffer(_Closes):
         return r == 1
 
     def wait(self, than=0, timeout_s=1.0):
-        """The number of a version newer than `than`, or None after `timeout_s`."""
+        """The number of a version newer than `than`, or None after `timeout_s`. Waits in slices
+        of at most 50 ms, so that the buffer's other calls (another thread's) go on meanwhile."""
         v = ctypes.c_uint64()
         timeout_ms = _millis("a wait", timeout_s * 1000)
-        r = self._call("vram_shared_wait", than, timeout_ms, ctypes.byref(v))
-        _lib.check(r >= 0, "vram_shared_wait")
-        return v.value if r == 1 else None
+        deadline = time.monotonic() + timeout_ms / 1000
+        while True:
+            left = max(0, int((deadline - time.monotonic()) * 1000))
+            r = self._call("vram_shared_wait", than, min(left, 50), ctypes.byref(v))
+            _lib.check(r >= 0, "vram_shared_wait")
+            if r == 1:
+                return v.value
+            if left <= 50:
+                return None
 
     def close(self):
-        """Ends the buffer's handle (its pins, draft and lease go back); while a pin's view is
-        alive, once the last is gone."""
+        """Ends the buffer's handle: its pins, draft and lease go back; while a pin's view is
+        alive, the lease at once and the rest once the last view is gone."""
         with self._lock:
+            if not self._h or self._closing:
+                return
+            for pin in list(self._pins):
+                pin.release()
             if self._viewed:
                 self._closing = True
+                # Another writer need not wait for this process's readers: no error if no lease.
+                _lib.lib().vram_shared_release_lease(self._h)
             else:
                 self._close_now()
 

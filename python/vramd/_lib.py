@@ -96,8 +96,9 @@ def load(path=None):
         p = path or find()
         if not os.path.isfile(p):
             raise RuntimeError(f"vramd: {p} is not a file")
+        # Checked before its symbols are global: a library refused here interposes nothing.
+        _check_abi(ctypes.CDLL(p, mode=ctypes.RTLD_LOCAL), p)
         l = ctypes.CDLL(p, mode=ctypes.RTLD_GLOBAL)
-        _check_abi(l, p)
         for name, (res, args) in _SIGNATURES.items():
             f = getattr(l, name)
             f.restype = res

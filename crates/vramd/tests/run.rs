@@ -441,7 +441,9 @@ fn the_python_package_refuses_a_library_of_another_abi() {
 
 /// A pinned version read through the Python package's `Pin.view`: a slice of a view outlives
 /// the pin's `release` and the buffer's `close` and still reads the version (the memory stays
-/// mapped until nothing made from a view is left), then the tenant ends cleanly.
+/// mapped until nothing made from a view is left), then the tenant ends cleanly. A pin whose
+/// views are gone does not hold its buffer's close back, and is released by it; a wait with
+/// nothing newer ends at its timeout.
 #[test]
 fn a_python_pins_view_outlives_its_release_and_reads_the_version() {
     let d = Daemon::start(CONFIG);
@@ -465,6 +467,15 @@ fn a_python_pins_view_outlives_its_release_and_reads_the_version() {
         except vramd.VramdError as e:\n    print(e)\n\
         del part\n\
         gc.collect()\n\
+        c = vramd.SharedBuffer.create('cache', 2 << 20)\n\
+        c.lease()\n\
+        c.begin_write()\n\
+        print(c.publish() > 0, c.wait(than=1, timeout_s=0.12))\n\
+        kept = c.pin()\n\
+        data = bytes(kept.view())\n\
+        c.close()\n\
+        try:\n    kept.view()\n\
+        except vramd.VramdError as e:\n    print(e)\n\
         t.close()\n\
         print(sorted(x['name'] for x in vramd.status()['tenants']))\n";
     assert_eq!(
@@ -473,6 +484,8 @@ fn a_python_pins_view_outlives_its_release_and_reads_the_version() {
             "True",
             "vramd: this pin was released",
             "vramd: shared buffer `weights` was closed",
+            "True None",
+            "vramd: this pin was released",
             "[]"
         ]
     );
