@@ -401,7 +401,8 @@ fn register(
 }
 
 /// Sends ahead of the `Hello` what of a reconnect's account does not fit its frame
-/// (`ResumeMore`, [`RESUME_PART`] grants each); returns the rest, for the `Hello`.
+/// (`ResumeMore`, [`RESUME_PART`] grants each); returns the rest, for the `Hello`. An account
+/// that fits one frame goes whole in the `Hello`, as a daemon without `ResumeMore` takes it.
 fn send_ahead(
     transport: &Transport,
     resume: Option<Resume>,
@@ -409,6 +410,12 @@ fn send_ahead(
     let Some(mut resume) = resume else {
         return Ok(None);
     };
+    // The account's own length, with room for the rest of the `Hello` (its name, class and
+    // client string are far shorter than this).
+    let len = vram_proto::payload_len(u64::MAX, &resume)?;
+    if len + 4096 <= vram_proto::MAX_PAYLOAD {
+        return Ok(Some(resume));
+    }
     while resume.grants.len() > RESUME_PART {
         let grants = resume.grants.split_off(resume.grants.len() - RESUME_PART);
         let request = Request::ResumeMore { grants };
@@ -516,5 +523,14 @@ mod tests {
         let mut want = grants;
         want.sort();
         assert_eq!(all, want);
+
+        // An account that fits the Hello's frame goes whole in it: nothing is sent ahead (the
+        // daemon's end is gone, so a part sent would fail).
+        let short = Resume {
+            grants: want[..RESUME_PART + 1].to_vec(),
+            charged: Bytes::ZERO,
+        };
+        let rest = send_ahead(&transport, Some(short.clone())).unwrap();
+        assert_eq!(rest, Some(short));
     }
 }

@@ -57,7 +57,8 @@ pub struct Resume {
 /// Requests, client to daemon.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
-    /// Must come first on a connection (except `Status` and `Ping`, which need none).
+    /// Must come first on a connection (except `Status` and `Ping`, which need none, and the
+    /// `ResumeMore` parts of its own `resume`).
     Hello(Hello),
     /// Asks for one handle of `bytes` (rounded up to the device granularity).
     Grant {

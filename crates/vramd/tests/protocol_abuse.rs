@@ -388,7 +388,18 @@ fn an_account_sent_ahead_is_bounded_and_only_before_the_hello() {
     assert_eq!(e.code, ErrorCode::Malformed, "{e:?}");
     assert!(e.message.contains("before the Hello"), "{e:?}");
     assert_eq!(d.held_by("back"), Bytes::mib(22));
-    drop((greedy, conn));
+    // Nor after a Hello of another role.
+    let watcher = raw(&d.socket);
+    let hello = vram_proto::Hello {
+        role: vram_proto::Role::Observer,
+        gpu: None,
+        client: "protocol_abuse test".into(),
+        resume: None,
+    };
+    assert_eq!(ask(&watcher, 1, Request::Hello(hello)), Reply::Ack);
+    let e = error_of(ask(&watcher, 2, part(30, 1)));
+    assert_eq!(e.code, ErrorCode::Malformed, "{e:?}");
+    drop((greedy, conn, watcher));
     d.wait_for_no_tenants();
     d.stop();
 }

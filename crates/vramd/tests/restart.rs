@@ -174,12 +174,13 @@ fn grants_the_state_file_has_not_caught_up_with_are_booked_when_the_tenant_recon
         .is_empty()));
 }
 
-/// A tenant holding more grants than one frame of its account names (`RESUME_PART`) reconnects
-/// with every one of them: the account goes in parts (`ResumeMore`) ahead of its `Hello`. The
-/// daemon is killed at once, so that its state file cannot have caught up: what the tenant says
-/// is what the new daemon books.
+/// A tenant holding thousands of grants (more than `RESUME_PART`, the most one part of an
+/// account split across frames names) reconnects with every one of them. The daemon is killed at
+/// once, so that its state file cannot have caught up: what the tenant says is what the new
+/// daemon books. (An account too long for one frame, sent in parts, is tested where it is made,
+/// `vram-client`'s `send_ahead`, and where it is taken, `protocol_abuse.rs`.)
 #[test]
-fn a_tenant_holding_more_grants_than_a_frame_names_reconnects_with_all_of_them() {
+fn a_tenant_holding_thousands_of_grants_reconnects_with_all_of_them() {
     let mut d = Restartable::new("capacity = \"24 GiB\"\n[pool]\nmax = \"64 MiB\"\n");
     let mut a = Tenant::spawn(d.socket(), "many", &["--limit", "20GiB"]);
     assert_eq!(a.next()["event"], "welcome");

@@ -51,6 +51,8 @@ struct Session {
     /// A reconnecting tenant's account sent ahead of its `Hello` (`ResumeMore`), for the
     /// `Hello`'s `resume`.
     resume_more: Vec<(vram_proto::GrantId, Bytes)>,
+    /// A `Hello` came (whatever its role): `ResumeMore` no longer may.
+    hello_seen: bool,
 }
 
 /// Serves connection `conn_id` (admitted by the accept loop) until it ends, then cleans up.
@@ -65,6 +67,7 @@ pub fn run(daemon: Arc<Daemon>, conn_id: u64, peer: Arc<Peer>) {
         warnings: Every::default(),
         reports: Every::default(),
         resume_more: Vec::new(),
+        hello_seen: false,
     };
     session.serve();
     session.finish();
@@ -263,7 +266,7 @@ impl Session {
             reason: None,
             message,
         };
-        if self.tenant.is_some() {
+        if self.hello_seen {
             return Err(malformed(
                 "ResumeMore comes before the Hello it belongs to".into(),
             ));
@@ -291,6 +294,7 @@ impl Session {
     }
 
     fn hello(&mut self, mut hello: Hello) -> Result<Reply, ErrorReply> {
+        self.hello_seen = true;
         let ahead = std::mem::take(&mut self.resume_more);
         if let Some(r) = hello.resume.as_mut() {
             r.grants.extend(ahead);
