@@ -20,7 +20,9 @@
 //!
 //! The device's own pools (`cuDeviceGetDefaultMemPool`, not made here) and a pool made on the
 //! tenant's GPU with no export, asked for on a stream of the tenant's GPU, are served by vramd;
-//! their settings (release threshold, maximum size) do not apply to vramd's memory.
+//! their settings (release threshold, maximum size) do not apply to vramd's memory. A pool not
+//! made here is taken for its device's: the driver's default pools of other locations (the
+//! host's, `cuMemGetDefaultMemPool`) are not told apart.
 //! `cuMemAllocAsync` is served whichever pool is current for the device (`cuDeviceSetMemPool`).
 
 use std::collections::HashMap;
