@@ -411,8 +411,9 @@ print(json.dumps({"device": case(0, 1), "host": case(0, 2), "exportable": case(1
 /// Pools a program makes: vramd serves the one on its GPU; the one on the host (which the CPU
 /// must be able to write) and the one whose allocations may be exported are the driver's, the
 /// latter charged by what it reserves: the tenant's free memory moves as the device's does for
-/// the same program run without vramd, and the driver's answers (the CPU's write, the exports)
-/// are the same.
+/// the same program run without vramd (down by the pool's reservation, not back at the free),
+/// the driver's answers (the CPU's write, the exports) are the same, and the charge goes back
+/// when the pool is destroyed.
 fn a_pool_on_the_host_or_for_export_is_the_drivers() {
     let Some(_dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
@@ -425,15 +426,12 @@ fn a_pool_on_the_host_or_for_export_is_the_drivers() {
     let plain: serde_json::Value =
         serde_json::from_slice(&plain.stdout).unwrap_or_else(|e| panic!("{e}: {plain:?}"));
     println!("MEASURED the same without vramd: {plain}");
-    for key in [
-        "pool_exported",
-        "exported",
-        "charged",
-        "uncharged",
-        "back_at_destroy",
-    ] {
+    for key in ["pool_exported", "exported", "charged", "uncharged"] {
         assert_eq!(got["exportable"][key], plain["exportable"][key], "{key}");
     }
+    // The charge goes with the pool (the device may take a moment longer to show the memory
+    // free, which the driver's figures then book as the tenant's outside memory meanwhile).
+    assert_eq!(got["exportable"]["back_at_destroy"], json!(true), "{got}");
     assert_eq!(got["host"]["cpu_wrote"], plain["host"]["cpu_wrote"]);
     let mib8 = 8u64 << 20;
     // [served by vramd's allocator, charged as the driver's, passed uncharged]
