@@ -208,7 +208,9 @@ char *vram_snapshot_json(void);
  * however many versions are published meanwhile. Pointers are host pointers on the host backend.
  * Functions returning int give -1 on error, pointers NULL; the reason is in vram_last_error()
  * (a writer conflict names the lease holder and the current version). Versions start at 1; 0
- * means "none". One handle must not be used from two threads at once. */
+ * means "none". One handle must not be used from two threads at once. A child forked from the
+ * process gets an error from every handle it inherited (they speak on its parent's connection),
+ * and vram_shared_close of one there frees only the child's copy. */
 typedef struct VramShared vram_shared_t;
 
 /* Creates a buffer owned by this process, each version `size` bytes (rounded up to the device

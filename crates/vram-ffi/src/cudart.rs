@@ -33,8 +33,8 @@ use crate::{current, guarded, refusal, tenant};
 const CUDA_SUCCESS: c_int = 0;
 const CUDA_ERROR_INVALID_VALUE: c_int = 1;
 const CUDA_ERROR_MEMORY_ALLOCATION: c_int = 2;
-/// `cudaErrorSymbolNotFound`-like answer when the runtime itself cannot be found.
-const CUDA_ERROR_NO_RUNTIME: c_int = 35;
+/// `cudaErrorSymbolNotFound`: the answer when the runtime's own function cannot be found.
+const CUDA_ERROR_NO_RUNTIME: c_int = 500;
 
 type MallocFn = unsafe extern "C" fn(*mut *mut c_void, usize) -> c_int;
 type FreeFn = unsafe extern "C" fn(*mut c_void) -> c_int;

@@ -69,7 +69,7 @@ static TENANT: OnceLock<Tenant> = OnceLock::new();
 /// Set in a child forked from a tenant process (`pthread_atfork`). The child has a copy of the
 /// parent's connection and allocator books, which are the parent's, not its own: it is no tenant,
 /// and nothing of the parent's is used or sent from it.
-static FORKED: AtomicBool = AtomicBool::new(false);
+pub(crate) static FORKED: AtomicBool = AtomicBool::new(false);
 
 extern "C" fn forked_child() {
     FORKED.store(true, Ordering::Relaxed);
@@ -84,7 +84,7 @@ pub(crate) fn current() -> Option<&'static Tenant> {
 }
 
 /// Why a forked child of a tenant process gets no memory from vramd.
-fn forked_error() -> String {
+pub(crate) fn forked_error() -> String {
     format!(
         "vramd: this process (pid {}) was forked from a tenant process: the connection it \
          inherited is its parent's, so it is not a tenant",
@@ -107,9 +107,11 @@ thread_local! {
     static LAST_ERROR: RefCell<Option<CString>> = const { RefCell::new(None) };
 }
 
+/// Leaves `msg` as the calling thread's last error. Nothing is kept on a thread whose
+/// thread-local storage is already gone (a call from a destructor run at its exit).
 fn set_error(msg: String) {
     let c = CString::new(msg.replace('\0', " ")).expect("no NUL left");
-    LAST_ERROR.with(|e| *e.borrow_mut() = Some(c));
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = Some(c));
 }
 
 fn options_from_env() -> Result<TenantOptions, String> {
@@ -405,10 +407,11 @@ pub unsafe extern "C" fn vram_status_json(socket: *const c_char) -> *mut c_char 
 #[no_mangle]
 pub extern "C" fn vram_disconnect() -> c_int {
     guarded(-1, || {
-        let _one_at_a_time = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
+        // Before the lock, which a forked child may have inherited held.
         let Some(t) = current() else {
             return Ok(0);
         };
+        let _one_at_a_time = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
         let Some(client) = t.slot.get() else {
             return Ok(0);
         };
@@ -532,7 +535,9 @@ pub extern "C" fn vram_abi_version() -> u32 {
 /// See `include/vram.h`.
 #[no_mangle]
 pub extern "C" fn vram_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+    LAST_ERROR
+        .try_with(|e| e.borrow().as_ref().map_or(std::ptr::null(), |c| c.as_ptr()))
+        .unwrap_or(std::ptr::null())
 }
 
 /// See `include/vram.h`.
@@ -679,6 +684,7 @@ pub extern "C" fn vram_snapshot_json() -> *mut c_char {
 #[no_mangle]
 pub unsafe extern "C" fn vram_mem_get_info(free: *mut u64, total: *mut u64) -> c_int {
     if free.is_null() || total.is_null() {
+        set_error("vramd: vram_mem_get_info needs two out-pointers, not NULL".into());
         return -1;
     }
     guarded(-1, || {

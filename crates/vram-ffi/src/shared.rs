@@ -80,6 +80,10 @@ unsafe fn handle<'a>(h: *mut VramShared) -> Result<&'a mut VramShared, String> {
     if h.is_null() {
         return Err("vramd: NULL vram_shared_t".into());
     }
+    // A forked child's copy of a handle speaks on its parent's connection: never used.
+    if crate::FORKED.load(Ordering::Relaxed) {
+        return Err(crate::forked_error());
+    }
     // SAFETY: not NULL, so a live handle used by this thread alone (this function's contract).
     Ok(unsafe { &mut *h })
 }
@@ -172,7 +176,14 @@ pub unsafe extern "C" fn vram_shared_close(h: *mut VramShared) {
             return Ok(());
         }
         // SAFETY: `h` came from Box::into_raw in `opened` and is closed once (vram.h).
-        drop(unsafe { Box::from_raw(h) });
+        let handle = unsafe { Box::from_raw(h) };
+        if crate::FORKED.load(Ordering::Relaxed) {
+            // A forked child's copy: dropping it would unpin, unmap and give back the lease of
+            // its parent, on its parent's connection. Its memory goes with the child.
+            std::mem::forget(handle);
+            return Ok(());
+        }
+        drop(handle);
         OPEN.fetch_sub(1, Ordering::Relaxed);
         Ok(())
     })

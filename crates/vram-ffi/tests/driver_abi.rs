@@ -153,4 +153,5 @@ fn a_forked_child_leaves_its_parents_connection_alone() {
         stdout.contains("was forked from a tenant process"),
         "{stdout}"
     );
+    assert!(stdout.contains("child: pin refused"), "{stdout}");
 }

@@ -3,6 +3,7 @@
  * child must end by itself. Prints "fork: ok" and exits 0 when both hold. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <sys/wait.h>
@@ -25,6 +26,14 @@ int main(void) {
     info_fn info = (info_fn)dlsym(cuda, "cuMemGetInfo_v2");
     CUdeviceptr p = 0;
     if (alloc(&p, 1 << 20) != 0) { printf("fork: first alloc failed: %s\n", err()); return 1; }
+    /* A shared buffer with a version pinned: the child's copy of its handle must not be used. */
+    vram_shared_t *h = vram_shared_create("forked", 2 << 20, NULL, NULL);
+    uint64_t v = 0, sum = 0, size = 0;
+    if (!h || vram_shared_lease(h, 10000) != 0 || !vram_shared_begin_write(h, 0, &v) ||
+        vram_shared_publish(h, &sum) != 0 || !vram_shared_pin(h, &v, &sum, &size)) {
+        printf("fork: shared buffer setup failed: %s\n", err());
+        return 1;
+    }
     setvbuf(stdout, NULL, _IONBF, 0);
     pid_t c = fork();
     if (c == 0) {
@@ -34,7 +43,10 @@ int main(void) {
         for (int i = 0; i < 100; i++) info(&f, &t);
         int r = alloc(&q, 4 << 20);
         printf("child: alloc %d (%s)\n", r, r ? err() : "served");
-        exit(r == 0 ? 3 : 0);
+        const void *pin = vram_shared_pin(h, &v, &sum, &size);
+        printf("child: pin %s (%s)\n", pin ? "served" : "refused", pin ? "-" : err());
+        vram_shared_close(h);
+        exit(r == 0 || pin ? 3 : 0);
     }
     alarm(20);
     int bad = 0;
@@ -56,6 +68,13 @@ int main(void) {
     }
     if (bad) { printf("fork: %d of 500 parent iterations failed\n", bad); return 1; }
     if (mfree(p) != 0) { printf("fork: free failed: %s\n", err()); return 1; }
+    /* The parent's handle, its pin and its lease are as they were. */
+    const void *again = vram_shared_pin(h, &v, &sum, &size);
+    if (!again || vram_shared_begin_write(h, v, &v) == NULL) {
+        printf("fork: the parent's shared buffer after the child: %s\n", err());
+        return 1;
+    }
+    vram_shared_close(h);
     printf("fork: ok\n");
     return 0;
 }
