@@ -118,11 +118,14 @@ impl<'c> SharedBuffer<'c> {
             .map(drop)
     }
 
-    /// Takes the writer lease for `ttl`; a background thread renews it every third of `ttl` until
-    /// the lease is dropped (which releases it). A second writer gets a `Conflict`.
+    /// Takes the writer lease for `ttl` (or the daemon's `max_lease_ms`, if shorter); a
+    /// background thread renews it every third of the time granted until the lease is dropped
+    /// (which releases it). A second writer gets a `Conflict`.
     pub fn lease(&self, ttl: Duration) -> Result<WriterLease<'c>, ClientError> {
-        let ttl_ms = ttl.as_millis().min(u128::from(u32::MAX)) as u32;
-        lease_op(self.client, self.id(), LeaseOp::Acquire, ttl_ms)?;
+        let asked = ttl.as_millis().min(u128::from(u32::MAX)) as u32;
+        let granted = lease_op(self.client, self.id(), LeaseOp::Acquire, asked)?;
+        // The daemon may grant less than asked: renew by what it granted.
+        let ttl_ms = u32::try_from(granted).unwrap_or(u32::MAX).min(asked);
         let lost = Arc::new(AtomicBool::new(false));
         let (stop, stopped) = mpsc::channel::<()>();
         let (caller, buffer, flag) = (self.client.caller(), self.id(), lost.clone());

@@ -483,3 +483,21 @@ fn disable_core_dumps() {
     };
     rustix::process::setrlimit(rustix::process::Resource::Core, none).unwrap();
 }
+
+/// A writer that asks for a longer lease than the daemon's `max_lease_ms` grants keeps it: the
+/// lease is renewed by the time granted, not the time asked for.
+#[test]
+fn a_lease_longer_than_the_daemons_most_is_renewed_by_what_was_granted() {
+    let d = Daemon::start_on(
+        &backend(),
+        "capacity = \"1 GiB\"\nmetrics = \"off\"\n[shared]\nmax_lease_ms = 300\n",
+    );
+    let owner = tenant(&d, "trainer");
+    let buf = create(&owner, "short", Bytes::mib(2));
+    let lease = buf.lease(Duration::from_secs(3)).unwrap();
+    std::thread::sleep(Duration::from_millis(900));
+    assert!(!lease.lost());
+    assert_eq!(publish(&buf, &lease, 1), 1);
+    drop(lease);
+    d.stop();
+}
