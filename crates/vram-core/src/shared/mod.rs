@@ -45,7 +45,7 @@ impl std::fmt::Display for Version {
 }
 
 /// Who an access rule names.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Principal {
     Tenant(String),
     Class(String),
@@ -259,7 +259,24 @@ impl SharedBuffers {
             });
         }
         // A buffer costs the daemon memory of its own before any version does: bounded, so that
-        // one tenant cannot grow the daemon's heap without end.
+        // one tenant cannot grow the daemon's heap without end. An entry names a tenant or class
+        // as a name can be (else it could match nothing), once.
+        for p in spec.acl.readers.iter().chain(&spec.acl.writers) {
+            if let Principal::Tenant(n) | Principal::Class(n) = p {
+                if name_problem(n).is_some() {
+                    return Err(SharedError::BadName {
+                        name: spec.name,
+                        reason: "its access list names a tenant or class no name can be (empty, \
+                                 over 64 bytes, or with characters names do not have)",
+                    });
+                }
+            }
+        }
+        let mut spec = spec;
+        for list in [&mut spec.acl.readers, &mut spec.acl.writers] {
+            let mut seen = std::collections::HashSet::new();
+            list.retain(|p| seen.insert(p.clone()));
+        }
         let entries = spec.acl.readers.len() + spec.acl.writers.len();
         if entries > MAX_ACL_ENTRIES {
             return Err(SharedError::TooMany {

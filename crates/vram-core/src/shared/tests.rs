@@ -423,3 +423,44 @@ fn an_old_owners_end_leaves_a_reused_name_to_its_new_buffer() {
     let (opened, _) = w.books.open(&mut w.broker, r, "weights", 0).unwrap();
     assert_eq!(opened.id, second);
 }
+
+/// An access list names tenants and classes as names can be, each once: a name no tenant or
+/// class can have is refused, and a repeated entry is kept once.
+#[test]
+fn an_access_list_names_what_a_name_can_be_each_once() {
+    let mut w = world();
+    let spec = |name: &str, entry: Principal| BufferSpec {
+        name: name.into(),
+        size: SIZE,
+        acl: Acl {
+            readers: vec![entry.clone(), entry.clone(), Principal::Anyone],
+            writers: vec![entry],
+        },
+    };
+    for bad in ["a".repeat(65), String::new(), "no spaces".into()] {
+        let e = w
+            .books
+            .create(&w.broker, w.owner, spec("bad", Principal::Tenant(bad)))
+            .unwrap_err();
+        assert!(matches!(e, SharedError::BadName { .. }), "{e}");
+    }
+    let e = w
+        .books
+        .create(
+            &w.broker,
+            w.owner,
+            spec("bad", Principal::Class("x".repeat(200))),
+        )
+        .unwrap_err();
+    assert!(matches!(e, SharedError::BadName { .. }), "{e}");
+    let info = w
+        .books
+        .create(
+            &w.broker,
+            w.owner,
+            spec("ok", Principal::Tenant("reader0".into())),
+        )
+        .unwrap();
+    assert_eq!(info.acl.readers.len(), 2, "{:?}", info.acl);
+    assert_eq!(info.acl.writers.len(), 1, "{:?}", info.acl);
+}
