@@ -501,3 +501,38 @@ fn a_lease_longer_than_the_daemons_most_is_renewed_by_what_was_granted() {
     drop(lease);
     d.stop();
 }
+
+/// A version freed while the scrub makes its pass (slowly here) goes back to the device at once:
+/// the pass names the versions it will read, it does not hold their memory.
+#[test]
+fn a_version_freed_during_a_scrub_pass_goes_back_at_once() {
+    let d = Daemon::start_on(
+        &backend(),
+        "capacity = \"1 GiB\"\nmetrics = \"off\"\n[shared]\nscrub_rate = \"4 MiB\"\n",
+    );
+    let owner = tenant(&d, "trainer");
+    let first = create(&owner, "first", Bytes::mib(2));
+    let second = create(&owner, "second", Bytes::mib(64));
+    for buf in [&first, &second] {
+        let lease = buf.lease(Duration::from_secs(10)).unwrap();
+        assert_eq!(publish(buf, &lease, 1), 1);
+    }
+    // After a first pass, the next names both versions and reads the small one first.
+    assert!(wait_until(Duration::from_secs(30), || d
+        .status()
+        .shared
+        .scrub
+        .passes
+        > 0));
+    let used = d.status().devices[0].device_used;
+    second.delete().unwrap();
+    assert!(
+        wait_until(Duration::from_millis(500), || {
+            d.status().devices[0].device_used + Bytes::mib(64) <= used
+        }),
+        "device used {} after the delete, {used} before",
+        d.status().devices[0].device_used
+    );
+    drop(first);
+    d.stop();
+}

@@ -41,21 +41,17 @@ fn run(daemon: &Daemon) {
     while !stopping(daemon) {
         expire_leases(daemon);
         let rate = daemon.shared.scrub_rate();
+        // The versions by name only: a version freed during the pass is not kept alive by it
+        // (its memory goes back to the device when the books let it go, not when the scrub
+        // reaches it).
         let targets: Vec<_> = daemon
             .slots
             .iter()
             .enumerate()
             .flat_map(|(i, slot)| {
                 slot.with_shared(|_, books| {
-                    books
-                        .core
-                        .published()
-                        .into_iter()
-                        .filter_map(|p| {
-                            let m = books.memory.get(&(p.buffer, p.version))?.clone();
-                            Some((i, p, m))
-                        })
-                        .collect::<Vec<_>>()
+                    let published = books.core.published().into_iter();
+                    published.map(|p| (i, p)).collect::<Vec<_>>()
                 })
             })
             .collect();
@@ -65,7 +61,10 @@ fn run(daemon: &Daemon) {
         }
         let started = Instant::now();
         let mut done = 0u64;
-        for (slot, p, memory) in targets {
+        for (slot, p) in targets {
+            let Some(memory) = daemon.slots[slot].version_memory(p.buffer, p.version) else {
+                continue;
+            };
             let device = match daemon.slots[slot].reader() {
                 Ok(d) => d,
                 Err(e) => {
@@ -74,7 +73,13 @@ fn run(daemon: &Daemon) {
                 }
             };
             // Keeps to the rate: after each piece, sleeps until the bytes so far are on schedule.
+            // Stops at once if the version was freed meanwhile (`gone`), so that its memory goes.
+            let mut gone = false;
             let pace = |n: u64| {
+                if !daemon.slots[slot].keeps_version(p.buffer, p.version) {
+                    gone = true;
+                    return false;
+                }
                 done += n;
                 daemon.shared.scrub.bytes.fetch_add(n, Ordering::Relaxed);
                 let due = Duration::from_secs_f64(done as f64 / rate as f64);
@@ -86,6 +91,10 @@ fn run(daemon: &Daemon) {
                     if stopping(daemon) {
                         return false;
                     }
+                    if !daemon.slots[slot].keeps_version(p.buffer, p.version) {
+                        gone = true;
+                        return false;
+                    }
                     if last_expiry.elapsed() >= TICK {
                         expire_leases(daemon);
                         last_expiry = Instant::now();
@@ -94,7 +103,12 @@ fn run(daemon: &Daemon) {
                 }
                 !stopping(daemon)
             };
-            match checksum_memory(device.as_ref(), memory.handle(), PIECE, pace) {
+            let read = checksum_memory(device.as_ref(), memory.handle(), PIECE, pace);
+            drop(memory);
+            if gone {
+                continue;
+            }
+            match read {
                 Ok(Some(actual)) => {
                     daemon.shared.scrub.versions.fetch_add(1, Ordering::Relaxed);
                     if actual != p.checksum {

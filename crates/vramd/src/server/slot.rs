@@ -316,6 +316,24 @@ impl Slot {
             .map_err(vram_device::DeviceError::DriverUnavailable)
     }
 
+    /// The memory of a shared buffer's version, while the books keep it.
+    pub(super) fn version_memory(
+        &self,
+        buffer: vram_core::shared::BufferId,
+        version: vram_core::shared::Version,
+    ) -> Option<Arc<super::shared::Memory>> {
+        self.lock().shared.memory.get(&(buffer, version)).cloned()
+    }
+
+    /// Whether the books still keep a shared buffer's version.
+    pub(super) fn keeps_version(
+        &self,
+        buffer: vram_core::shared::BufferId,
+        version: vram_core::shared::Version,
+    ) -> bool {
+        self.lock().shared.memory.contains_key(&(buffer, version))
+    }
+
     /// Runs `f` on the shared-buffer books under the slot's lock (bookkeeping only: no device
     /// call, no socket write). Memory they give back wakes grants waiting on a reclaim.
     pub(super) fn with_shared<R>(&self, f: impl FnOnce(&mut Broker, &mut Books) -> R) -> R {
