@@ -486,6 +486,13 @@ impl Slot {
                 )));
             }
         }
+        if s.shared.core.holds_anything(tenant) {
+            return Err(refuse(
+                "no invitation: the tenant owns a shared buffer, pins a version or holds a \
+                 writer lease; invitations are for a tenant that holds nothing yet"
+                    .into(),
+            ));
+        }
         s.invitations.retain(|_, (t, _)| *t != tenant);
         s.invitations.insert(token.clone(), (tenant, uid));
         Ok(token)
@@ -547,6 +554,13 @@ impl Slot {
                      that holds nothing",
                     t.held, t.charged
                 )));
+            }
+            if st.shared.core.holds_anything(id) {
+                return Err(refuse(
+                    "the invited tenant owns a shared buffer, pins a version or holds a writer \
+                     lease: a program joins a tenant that holds nothing"
+                        .into(),
+                ));
             }
         }
         st.invitations.remove(token);

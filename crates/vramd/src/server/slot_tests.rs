@@ -261,3 +261,25 @@ fn a_return_overtaken_by_its_tenants_disconnect_keeps_nothing_for_it() {
     assert_eq!(pool.pooled(), Bytes::ZERO);
     assert_eq!(dev.used(), Bytes::ZERO);
 }
+
+/// A tenant that owns a shared buffer (or pins a version, or holds a lease) gets no invitation,
+/// and an invitation given before it made one is not taken: the program's close would take back
+/// what is the registering connection's.
+#[test]
+fn a_tenant_with_shared_buffers_gets_no_program_joined() {
+    use vram_core::shared::{Acl, BufferSpec};
+    let slot = slot(Bytes::mib(64));
+    let job = connect(&slot, "job", 1);
+    let token = slot.invite(job, uid()).unwrap();
+    let spec = BufferSpec {
+        name: "weights".into(),
+        size: Bytes::mib(2),
+        acl: Acl::default(),
+    };
+    slot.with_shared(|broker, books| books.core.create(broker, job, spec))
+        .unwrap();
+    let e = slot.invite(job, uid()).unwrap_err();
+    assert!(e.message.contains("owns a shared buffer"), "{e:?}");
+    let e = slot.join(&token, std::process::id(), uid(), 2).unwrap_err();
+    assert!(e.message.contains("owns a shared buffer"), "{e:?}");
+}
