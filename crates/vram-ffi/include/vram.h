@@ -254,7 +254,8 @@ int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint6
  * tenant until vram_connect or the next call that needs one (which connects as at first use).
  * It refuses while memory from the tenant is in use (allocated and not freed, charged) or a
  * vram_shared_t is open, naming what is left; shared buffers the tenant owns end with it, as at
- * its exit. Ending nothing (no tenant) succeeds. Every tenant of
+ * its exit, and so does the charge of cuMemCreate memory it exported and let go (no reference
+ * or mapping left in this process), which only an importer may still hold. Ending nothing (no tenant) succeeds. Every tenant of
  * one process is on the same device (the allocator's memory is mapped from it): a tenant admitted
  * on another is refused. No other thread may allocate while vram_disconnect runs; calls that need
  * a tenant afterwards connect anew. 0, or -1 with the reason in vram_last_error(). */

@@ -428,16 +428,20 @@ pub extern "C" fn vram_disconnect() -> c_int {
         let b = client.budget().map_err(|e| format!("vramd: {e}"))?;
         // What the daemon holds for the tenant beyond the allocator's handles is its shared
         // buffers' versions, mapped nowhere in this process (no handle is open): they end with it.
-        if s.in_use > Bytes::ZERO || s.core.held > Bytes::ZERO || b.charged > Bytes::ZERO {
+        // So do the charges of exported handles this process let go (an importer's now).
+        let let_go = Bytes(interpose::vmm::exported_let_go());
+        let charged = b.charged.saturating_sub(let_go);
+        if s.in_use > Bytes::ZERO || s.core.held > Bytes::ZERO || charged > Bytes::ZERO {
             return Err(format!(
                 "vramd: tenant `{name}` cannot end while its memory is in use: {} allocated and \
-                 not freed ({} mapped), {} charged; free it first",
-                s.in_use, s.core.held, b.charged
+                 not freed ({} mapped), {charged} charged; free it first",
+                s.in_use, s.core.held
             ));
         }
         t.connected.store(false, Ordering::Release);
         t.slot.replace(None);
         client.close();
+        interpose::vmm::forget_exported_let_go();
         Ok(0)
     })
 }

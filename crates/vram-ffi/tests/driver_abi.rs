@@ -89,6 +89,7 @@ fn driver_calls_looked_up_by_name_or_proc_address_are_served_charged_and_refused
     let status = child.wait().unwrap();
     assert!(status.success(), "driver.c failed:\n{seen}{rest}");
     assert!(rest.contains("unmapped: free"), "{rest}");
+    assert!(rest.contains("disconnected"), "{rest}");
 
     // Released: the charge is taken back.
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -14,10 +14,13 @@
 //! A `cuMemCreate` whose memory lives elsewhere than on the tenant's GPU (the host, another
 //! device) is not charged. A charged handle exported (`cuMemExportToShareableHandle`) may be
 //! imported by another process or again by this one, references these books cannot see: its
-//! charge stays until the tenant ends.
+//! charge stays until the tenant ends. Once this process let it go (no reference, no mapping
+//! here) it is counted apart ([`exported_let_go`]), so that the tenant may still end
+//! (`vram_disconnect`): nothing of this process uses that memory.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use vram_core::Bytes;
@@ -30,6 +33,30 @@ use super::{
     CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS,
 };
 use crate::guarded;
+
+/// Charged bytes of handles exported and since let go here (see the module documentation).
+static EXPORTED_LET_GO: AtomicU64 = AtomicU64::new(0);
+
+/// The charge of memory this process let go that another may still hold: taken back when the
+/// driver frees it if it was never exported, else counted in [`exported_let_go`].
+fn let_go(bytes: u64, exported: bool) {
+    if exported {
+        EXPORTED_LET_GO.fetch_add(bytes, Ordering::Relaxed);
+    } else {
+        uncharge(bytes);
+    }
+}
+
+/// Charged bytes of exported handles this process let go: still the tenant's, used by nothing
+/// of this process.
+pub(crate) fn exported_let_go() -> u64 {
+    EXPORTED_LET_GO.load(Ordering::Relaxed)
+}
+
+/// The tenant ended: its charges, these with them, are gone from the daemon's books.
+pub(crate) fn forget_exported_let_go() {
+    EXPORTED_LET_GO.store(0, Ordering::Relaxed);
+}
 
 /// `CUmemAllocationProp` (cuda.h): only `location` is read.
 #[repr(C)]
@@ -175,8 +202,8 @@ pub unsafe extern "C" fn cuMemRelease(handle: u64) -> CuResult {
             books().handles.insert(handle, c);
         }
         Some(c) => {
-            if c.refs <= 1 && c.maps == 0 && !c.exported {
-                uncharge(c.bytes);
+            if c.refs <= 1 && c.maps == 0 {
+                let_go(c.bytes, c.exported);
             }
             stats::served(Hook::MemRelease);
         }
@@ -306,9 +333,7 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CuDevicePtr, size: usize) -> CuResult {
             };
             if after.freed() {
                 b.handles.remove(&handle);
-                if !c.exported {
-                    freed.push(c.bytes);
-                }
+                freed.push((c.bytes, c.exported));
             } else {
                 b.handles.insert(handle, after);
             }
@@ -327,8 +352,8 @@ pub unsafe extern "C" fn cuMemUnmap(ptr: CuDevicePtr, size: usize) -> CuResult {
         b.handles.extend(before);
         return r;
     }
-    for bytes in freed {
-        uncharge(bytes);
+    for (bytes, exported) in freed {
+        let_go(bytes, exported);
     }
     stats::served(Hook::MemUnmap);
     r
