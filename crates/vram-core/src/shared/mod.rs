@@ -370,12 +370,12 @@ impl SharedBuffers {
         Ok(self.remove(broker, id))
     }
 
-    /// Whether `version` of `id` is held (a draft, current, or pinned).
     /// The tenant that owns buffer `id`.
     pub fn owner(&self, id: BufferId) -> Option<TenantId> {
         self.buffers.get(&id).map(|b| b.owner)
     }
 
+    /// Whether `version` of `id` is held (a draft, current, or pinned).
     pub fn holds(&self, id: BufferId, version: Version) -> bool {
         self.buffers
             .get(&id)
@@ -415,8 +415,8 @@ impl SharedBuffers {
         out
     }
 
-    /// Records that the scrub found `version` changed since its publish.
-    /// Marks `version` of `id` corrupt. The first time: whom to tell, the buffer's owner and
+    /// Marks `version` of `id` corrupt (the scrub, or a verify, found it changed since its
+    /// publish). The first time: whom to tell, the buffer's owner and
     /// then each tenant that pinned the version; after that (the scrub finds it again) nobody.
     pub fn mark_corrupt(&mut self, id: BufferId, version: Version) -> Vec<TenantId> {
         let Some(b) = self.buffers.get_mut(&id) else {

@@ -406,7 +406,15 @@ impl Op<'_> {
         match request {
             SharedRequest::Create { name, size, acl } => {
                 let granularity = self.daemon.slots[self.slot].device().info().granularity;
-                let size = size.round_up(granularity).unwrap_or(Bytes::ZERO);
+                let Some(size) = size.round_up(granularity) else {
+                    return Err(ErrorReply {
+                        code: ErrorCode::BadRequest,
+                        reason: Some("bad_size".into()),
+                        message: format!(
+                            "shared buffer `{name}`: {size} is more bytes than any device has"
+                        ),
+                    });
+                };
                 let spec = BufferSpec { name, size, acl };
                 let info = self.books(|b, c, _| Ok((c.create(b, t, spec)?, Vec::new())))?;
                 tracing::info!(buffer = info.name, owner = info.owner, size = %info.size, "shared buffer created");
