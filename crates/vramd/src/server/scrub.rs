@@ -27,11 +27,10 @@ fn stopping(daemon: &Daemon) -> bool {
 fn expire_leases(daemon: &Daemon) {
     let now = daemon.shared.now_ms();
     for slot in &daemon.slots {
-        let memory = slot.with_shared(|broker, books| {
+        slot.with_shared_freeing(|broker, books| {
             let freed = books.core.expire(broker, now);
-            books.take(freed)
+            ((), books.take(freed))
         });
-        drop(memory);
         slot.book_let_go();
     }
 }

@@ -381,14 +381,13 @@ impl Op<'_> {
         f: impl FnOnce(&mut Broker, &mut SharedBuffers, u64) -> Result<(R, Vec<Freed>), SharedError>,
     ) -> Result<R, ErrorReply> {
         let now = self.shared().now_ms();
-        let (result, memory) = self.daemon.slots[self.slot].with_shared(|broker, books| {
+        let result = self.daemon.slots[self.slot].with_shared_freeing(|broker, books| {
             match f(broker, &mut books.core, now) {
                 Ok((r, freed)) => (Ok(r), books.take(freed)),
                 // A lease found expired on the way may have freed a draft all the same.
                 Err(e) => (Err(e), books.take(Vec::new())),
             }
         });
-        drop(memory);
         self.daemon.slots[self.slot].book_let_go();
         result.map_err(|e| self.refused(e))
     }

@@ -347,6 +347,21 @@ impl Slot {
         r
     }
 
+    /// [`Slot::with_shared`] for a change that frees versions: `f` returns their memory, which
+    /// is dropped once the lock is released and before waiting grants are woken (a woken grant
+    /// must find the memory gone from the device, not only from the books).
+    pub(super) fn with_shared_freeing<R>(
+        &self,
+        f: impl FnOnce(&mut Broker, &mut Books) -> (R, Vec<Arc<super::shared::Memory>>),
+    ) -> R {
+        let mut s = self.lock();
+        let st = &mut *s;
+        let (r, memory) = f(&mut st.broker, &mut st.shared);
+        self.pool.set_room(st.broker.free());
+        self.unlock_then_wake(s, || drop(memory));
+        r
+    }
+
     pub fn desc(&self) -> DeviceDesc {
         let info = self.device.info();
         DeviceDesc {
