@@ -235,9 +235,11 @@ class Pin:
     def _views_gone(self):
         with self._buf._lock:
             self._buf._viewed -= 1
-            if self._released:
-                self._buf._release_pin(self._pinned)
-            self._buf._close_if_done()
+            try:
+                if self._released:
+                    self._buf._release_pin(self._pinned)
+            finally:
+                self._buf._close_if_done()
 
     def release(self):
         """Gives the pin back: now if no view of it is left, else once the last one is gone."""
@@ -357,7 +359,11 @@ class SharedBuffer(_Closes):
             if not self._h or self._closing:
                 return
             for pin in list(self._pins):
-                pin.release()
+                try:
+                    pin.release()
+                except VramdError:
+                    # The handle's close below gives back whatever pin is left.
+                    pass
             if self._viewed:
                 self._closing = True
                 # Another writer need not wait for this process's readers: no error if no lease.
