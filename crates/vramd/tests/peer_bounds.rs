@@ -337,21 +337,23 @@ fn a_status_report_too_large_for_a_frame_is_cut_and_says_so() {
     let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
     let conn = raw(&d.socket, Duration::from_secs(30));
     hello_tenant(&conn, "owner");
-    // Access lists as long as allowed, of long names: three such buffers pass a frame.
+    // Access lists as long as allowed, of names as long as allowed (64 bytes, about 17 KiB a
+    // list): twenty such buffers pass a frame.
     let entries = vram_core::shared::MAX_ACL_ENTRIES;
-    let readers = |prefix: &str| -> Vec<Principal> {
+    let buffers = 20;
+    let readers = |b: usize| -> Vec<Principal> {
         (0..entries)
-            .map(|i| Principal::Tenant(format!("{prefix}-{i:04}-{}", "r".repeat(480))))
+            .map(|i| Principal::Tenant(format!("r{b:02}-{i:04}-{}", "r".repeat(55))))
             .collect()
     };
-    create_buffer(&conn, 2, "wide-a", readers("reader-a"));
-    create_buffer(&conn, 3, "wide-b", readers("reader-b"));
-    create_buffer(&conn, 4, "wide-c", readers("reader-c"));
+    for b in 0..buffers {
+        create_buffer(&conn, 2 + b as u64, &format!("wide-{b}"), readers(b));
+    }
     let s = Observer::connect(Some(&d.socket))
         .unwrap()
         .status()
         .unwrap_or_else(|e| panic!("status failed: {e}"));
-    assert_eq!(s.shared.buffers.len(), 3);
+    assert_eq!(s.shared.buffers.len(), buffers);
     for b in s.shared.buffers.iter().filter(|b| b.acl_left_out > 0) {
         let shown = b.info.acl.readers.len();
         assert_eq!(
