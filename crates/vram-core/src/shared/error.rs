@@ -13,6 +13,16 @@ pub enum SharedError {
     UnknownTenant(u64),
     #[error("invalid shared buffer name `{name}`: {reason}")]
     BadName { name: String, reason: &'static str },
+    #[error(
+        "shared buffer `{buffer}`: its access list names {kind} `{}` that no name can be: {reason}",
+        shown_entry(entry)
+    )]
+    BadAccessEntry {
+        buffer: String,
+        kind: &'static str,
+        entry: String,
+        reason: &'static str,
+    },
     #[error("a shared buffer named `{name}` already exists (owner `{owner}`)")]
     NameInUse { name: String, owner: String },
     #[error("no shared buffer `{0}`")]
@@ -83,6 +93,20 @@ pub enum SharedError {
     },
 }
 
+/// An access-list entry as a message shows it: whole up to twice the longest name, else its start
+/// and its length (an entry can be as long as a frame).
+fn shown_entry(entry: &str) -> String {
+    const SHOWN: usize = 128;
+    if entry.len() <= SHOWN {
+        return entry.to_string();
+    }
+    let mut end = SHOWN;
+    while !entry.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes)", &entry[..end], entry.len())
+}
+
 fn show(v: Option<Version>) -> String {
     v.map_or_else(|| "none".to_string(), |v| v.0.to_string())
 }
@@ -92,7 +116,7 @@ impl SharedError {
     pub fn reason(&self) -> &'static str {
         match self {
             SharedError::UnknownTenant(_) => "unknown_tenant",
-            SharedError::BadName { .. } => "bad_name",
+            SharedError::BadName { .. } | SharedError::BadAccessEntry { .. } => "bad_name",
             SharedError::NameInUse { .. } => "name_in_use",
             SharedError::NoSuchBuffer(_) => "no_such_buffer",
             SharedError::Forbidden { .. } => "forbidden",

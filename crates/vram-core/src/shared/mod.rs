@@ -262,14 +262,18 @@ impl SharedBuffers {
         // one tenant cannot grow the daemon's heap without end. An entry names a tenant or class
         // as a name can be (else it could match nothing), once.
         for p in spec.acl.readers.iter().chain(&spec.acl.writers) {
-            if let Principal::Tenant(n) | Principal::Class(n) = p {
-                if name_problem(n).is_some() {
-                    return Err(SharedError::BadName {
-                        name: spec.name,
-                        reason: "its access list names a tenant or class no name can be (empty, \
-                                 over 64 bytes, or with characters names do not have)",
-                    });
-                }
+            let (kind, n) = match p {
+                Principal::Tenant(n) => ("tenant", n),
+                Principal::Class(n) => ("class", n),
+                _ => continue,
+            };
+            if let Some(reason) = name_problem(n) {
+                return Err(SharedError::BadAccessEntry {
+                    buffer: spec.name,
+                    kind,
+                    entry: n.clone(),
+                    reason,
+                });
             }
         }
         let mut spec = spec;

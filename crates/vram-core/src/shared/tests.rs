@@ -442,7 +442,13 @@ fn an_access_list_names_what_a_name_can_be_each_once() {
             .books
             .create(&w.broker, w.owner, spec("bad", Principal::Tenant(bad)))
             .unwrap_err();
-        assert!(matches!(e, SharedError::BadName { .. }), "{e}");
+        assert!(matches!(e, SharedError::BadAccessEntry { .. }), "{e}");
+        assert_eq!(e.reason(), "bad_name");
+        assert!(
+            e.to_string()
+                .starts_with("shared buffer `bad`: its access list names tenant"),
+            "{e}"
+        );
     }
     let e = w
         .books
@@ -452,7 +458,14 @@ fn an_access_list_names_what_a_name_can_be_each_once() {
             spec("bad", Principal::Class("x".repeat(200))),
         )
         .unwrap_err();
-    assert!(matches!(e, SharedError::BadName { .. }), "{e}");
+    assert!(matches!(e, SharedError::BadAccessEntry { .. }), "{e}");
+    // The entry is named, cut to its start and its length when it is long.
+    assert!(
+        e.to_string()
+            .contains(&format!("class `{}... (200 bytes)`", "x".repeat(128))),
+        "{e}"
+    );
+    assert!(e.to_string().contains("longer than 64 bytes"), "{e}");
     let info = w
         .books
         .create(
