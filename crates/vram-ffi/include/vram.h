@@ -132,6 +132,10 @@ int vram_interposing(void);
  *   by the tenant's caching allocator, stream-ordered where the call is. cuMemFree_v2
  *   synchronises the context first; memory vramd did not hand out goes to the driver.
  *   cuMemPoolCreate, cuMemPoolDestroy, cuMemPoolTrimTo: the driver's, the pool's place kept.
+ *   cuMemGetDefaultMemPool, cuMemGetMemPool: the driver's; a pool of the host or of managed
+ *   memory they hand out is placed as a made one. cuDeviceSetMemPool, cuMemSetMemPool: the
+ *   driver's; cuMemAllocAsync on the tenant's GPU takes from the current pool as
+ *   cuMemAllocFromPoolAsync would.
  *   An allocation from a pool on the host, on another GPU, of managed memory, whose allocations
  *   may be exported, or from a pool of the tenant's GPU on another GPU's stream is the driver's;
  *   a pool that may hold the tenant's GPU memory is charged, as below, by what it reserves

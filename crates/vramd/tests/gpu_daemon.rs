@@ -361,13 +361,18 @@ vramd = hasattr(lib, "vram_interposer_stats_json")
 if vramd:
     lib.vram_interposer_stats_json.restype = ctypes.c_void_p
     lib.vram_string_free.argtypes = [ctypes.c_void_p]
-def hooks():
+class Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+cu.cuMemAllocAsync.argtypes = [P(ctypes.c_ulonglong), S, ctypes.c_void_p]
+cu.cuDeviceSetMemPool.argtypes = [ctypes.c_int, ctypes.c_void_p]
+cu.cuDeviceGetDefaultMemPool.argtypes = [P(ctypes.c_void_p), ctypes.c_int]
+def hooks(first="cuMemAllocFromPoolAsync"):
     if not vramd:
         return [0, 0, 0]
     p = lib.vram_interposer_stats_json()
     h = json.loads(ctypes.string_at(p))["hooks"]
     lib.vram_string_free(p)
-    a, b = h["cuMemAllocFromPoolAsync"], h["cuMemAllocFromPoolAsync_driver_pool"]
+    a, b = h[first], h["cuMemAllocFromPoolAsync_driver_pool"]
     return [a["served"], b["served"], b["passed"]]
 def free_memory():
     f, t = S(), S()
@@ -405,7 +410,54 @@ def case(handle_types, location_type):
     ok("cuMemPoolDestroy", cu.cuMemPoolDestroy(pool))
     out["back_at_destroy"] = free_memory() == before_free
     return out
-print(json.dumps({"device": case(0, 1), "host": case(0, 2), "exportable": case(1, 1)}), flush=True)
+def host_default():
+    """From the host's default pool (CUDA 13's cuMemGetDefaultMemPool)."""
+    if not hasattr(cu, "cuMemGetDefaultMemPool"):
+        return {"pool_refused": "no cuMemGetDefaultMemPool"}
+    cu.cuMemGetDefaultMemPool.argtypes = [P(ctypes.c_void_p), P(Location), ctypes.c_int]
+    pool = ctypes.c_void_p()
+    r = cu.cuMemGetDefaultMemPool(ctypes.byref(pool), ctypes.byref(Location(2, 0)), 1)
+    if r:
+        return {"pool_refused": r}
+    before_hooks, before_free = hooks(), free_memory()
+    p = ctypes.c_ulonglong()
+    ok("cuMemAllocFromPoolAsync", cu.cuMemAllocFromPoolAsync(ctypes.byref(p), N, pool, s))
+    ok("cuStreamSynchronize", cu.cuStreamSynchronize(s))
+    out = {"hooks": [a - b for a, b in zip(hooks(), before_hooks)],
+           "charged": before_free - free_memory()}
+    ctypes.memset(p.value, 7, N)
+    out["cpu_wrote"] = ctypes.string_at(p.value + N - 4, 4) == b"\x07" * 4
+    ok("cuMemFreeAsync", cu.cuMemFreeAsync(p, s))
+    ok("cuStreamSynchronize", cu.cuStreamSynchronize(s))
+    return out
+def current_exportable():
+    """cuMemAllocAsync with an exportable pool made current for the device."""
+    pool, default = ctypes.c_void_p(), ctypes.c_void_p()
+    ok("cuMemPoolCreate", cu.cuMemPoolCreate(ctypes.byref(pool), ctypes.byref(Props(1, 1, 1, 0))))
+    ok("cuDeviceGetDefaultMemPool", cu.cuDeviceGetDefaultMemPool(ctypes.byref(default), d))
+    ok("cuDeviceSetMemPool", cu.cuDeviceSetMemPool(d, pool))
+    before_hooks, before_free = hooks("cuMemAllocAsync"), free_memory()
+    p = ctypes.c_ulonglong()
+    ok("cuMemAllocAsync", cu.cuMemAllocAsync(ctypes.byref(p), N, s))
+    ok("cuStreamSynchronize", cu.cuStreamSynchronize(s))
+    out = {"hooks": [a - b for a, b in zip(hooks("cuMemAllocAsync"), before_hooks)],
+           "charged": before_free - free_memory()}
+    data = (ctypes.c_ubyte * 64)()
+    out["exported"] = cu.cuMemPoolExportPointer(data, p)
+    ok("cuMemFreeAsync", cu.cuMemFreeAsync(p, s))
+    ok("cuStreamSynchronize", cu.cuStreamSynchronize(s))
+    ok("cuDeviceSetMemPool", cu.cuDeviceSetMemPool(d, default))
+    ok("cuMemPoolDestroy", cu.cuMemPoolDestroy(pool))
+    out["back_at_destroy"] = free_memory() == before_free
+    # The device's own pool current again: vramd serves.
+    before_hooks = hooks("cuMemAllocAsync")
+    ok("cuMemAllocAsync", cu.cuMemAllocAsync(ctypes.byref(p), N, s))
+    ok("cuMemFreeAsync", cu.cuMemFreeAsync(p, s))
+    ok("cuStreamSynchronize", cu.cuStreamSynchronize(s))
+    out["hooks_after"] = [a - b for a, b in zip(hooks("cuMemAllocAsync"), before_hooks)]
+    return out
+print(json.dumps({"device": case(0, 1), "host": case(0, 2), "exportable": case(1, 1),
+                  "host_default": host_default(), "current": current_exportable()}), flush=True)
 "#;
 
 /// Pools a program makes: vramd serves the one on its GPU; the one on the host (which the CPU
@@ -413,7 +465,8 @@ print(json.dumps({"device": case(0, 1), "host": case(0, 2), "exportable": case(1
 /// latter charged by what it reserves: the tenant's free memory moves as the device's does for
 /// the same program run without vramd (down by the pool's reservation, not back at the free),
 /// the driver's answers (the CPU's write, the exports) are the same, and the charge goes back
-/// when the pool is destroyed.
+/// when the pool is destroyed. The host's default pool is the driver's as a host pool made here
+/// is, and an exportable pool made current for the device makes `cuMemAllocAsync` the driver's.
 fn a_pool_on_the_host_or_for_export_is_the_drivers() {
     let Some(_dev) = gpu() else { return };
     let d = Daemon::start_on("cuda", CONFIG);
@@ -438,13 +491,24 @@ fn a_pool_on_the_host_or_for_export_is_the_drivers() {
     assert_eq!(got["device"]["hooks"], json!([1, 0, 0]), "{got}");
     assert_eq!(got["exportable"]["hooks"], json!([0, 1, 0]), "{got}");
     assert!(got["exportable"]["charged"].as_u64() >= Some(mib8), "{got}");
-    if got["host"].get("pool_refused").is_some() {
-        println!("(the driver makes no pool on the host: not tried)");
-    } else {
-        assert_eq!(got["host"]["hooks"], json!([0, 0, 1]), "{got}");
-        assert_eq!(got["host"]["charged"], json!(0), "{got}");
-        assert_eq!(got["host"]["cpu_wrote"], json!(true), "{got}");
+    for host in ["host", "host_default"] {
+        if got[host].get("pool_refused").is_some() {
+            println!("(the driver gives no pool on the host for `{host}`: not tried)");
+        } else {
+            assert_eq!(got[host]["hooks"], json!([0, 0, 1]), "{host}: {got}");
+            assert_eq!(got[host]["charged"], json!(0), "{host}: {got}");
+            assert_eq!(got[host]["cpu_wrote"], json!(true), "{host}: {got}");
+        }
     }
+    // An exportable pool current for the device: cuMemAllocAsync is the driver's, charged as
+    // the device's memory moves without vramd, and its pointer exports as without vramd; with
+    // the device's own pool current again, vramd serves.
+    for key in ["exported", "charged"] {
+        assert_eq!(got["current"][key], plain["current"][key], "current: {key}");
+    }
+    assert_eq!(got["current"]["hooks"], json!([0, 1, 0]), "{got}");
+    assert_eq!(got["current"]["hooks_after"], json!([1, 0, 0]), "{got}");
+    assert_eq!(got["current"]["back_at_destroy"], json!(true), "{got}");
     d.stop();
 }
 

@@ -226,6 +226,18 @@ unsafe fn alloc_async(
     if dptr.is_null() || bytesize == 0 {
         return CUDA_ERROR_INVALID_VALUE;
     }
+    if let Some((pool, charged)) = pools::current_drivers(stream) {
+        let make = || match real {
+            // SAFETY: the driver's own function with the caller's arguments.
+            Some(f) => unsafe { f(dptr, bytesize, stream) },
+            None => CUDA_ERROR_NOT_FOUND,
+        };
+        // SAFETY: `dptr` is the caller's, valid for one write (checked non-null), which the
+        // driver's function makes before it is read.
+        return unsafe {
+            pools::alloc_from_drivers_pool(dptr, pool, charged, make, unmaker(stream, per_thread))
+        };
+    }
     let sid = stream_id(stream, per_thread);
     match serve(
         Hook::MemAllocAsync,
@@ -268,6 +280,23 @@ fn free_async(
     pools::free_charged(dptr, free).unwrap_or_else(free)
 }
 
+/// The driver's stream-ordered free on `stream`, for memory its pool just made that a refused
+/// charge gives back.
+fn unmaker(stream: CuStream, per_thread: bool) -> impl FnOnce(CuDevicePtr) {
+    let free = if per_thread {
+        real::driver().mem_free_async_ptsz
+    } else {
+        real::driver().mem_free_async
+    };
+    move |ptr| {
+        if let Some(f) = free {
+            // SAFETY: the driver's own free, in the order of the caller's stream, of the memory
+            // it just made there; nobody else has seen the pointer.
+            unsafe { f(ptr, stream) };
+        }
+    }
+}
+
 /// `cuMemAllocFromPoolAsync` and its `_ptsz` form.
 ///
 /// # Safety
@@ -289,21 +318,11 @@ unsafe fn alloc_from_pool_async(
             Some(f) => unsafe { f(dptr, bytesize, pool, stream) },
             None => CUDA_ERROR_NOT_FOUND,
         };
-        let free = if per_thread {
-            real::driver().mem_free_async_ptsz
-        } else {
-            real::driver().mem_free_async
-        };
-        let unmake = |ptr| {
-            if let Some(f) = free {
-                // SAFETY: the driver's own free, in the order of the caller's stream, of the
-                // memory it just made there; nobody else has seen the pointer.
-                unsafe { f(ptr, stream) };
-            }
-        };
         // SAFETY: `dptr` is the caller's, valid for one write (checked non-null), which the
         // driver's function makes before it is read.
-        return unsafe { pools::alloc_from_drivers_pool(dptr, pool, charged, make, unmake) };
+        return unsafe {
+            pools::alloc_from_drivers_pool(dptr, pool, charged, make, unmaker(stream, per_thread))
+        };
     }
     let sid = stream_id(stream, per_thread);
     match serve(

@@ -11,7 +11,8 @@
 //! - [`alloc`]: `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2` and the stream-ordered
 //!   `cuMemAllocAsync` / `cuMemFreeAsync` / `cuMemAllocFromPoolAsync` (and their per-thread
 //!   default stream `_ptsz` forms) are served by the tenant's caching allocator; [`pools`]
-//!   (`cuMemPoolCreate`, `cuMemPoolDestroy`) says which pools' allocations are the driver's.
+//!   (`cuMemPoolCreate`, `cuMemPoolDestroy`, the default and current pools' getters and setters)
+//!   says which pools' allocations are the driver's.
 //! - [`vmm`] and [`charged`]: memory a library makes itself through the driver (`cuMemCreate`,
 //!   as NCCL, XLA and PyTorch's expandable segments do; `cuMemAllocManaged`) is made by the
 //!   driver and charged to the tenant; a refused charge frees it again and fails the call with

@@ -18,15 +18,23 @@
 //! and fails with out-of-memory); down, once the pool gave memory back. Destroying the pool takes
 //! back what is left of its charge.
 //!
-//! The device's own pools (`cuDeviceGetDefaultMemPool`, not made here) and a pool made on the
-//! tenant's GPU with no export, asked for on a stream of the tenant's GPU, are served by vramd;
-//! their settings (release threshold, maximum size) do not apply to vramd's memory. A pool not
-//! made here is taken for its device's: the driver's default pools of other locations (the
-//! host's, `cuMemGetDefaultMemPool`) are not told apart.
-//! `cuMemAllocAsync` is served whichever pool is current for the device (`cuDeviceSetMemPool`).
+//! The driver's own pools of other locations than a device, which a program can only get from
+//! `cuMemGetDefaultMemPool` or `cuMemGetMemPool`, are placed as a made pool is when those hand
+//! them out: a host's default pool is the driver's, uncharged; a managed one the driver's,
+//! charged.
+//!
+//! The device's own pools (`cuDeviceGetDefaultMemPool`, or any pool not seen here) and a pool
+//! made on the tenant's GPU with no export, asked for on a stream of the tenant's GPU, are served
+//! by vramd; their settings (release threshold, maximum size) do not apply to vramd's memory.
+//!
+//! `cuMemAllocAsync` takes from the current pool of its stream's device. Where a program made a
+//! pool vramd's memory cannot stand in for current on the tenant's GPU (`cuDeviceSetMemPool`,
+//! `cuMemSetMemPool`), its allocations there are the driver's and charged as that pool's are;
+//! otherwise vramd serves them.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{LazyLock, Mutex, MutexGuard};
 
 use vram_core::Bytes;
@@ -52,6 +60,15 @@ pub struct PoolProps {
     pub location_id: c_int,
 }
 
+/// `CUmemLocation` (cuda.h).
+#[repr(C)]
+pub struct Location {
+    /// `CUmemLocationType`.
+    pub location_type: c_uint,
+    /// The device ordinal for `CU_MEM_LOCATION_TYPE_DEVICE`, a NUMA node for the host's.
+    pub id: c_int,
+}
+
 /// `CU_MEM_ALLOCATION_TYPE_PINNED`: device (or pinned host) memory, not managed.
 const ALLOCATION_PINNED: c_uint = 1;
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
@@ -75,12 +92,20 @@ enum Place {
 
 impl Place {
     fn of(p: &PoolProps) -> Place {
-        if p.alloc_type == ALLOCATION_PINNED && p.location_type == LOCATION_DEVICE {
+        let at = Location {
+            location_type: p.location_type,
+            id: p.location_id,
+        };
+        Place::at(p.alloc_type, &at, p.handle_types != 0)
+    }
+
+    fn at(alloc_type: c_uint, at: &Location, exportable: bool) -> Place {
+        if alloc_type == ALLOCATION_PINNED && at.location_type == LOCATION_DEVICE {
             Place::Device {
-                ordinal: p.location_id,
-                exportable: p.handle_types != 0,
+                ordinal: at.id,
+                exportable,
             }
-        } else if p.alloc_type == ALLOCATION_PINNED && LOCATIONS_HOST.contains(&p.location_type) {
+        } else if alloc_type == ALLOCATION_PINNED && LOCATIONS_HOST.contains(&at.location_type) {
             Place::Host
         } else {
             Place::Other
@@ -101,6 +126,13 @@ struct Made {
 static MADE: LazyLock<Mutex<HashMap<usize, Made>>> = LazyLock::new(Default::default);
 /// Allocations from charged pools, by pointer: their pool.
 static FROM: LazyLock<Mutex<HashMap<CuDevicePtr, usize>>> = LazyLock::new(Default::default);
+/// Whether `MADE` ever held a pool: until then every pool is a device's own, and an allocation
+/// from one takes no lock to find that out.
+static ANY_MADE: AtomicBool = AtomicBool::new(false);
+/// Pools made current for a device (`cuDeviceSetMemPool`, `cuMemSetMemPool`), by ordinal.
+static CURRENT: LazyLock<Mutex<HashMap<c_int, usize>>> = LazyLock::new(Default::default);
+/// Whether `CURRENT` ever held a pool: until then `cuMemAllocAsync` takes no lock for it.
+static ANY_CURRENT: AtomicBool = AtomicBool::new(false);
 
 fn lock<T>(m: &'static Mutex<T>) -> MutexGuard<'static, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -118,6 +150,9 @@ pub(crate) enum Verdict {
 /// See the module documentation. Where the tenant cannot be set up, vramd's path refuses the
 /// call with the reason.
 pub(crate) fn verdict(pool: *mut c_void, stream: CuStream) -> Verdict {
+    if !ANY_MADE.load(Ordering::Acquire) {
+        return Verdict::Serve;
+    }
     let Some(place) = lock(&MADE).get(&(pool as usize)).map(|m| m.place) else {
         return Verdict::Serve;
     };
@@ -135,6 +170,27 @@ pub(crate) fn verdict(pool: *mut c_void, stream: CuStream) -> Verdict {
         } => Verdict::Driver { charged: true },
         Place::Device { .. } if stream_gpu(t, stream) == Gpu::Tenant => Verdict::Serve,
         Place::Device { .. } => Verdict::Driver { charged: true },
+    }
+}
+
+/// The pool a `cuMemAllocAsync` on `stream` takes from, and whether it is charged, where that
+/// is the driver's (see the module documentation); `None` where vramd serves it or the stream is
+/// of another GPU (the driver's, as any call there).
+pub(crate) fn current_drivers(stream: CuStream) -> Option<(*mut c_void, bool)> {
+    if !ANY_CURRENT.load(Ordering::Acquire) {
+        return None;
+    }
+    let t = crate::tenant().ok()?;
+    if stream_gpu(t, stream) != Gpu::Tenant {
+        return None;
+    }
+    let pool = lock(&CURRENT)
+        .iter()
+        .find(|&(&ordinal, _)| is_tenant_device(t, ordinal))
+        .map(|(_, &pool)| pool as *mut c_void)?;
+    match verdict(pool, stream) {
+        Verdict::Driver { charged } => Some((pool, charged)),
+        Verdict::Serve => None,
     }
 }
 
@@ -255,6 +311,120 @@ pub unsafe extern "C" fn cuMemPoolCreate(
         let (handle, p) = unsafe { (*pool, &*props) };
         let place = Place::of(p);
         made.insert(handle as usize, Made { place, charged: 0 });
+        ANY_MADE.store(true, Ordering::Release);
+    }
+    r
+}
+
+/// A pool of the driver's that `get` handed out for `location` and `alloc_type` (the driver's
+/// `cuMemGetDefaultMemPool` or `cuMemGetMemPool`, called with the caller's arguments): kept
+/// with its place, unless it is known already (a pool made here keeps its own).
+///
+/// # Safety
+/// `pool` is valid for one write and `location` points to a `CUmemLocation`, as `get` needs.
+unsafe fn learn(
+    pool: *mut *mut c_void,
+    location: *const Location,
+    alloc_type: c_uint,
+    get: unsafe extern "C" fn(*mut *mut c_void, *const Location, c_uint) -> CuResult,
+) -> CuResult {
+    let mut made = lock(&MADE);
+    // SAFETY: the driver's own function with the caller's arguments.
+    let r = unsafe { get(pool, location, alloc_type) };
+    if r == CUDA_SUCCESS && !pool.is_null() && !location.is_null() {
+        // SAFETY: the driver accepted `location` and wrote the pool through `pool`, both the
+        // caller's valid pointers.
+        let (handle, at) = unsafe { (*pool, &*location) };
+        let place = Place::at(alloc_type, at, false);
+        // A device's pool is served as any pool not seen here: nothing to keep.
+        if !matches!(place, Place::Device { .. }) {
+            made.entry(handle as usize)
+                .or_insert(Made { place, charged: 0 });
+            ANY_MADE.store(true, Ordering::Release);
+        }
+    }
+    r
+}
+
+/// See the module documentation: a default pool of the host, or of managed memory, is placed.
+///
+/// # Safety
+/// As for the driver's `cuMemGetDefaultMemPool`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetDefaultMemPool(
+    pool: *mut *mut c_void,
+    location: *const Location,
+    alloc_type: c_uint,
+) -> CuResult {
+    match real::driver().mem_get_default_mem_pool {
+        // SAFETY: the caller's arguments, as the driver's function takes them.
+        Some(get) => unsafe { learn(pool, location, alloc_type, get) },
+        None => CUDA_ERROR_NOT_FOUND,
+    }
+}
+
+/// See the module documentation: the current pool of a location, placed as the default pools.
+///
+/// # Safety
+/// As for the driver's `cuMemGetMemPool`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetMemPool(
+    pool: *mut *mut c_void,
+    location: *const Location,
+    alloc_type: c_uint,
+) -> CuResult {
+    match real::driver().mem_get_mem_pool {
+        // SAFETY: the caller's arguments, as the driver's function takes them.
+        Some(get) => unsafe { learn(pool, location, alloc_type, get) },
+        None => CUDA_ERROR_NOT_FOUND,
+    }
+}
+
+/// Keeps `pool` as device `ordinal`'s current pool once the driver made it so.
+fn make_current(ordinal: c_int, pool: *mut c_void) {
+    lock(&CURRENT).insert(ordinal, pool as usize);
+    ANY_CURRENT.store(true, Ordering::Release);
+}
+
+/// See the module documentation: the device's current pool is kept, for `cuMemAllocAsync`.
+///
+/// # Safety
+/// As for the driver's `cuDeviceSetMemPool`.
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceSetMemPool(device: c_int, pool: *mut c_void) -> CuResult {
+    let Some(set) = real::driver().device_set_mem_pool else {
+        return CUDA_ERROR_NOT_FOUND;
+    };
+    // SAFETY: the driver's own function with the caller's arguments.
+    let r = unsafe { set(device, pool) };
+    if r == CUDA_SUCCESS {
+        make_current(device, pool);
+    }
+    r
+}
+
+/// See the module documentation: a device's current pool of pinned memory is kept, as
+/// `cuDeviceSetMemPool` keeps it.
+///
+/// # Safety
+/// As for the driver's `cuMemSetMemPool`: `location` points to a `CUmemLocation`.
+#[no_mangle]
+pub unsafe extern "C" fn cuMemSetMemPool(
+    location: *const Location,
+    alloc_type: c_uint,
+    pool: *mut c_void,
+) -> CuResult {
+    let Some(set) = real::driver().mem_set_mem_pool else {
+        return CUDA_ERROR_NOT_FOUND;
+    };
+    // SAFETY: the driver's own function with the caller's arguments.
+    let r = unsafe { set(location, alloc_type, pool) };
+    if r == CUDA_SUCCESS && !location.is_null() {
+        // SAFETY: the driver accepted `location`, the caller's valid pointer.
+        let at = unsafe { &*location };
+        if let Place::Device { ordinal, .. } = Place::at(alloc_type, at, false) {
+            make_current(ordinal, pool);
+        }
     }
     r
 }

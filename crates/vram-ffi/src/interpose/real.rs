@@ -22,6 +22,11 @@ pub(crate) type MemAllocFromPoolAsync =
 pub(crate) type MemPoolCreate =
     unsafe extern "C" fn(*mut *mut c_void, *const super::pools::PoolProps) -> CuResult;
 pub(crate) type MemPoolDestroy = unsafe extern "C" fn(*mut c_void) -> CuResult;
+pub(crate) type MemGetPool =
+    unsafe extern "C" fn(*mut *mut c_void, *const super::pools::Location, c_uint) -> CuResult;
+pub(crate) type MemSetPool =
+    unsafe extern "C" fn(*const super::pools::Location, c_uint, *mut c_void) -> CuResult;
+pub(crate) type DeviceSetMemPool = unsafe extern "C" fn(c_int, *mut c_void) -> CuResult;
 pub(crate) type MemPoolTrimTo = unsafe extern "C" fn(*mut c_void, usize) -> CuResult;
 pub(crate) type MemPoolGetAttribute =
     unsafe extern "C" fn(*mut c_void, c_int, *mut c_void) -> CuResult;
@@ -63,6 +68,10 @@ pub(crate) struct Driver {
     pub mem_pool_destroy: Option<MemPoolDestroy>,
     pub mem_pool_trim_to: Option<MemPoolTrimTo>,
     pub mem_pool_get_attribute: Option<MemPoolGetAttribute>,
+    pub mem_get_default_mem_pool: Option<MemGetPool>,
+    pub mem_get_mem_pool: Option<MemGetPool>,
+    pub mem_set_mem_pool: Option<MemSetPool>,
+    pub device_set_mem_pool: Option<DeviceSetMemPool>,
     pub mem_create: Option<MemCreate>,
     pub mem_release: Option<MemRelease>,
     pub mem_retain_allocation_handle: Option<MemRetainAllocationHandle>,
@@ -131,6 +140,10 @@ pub(crate) fn driver() -> &'static Driver {
                 mem_pool_destroy: function(lib, c"cuMemPoolDestroy"),
                 mem_pool_trim_to: function(lib, c"cuMemPoolTrimTo"),
                 mem_pool_get_attribute: function(lib, c"cuMemPoolGetAttribute"),
+                mem_get_default_mem_pool: function(lib, c"cuMemGetDefaultMemPool"),
+                mem_get_mem_pool: function(lib, c"cuMemGetMemPool"),
+                mem_set_mem_pool: function(lib, c"cuMemSetMemPool"),
+                device_set_mem_pool: function(lib, c"cuDeviceSetMemPool"),
                 mem_create: function(lib, c"cuMemCreate"),
                 mem_release: function(lib, c"cuMemRelease"),
                 mem_retain_allocation_handle: function(lib, c"cuMemRetainAllocationHandle"),
@@ -171,6 +184,10 @@ const HOOKED: &[&CStr] = &[
     c"cuMemPoolCreate",
     c"cuMemPoolDestroy",
     c"cuMemPoolTrimTo",
+    c"cuMemGetDefaultMemPool",
+    c"cuMemGetMemPool",
+    c"cuMemSetMemPool",
+    c"cuDeviceSetMemPool",
     c"cuMemCreate",
     c"cuMemRelease",
     c"cuMemRetainAllocationHandle",

@@ -26,6 +26,13 @@ typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned int);
 typedef CUresult (*pool_create_fn)(void **, const void *);
 typedef CUresult (*pool_destroy_fn)(void *);
 typedef CUresult (*from_pool_fn)(CUdeviceptr *, size_t, void *, void *);
+struct location {
+    unsigned int type;
+    int id;
+};
+typedef CUresult (*get_pool_fn)(void **, const struct location *, unsigned int);
+typedef CUresult (*set_pool_fn)(const struct location *, unsigned int, void *);
+typedef CUresult (*device_set_pool_fn)(int, void *);
 typedef CUresult (*create_fn)(unsigned long long *, size_t, const void *, unsigned long long);
 typedef CUresult (*release_fn)(unsigned long long);
 typedef CUresult (*map_fn)(CUdeviceptr, size_t, size_t, unsigned long long, unsigned long long);
@@ -232,6 +239,52 @@ int main(int argc, char **argv) {
     CHECK(calls("cuMemFree_v2") == 1);
     CHECK(mem_free(pm) == 0 && calls("cuMemFree_v2") == 2);
     CHECK(pool_info(&now, &pool_total) == 0 && now == before);
+
+    /* The driver's own pools of other locations than a device are placed as made ones: the
+     * host's default pool is the driver's, uncharged; a device's default pool is served. */
+    get_pool_fn get_default = (get_pool_fn)sym("cuMemGetDefaultMemPool");
+    get_pool_fn get_current = (get_pool_fn)sym("cuMemGetMemPool");
+    CHECK(get_default && (void *)get_default == dlsym(RTLD_DEFAULT, "cuMemGetDefaultMemPool"));
+    CHECK(proc("cuMemGetDefaultMemPool", &f, 13000, 0, NULL) == 0 && f == (void *)get_default);
+    const struct location host0 = {2, 0}, numa1 = {3, 1}, device0 = {1, 0};
+    void *host_default = NULL, *numa_current = NULL, *device_default = NULL;
+    CHECK(get_default(&host_default, &host0, 1) == 0 && host_default != NULL);
+    CHECK(get_current(&numa_current, &numa1, 1) == 0 && numa_current != NULL);
+    CHECK(get_default(&device_default, &device0, 1) == 0 && device_default != NULL);
+    int from_pool_calls = calls("cuMemAllocFromPoolAsync");
+    CUdeviceptr hd = 0, hn = 0, dd = 0;
+    CHECK(from_pool(&hd, 1 << 20, host_default, stream) == 0 && hd != 0);
+    CHECK(from_pool(&hn, 1 << 20, numa_current, stream) == 0 && hn != 0);
+    CHECK(calls("cuMemAllocFromPoolAsync") == from_pool_calls + 2);
+    memset((void *)hd, 6, 1 << 20);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before);
+    CHECK(from_pool(&dd, 1 << 20, device_default, stream) == 0 && dd != 0);
+    CHECK(calls("cuMemAllocFromPoolAsync") == from_pool_calls + 2);
+    CHECK(free_async(hd, stream) == 0 && free_async(hn, stream) == 0 && free_async(dd, stream) == 0);
+
+    /* A pool made current for the device: cuMemAllocAsync takes from it, the driver's when vramd
+     * cannot stand in for it (charged by its reservation), vramd's again once the device's own
+     * pool or one vramd serves is current. */
+    device_set_pool_fn device_set = (device_set_pool_fn)sym("cuDeviceSetMemPool");
+    set_pool_fn mem_set = (set_pool_fn)sym("cuMemSetMemPool");
+    CHECK(device_set && (void *)device_set == dlsym(RTLD_DEFAULT, "cuDeviceSetMemPool"));
+    CHECK(proc("cuDeviceSetMemPool", &f, 12000, 0, NULL) == 0 && f == (void *)device_set);
+    int async_calls = calls("cuMemAllocAsync");
+    CUdeviceptr ca = 0, cb = 0, cbig = 0;
+    CHECK(device_set(0, export_pool) == 0);
+    CHECK(alloc_async(&ca, (size_t)8 << 20, stream) == 0 && ca != 0);
+    CHECK(calls("cuMemAllocAsync") == async_calls + 1);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - mib32);
+    CHECK(alloc_async(&cbig, (size_t)512 << 20, stream) == 2 && cbig == 0);
+    CHECK(calls("cuMemAllocAsync") == async_calls + 2);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - mib32);
+    CHECK(free_async(ca, stream) == 0);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before);
+    CHECK(mem_set(&device0, 1, device_pool) == 0);
+    CHECK(alloc_async(&cb, 1 << 20, stream) == 0 && cb != 0);
+    CHECK(calls("cuMemAllocAsync") == async_calls + 2);
+    CHECK(free_async(cb, stream) == 0);
+
     CHECK(pool_destroy(export_pool) == 0 && calls("cuMemPoolDestroy") == 1);
     CHECK(pool_destroy(managed_p) == 0);
     CHECK(pool_destroy(host_pool) == 0 && pool_destroy(device_pool) == 0);
@@ -318,7 +371,7 @@ int main(int argc, char **argv) {
     printf("stats: %s\n", stats);
     vram_string_free(stats);
     printf("interposed calls: %llu\n", vram_interposed_calls());
-    CHECK(vram_interposed_calls() == 12);
+    CHECK(vram_interposed_calls() == 16); /* the allocations and frees vramd served */
     printf("driver: ok\n");
     fflush(stdout);
     /* The test reads the daemon's status meanwhile, then writes a line or closes stdin. */

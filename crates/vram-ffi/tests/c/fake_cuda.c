@@ -106,10 +106,15 @@ CUresult cuMemFree_v2(CUdeviceptr p) {
     return 0;
 }
 
+static CUresult pool_alloc(CUdeviceptr *p, size_t n, void *pool);
+
+/* Device 0's current pool (none: its default pool, which the stand-in does not keep). */
+static void *current_pool;
+
 CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *stream) {
     (void)stream;
     count(C_MEM_ALLOC_ASYNC);
-    return host_alloc(p, n);
+    return current_pool ? pool_alloc(p, n, current_pool) : host_alloc(p, n);
 }
 CUresult cuMemAllocAsync_ptsz(CUdeviceptr *p, size_t n, void *stream) {
     return cuMemAllocAsync(p, n, stream);
@@ -150,6 +155,10 @@ static void unpool(CUdeviceptr p) {
 CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t n, void *pool, void *stream) {
     (void)stream;
     count(C_MEM_ALLOC_FROM_POOL);
+    return pool_alloc(p, n, pool);
+}
+
+static CUresult pool_alloc(CUdeviceptr *p, size_t n, void *pool) {
     CUresult r = host_alloc(p, n);
     for (int i = 0; r == 0 && i < 16; i++)
         if (pooled[i].ptr == 0) {
@@ -186,6 +195,38 @@ CUresult cuMemPoolCreate(void **pool, const void *props) {
     count(C_MEM_POOL_CREATE);
     *pool = (void *)__atomic_add_fetch(&next_pool, 1, __ATOMIC_SEQ_CST);
     return 0;
+}
+
+struct location {
+    unsigned int type;
+    int id;
+};
+
+/* The driver's own pool of a location: a number of its own per location and type. */
+CUresult cuMemGetDefaultMemPool(void **pool, const struct location *at, unsigned int type) {
+    *pool = (void *)(0x4000ULL + type * 0x100 + at->type * 0x10 + (unsigned)at->id);
+    return 0;
+}
+
+CUresult cuMemGetMemPool(void **pool, const struct location *at, unsigned int type) {
+    if (current_pool && at->type == 1 && at->id == 0 && type == 1) {
+        *pool = current_pool;
+        return 0;
+    }
+    return cuMemGetDefaultMemPool(pool, at, type);
+}
+
+CUresult cuDeviceSetMemPool(int device, void *pool) {
+    if (device != 0)
+        return 1;
+    current_pool = pool;
+    return 0;
+}
+
+CUresult cuMemSetMemPool(const struct location *at, unsigned int type, void *pool) {
+    if (at->type != 1 || type != 1)
+        return 1;
+    return cuDeviceSetMemPool(at->id, pool);
 }
 
 CUresult cuMemPoolDestroy(void *pool) {
@@ -321,6 +362,10 @@ static const struct entry TABLE[] = {
     {"cuMemPoolDestroy", 11020, 0, (void *)cuMemPoolDestroy},
     {"cuMemPoolTrimTo", 11020, 0, (void *)cuMemPoolTrimTo},
     {"cuMemPoolGetAttribute", 11020, 0, (void *)cuMemPoolGetAttribute},
+    {"cuDeviceSetMemPool", 11020, 0, (void *)cuDeviceSetMemPool},
+    {"cuMemGetDefaultMemPool", 13000, 0, (void *)cuMemGetDefaultMemPool},
+    {"cuMemGetMemPool", 13000, 0, (void *)cuMemGetMemPool},
+    {"cuMemSetMemPool", 13000, 0, (void *)cuMemSetMemPool},
     {"cuDeviceGetUuid", 11040, 0, (void *)cuDeviceGetUuid_v2},
     {"cuGetProcAddress", 11030, 0, (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2},
