@@ -106,8 +106,19 @@ class _Closes:
         return False
 
 
+# Counts the tenants this process ended or replaced through this package: a `Tenant` object
+# speaks for the process's tenant only while the count is the one it was made under.
+_ended_tenants = 0
+
+
+def _tenant_ends():
+    global _ended_tenants
+    _ended_tenants += 1
+
+
 class Tenant(_Closes):
-    """This process as a tenant. Made by `connect` (or `current`); one per process at a time."""
+    """This process as a tenant. Made by `connect` (or `current`); one per process at a time:
+    every object made for a tenant is closed with it."""
 
     # vram_alloc's device for the tenant's own GPU, whatever its CUDA ordinal in this process
     # (`stats()["gpu"]` is the daemon's number for it, which CUDA_VISIBLE_DEVICES may change).
@@ -115,13 +126,18 @@ class Tenant(_Closes):
 
     def __init__(self):
         self._ended = False
+        self._of = _ended_tenants
         # Connects now, as first use would, so that a refusal is this call's error.
         self.stats()
 
+    @property
+    def _closed(self):
+        return self._ended or self._of != _ended_tenants
+
     def _live(self):
-        # After close, libvram.so's first use would make a new tenant of this process, one no
-        # `close` of this object would end.
-        if self._ended:
+        # After close (this object's, or another's for the same tenant), libvram.so's first use
+        # would make a new tenant of this process, one no `close` of this object would end.
+        if self._closed:
             raise VramdError("vramd: this tenant was closed; vramd.connect() makes a new one")
 
     def stats(self):
@@ -161,18 +177,21 @@ class Tenant(_Closes):
     def trim(self):
         """Gives every idle byte back to the daemon now; returns the bytes."""
         self._live()
-        return _lib.lib().vram_trim()
+        n = _lib.lib().vram_trim()
+        _lib.check(n >= 0, "vram_trim")
+        return n
 
     def close(self):
         """Ends the tenant: everything goes back to the daemon. Refused (VramdError) while memory
         is still allocated or a shared buffer is open, naming what is left."""
-        if self._ended:
+        if self._closed:
             return
         _lib.check(_lib.lib().vram_disconnect() == 0, "vram_disconnect")
         self._ended = True
+        _tenant_ends()
 
     def __repr__(self):
-        if self._ended:
+        if self._closed:
             return "<vramd.Tenant (ended)>"
         s = self.stats()
         return f"<vramd.Tenant {s['tenant']!r} gpu {s['gpu']} limit {s['limit']}>"
@@ -195,6 +214,8 @@ def connect(name=None, guarantee=None, limit=None, priority=None, gpu=None, sock
         -1 if gpu is None else int(gpu),
     )
     _lib.check(ok == 0, "vram_connect")
+    # A `Tenant` made before (of a tenant ended outside this package) speaks for this one no more.
+    _tenant_ends()
     return Tenant()
 
 
@@ -224,6 +245,13 @@ class Pin:
             if self._released:
                 raise VramdError("vramd: this pin was released")
             self._buf._check_open()
+            backend = _lib.take_json(_lib.lib().vram_stats_json(), "vram_stats_json")["backend"]
+            if backend != "host":
+                raise VramdError(
+                    f"vramd: a view of shared buffer `{self._buf.name}` is host memory, and this "
+                    f"tenant's device is `{backend}`: `ptr` is device memory (copy it with the "
+                    "device's own calls)"
+                )
             mem = self._mem() if self._mem is not None else None
             if mem is None:
                 mem = (ctypes.c_char * self.size).from_address(self._pinned)
@@ -263,6 +291,8 @@ class SharedBuffer(_Closes):
 
     def __init__(self, handle, name):
         self._h, self.name = handle, name
+        # A buffer dropped without `close` still ends its handle (else the tenant could not end).
+        self._finalizer = weakref.finalize(self, _lib.lib().vram_shared_close, handle)
         self._draft = None
         self._lock = threading.RLock()
         self._pins = weakref.WeakSet()
@@ -373,5 +403,6 @@ class SharedBuffer(_Closes):
 
     def _close_now(self):
         if self._h:
+            self._finalizer.detach()
             _lib.lib().vram_shared_close(self._h)
             self._h = None

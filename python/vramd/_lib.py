@@ -93,7 +93,8 @@ def load(path=None):
             if path and os.path.realpath(path) != os.path.realpath(_path):
                 raise RuntimeError(f"vramd: {_path} is loaded already; a process uses one libvram.so")
             return _lib
-        p = path or find()
+        # Absolute: the path goes to Ray's workers (LD_PRELOAD, VRAMD_LIB), which run elsewhere.
+        p = os.path.abspath(path or find())
         if not os.path.isfile(p):
             raise RuntimeError(f"vramd: {p} is not a file")
         # Checked before its symbols are global: a library refused here interposes nothing.
@@ -131,7 +132,7 @@ def lib():
 
 def path():
     """The path of the library this process loads (or has loaded)."""
-    return _path if _path is not None else find()
+    return _path if _path is not None else os.path.abspath(find())
 
 
 def last_error():

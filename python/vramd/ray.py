@@ -31,7 +31,7 @@ import gc
 import os
 import sys
 
-from . import VramdError, connect, parse_size
+from . import VramdError, _tenant_ends, connect, parse_size
 from . import _lib
 
 __all__ = [
@@ -84,6 +84,13 @@ def options(memory, limit=None, priority=None, gpu=None, torch_mode="full", prel
     Any other Ray option passes through; a `runtime_env` of the caller's is merged with ours
     (its `env_vars` key by key)."""
     guarantee = parse_size(memory)
+    if guarantee == 0:
+        # Ray places by the guarantee, and only a task Ray gave vramd's resource becomes a tenant:
+        # with none, the limit would be asked of no one.
+        raise ValueError(
+            "vramd: memory=0 asks Ray for none of vramd's resource, so the task would not become a "
+            "tenant of its own; ask for the memory it needs (its guarantee), at least 1 MiB"
+        )
     cap = guarantee if limit is None else parse_size(limit)
     if cap < guarantee:
         raise ValueError(f"vramd: the limit ({limit}) is below the memory asked for ({memory})")
@@ -103,7 +110,7 @@ def options(memory, limit=None, priority=None, gpu=None, torch_mode="full", prel
         # Ray expands ${VAR} from the node's environment: whatever the node preloads stays.
         env["LD_PRELOAD"] = f"{path}:${{LD_PRELOAD}}"
         env[LIB_VAR] = path
-    resources = {RESOURCE: -(-guarantee // MIB)} if guarantee else {}
+    resources = {RESOURCE: -(-guarantee // MIB)}
     return _merge({"resources": resources, "runtime_env": {"env_vars": env}}, ray_options)
 
 
@@ -168,18 +175,8 @@ def end_tenant(tenant):
     find held by this tenant), then everything goes back to the daemon. VramdError, the tenant
     left as it is, while memory is still allocated: with libvram.so preloaded that includes what
     libraries took with cudaMalloc for the life of the process (cuBLAS's own buffers, docs/ray.md)."""
-    gc.collect()
-    torch = sys.modules.get("torch")
     try:
-        if torch is not None:
-            import vramd_torch
-
-            if vramd_torch.installed() and torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-                clear = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
-                if clear is not None:
-                    clear()
-                torch.cuda.empty_cache()
+        _let_go()
     finally:
         # Also after a CUDA error (a failed kernel makes synchronize raise): the tenant ends,
         # or says what it still holds.
@@ -217,13 +214,46 @@ def _become_asked(name):
 
 def _exit_if_leftover(name):
     if _leftover is not None:
-        print(
-            f"vramd: this worker still holds memory of tenant `{_leftover}` ({name} cannot start "
-            "under it); it exits so that nothing carries into the next task",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
+        _exit(f"it still holds memory of tenant `{_leftover}` ({name} cannot start under it)")
+
+
+def _exit(why):
+    print(
+        f"vramd: this worker exits so that nothing carries into the next task: {why}",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(1)
+
+
+def _let_go():
+    """What the program dropped is collected, and PyTorch's cuBLAS workspaces and idle cache
+    let go of where vramd's allocator is installed (see `end_tenant`)."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        import vramd_torch
+
+        if vramd_torch.installed() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+            clear = getattr(getattr(torch, "_C", None), "_cuda_clearCublasWorkspaces", None)
+            if clear is not None:
+                clear()
+            torch.cuda.empty_cache()
+
+
+def _end_other_tenant(name):
+    """Before `name` starts: a tenant this worker became outside any task's ask (libvram.so's
+    first use, in a task or thread that asked for nothing) is ended, or the worker exits."""
+    lib = _lib.lib()
+    try:
+        _let_go()
+    except BaseException as e:
+        print(f"{e}", file=sys.stderr)
+    if lib.vram_disconnect() != 0:
+        _exit(f"{_lib.last_error()} ({name} cannot start under it)")
+    # A `vramd.Tenant` of the ended tenant speaks for it no more.
+    _tenant_ends()
 
 
 @contextlib.contextmanager
@@ -234,6 +264,7 @@ def task_tenant(name):
     process exits the process rather than run anything under it."""
     global _leftover
     _exit_if_leftover(name)
+    _end_other_tenant(name)
     tenant = _become_asked(name)
     try:
         yield tenant
@@ -241,14 +272,14 @@ def task_tenant(name):
         try:
             end_tenant(tenant)
         except BaseException as e:
-            if not tenant._ended:
+            if not tenant._closed:
                 _leftover = name
             print(f"{e}", file=sys.stderr)
         raise
     try:
         end_tenant(tenant)
     except BaseException:
-        if not tenant._ended:
+        if not tenant._closed:
             _leftover = name
         raise
 
@@ -266,6 +297,7 @@ def _for_task(fn):
 
         def run(*args, **kwargs):
             if not _asked(ray):
+                _exit_if_leftover(name())
                 yield from fn(*args, **kwargs)
                 return
             with task_tenant(name()):
@@ -275,6 +307,7 @@ def _for_task(fn):
 
         def run(*args, **kwargs):
             if not _asked(ray):
+                _exit_if_leftover(name())
                 return fn(*args, **kwargs)
             with task_tenant(name()):
                 return fn(*args, **kwargs)
@@ -291,6 +324,7 @@ def _for_actor_creation(init):
         if _asked(ray):
             name = f"ray-actor-{ray.get_runtime_context().get_actor_id()}"
             _exit_if_leftover(name)
+            _end_other_tenant(name)
             _become_asked(name)
         return init(*args, **kwargs)
 

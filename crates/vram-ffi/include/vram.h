@@ -84,10 +84,12 @@ const char *vram_last_error(void);
  * or goes. A caller built for one version (the Python package checks) refuses another. */
 uint32_t vram_abi_version(void);
 
-/* The allocator's statistics as a JSON object; free it with vram_string_free. NULL on error. */
+/* The allocator's statistics as a JSON object ({"tenant", "gpu", "limit", "guarantee",
+ * "backend": "cuda" or "host", "stats"}); free it with vram_string_free. NULL on error. */
 char *vram_stats_json(void);
 
-/* Gives every idle byte back to the daemon now; returns the bytes given back, or -1. */
+/* Gives every idle byte back to the daemon now; returns the bytes given back (0 in a process that
+ * is no tenant, which this does not make one), or -1. */
 long long vram_trim(void);
 
 void vram_string_free(char *s);

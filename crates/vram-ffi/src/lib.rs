@@ -553,7 +553,7 @@ pub extern "C" fn vram_stats_json() -> *mut c_char {
         let w = client.welcome();
         let v = serde_json::json!({
             "tenant": w.name, "gpu": t.gpu, "limit": w.limit.get(), "guarantee": w.guarantee.get(),
-            "stats": t.alloc.stats(),
+            "backend": t.device.backend.name(), "stats": t.alloc.stats(),
         });
         let s = CString::new(v.to_string()).map_err(|e| e.to_string())?;
         Ok(s.into_raw())
@@ -563,7 +563,10 @@ pub extern "C" fn vram_stats_json() -> *mut c_char {
 /// See `include/vram.h`.
 #[no_mangle]
 pub extern "C" fn vram_trim() -> i64 {
-    guarded(-1, || Ok(tenant()?.alloc.trim().get() as i64))
+    // A process that is no tenant holds nothing to give back: it does not become one for this.
+    guarded(-1, || {
+        Ok(current().map_or(0, |t| t.alloc.trim().get() as i64))
+    })
 }
 
 /// See `include/vram.h`.

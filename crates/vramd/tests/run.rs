@@ -419,6 +419,47 @@ fn a_python_tenant_used_after_close_is_an_error_and_makes_no_tenant() {
     );
 }
 
+/// What the Python package leaves behind cannot hold a tenant or make one: a `Tenant` object of
+/// a tenant another object closed is closed too; a shared buffer dropped without `close` ends
+/// its handle, so that the tenant can end; `vram_trim` in a process that is no tenant makes
+/// none; a Ray task's tenant starts in a worker that became a tenant outside any task (the first
+/// use of a task that asked for nothing) by ending that one; an ask of no memory is an error, and
+/// the library's path handed to Ray's workers is absolute.
+#[test]
+fn the_python_package_leaves_no_tenant_behind_and_ends_any_it_finds() {
+    let d = Daemon::start(CONFIG);
+    let script = "import gc, os, vramd, vramd.ray as vr\n\
+        os.environ['VRAMD_LIB'] = os.path.relpath(os.environ['VRAMD_LIB'])\n\
+        print(os.path.isabs(vramd._lib.path()))\n\
+        print(vramd._lib.lib().vram_trim(), vramd.status()['tenants'])\n\
+        a = vramd.connect(name='first', limit='64MiB')\n\
+        b = vramd.current()\n\
+        def dropped():\n    vramd.SharedBuffer.create('dropped', 2 << 20)\n\
+        dropped()\n\
+        gc.collect()\n\
+        a.close()\n\
+        try:\n    b.alloc(1 << 20)\n    print('allocated')\n\
+        except vramd.VramdError as e:\n    print(e)\n\
+        print(vramd.status()['tenants'])\n\
+        vramd.current()\n\
+        with vr.task_tenant('task') as t:\n    print(t.name)\n\
+        print(vramd.status()['tenants'])\n\
+        try:\n    vr.options(memory=0, limit='1GiB')\n\
+        except ValueError as e:\n    print(str(e)[:40])\n";
+    assert_eq!(
+        python_lines(&d, script, &[]),
+        [
+            "True",
+            "0 []",
+            "vramd: this tenant was closed; vramd.connect() makes a new one",
+            "[]",
+            "task",
+            "[]",
+            "vramd: memory=0 asks Ray for none of vra",
+        ]
+    );
+}
+
 /// The Python package refuses a library that is not a libvram.so of its C ABI, with the reason,
 /// before calling anything of it; the right one then loads.
 #[test]
