@@ -128,8 +128,8 @@ impl Change {
         static WRITES: AtomicU64 = AtomicU64::new(0);
         let dir = self.path.parent().unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir)?;
-        // A name of its own per write: a write that outlives the call that started it (the
-        // kubelet gave up waiting) never shares its temporary file with the next call's.
+        // A name of its own per write (process and count): no two writes share a temporary
+        // file, whichever plugin process made them.
         let n = WRITES.fetch_add(1, Ordering::Relaxed);
         let tmp = self
             .path
@@ -143,7 +143,12 @@ impl Change {
             let _ = std::fs::remove_file(&tmp);
             return Err(e);
         }
-        std::fs::File::open(dir)?.sync_all()?;
+        // Renamed, the new checkpoint is the one on disk: a directory that cannot be flushed
+        // now is said, not taken for a change not made (the caller would undo what the file
+        // already records).
+        if let Err(e) = std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+            tracing::warn!(dir = %dir.display(), "the checkpoint is written but its directory cannot be flushed: {e}");
+        }
         Ok(Written(self))
     }
 }

@@ -77,50 +77,77 @@ impl DraPlugin for DraService {
         &self,
         r: Request<NodePrepareResourcesRequest>,
     ) -> Result<Response<NodePrepareResourcesResponse>, Status> {
-        let mut claims = std::collections::HashMap::new();
-        for c in r.into_inner().claims.into_iter().map(claim_ref) {
-            let answer = match self.plugin.prepare(&c).await {
-                Ok(devices) => NodePrepareResourceResponse {
-                    devices: devices
-                        .into_iter()
-                        .map(|d| Device {
-                            request_names: d.requests,
-                            pool_name: d.pool,
-                            device_name: d.device,
-                            cdi_device_ids: d.cdi_device_ids,
-                        })
-                        .collect(),
-                    error: String::new(),
-                },
-                Err(error) => {
-                    tracing::warn!(claim = %c, "prepare failed: {error}");
-                    NodePrepareResourceResponse {
-                        devices: Vec::new(),
-                        error,
-                    }
-                }
-            };
-            claims.insert(c.uid, answer);
-        }
-        Ok(Response::new(NodePrepareResourcesResponse { claims }))
+        let plugin = self.plugin.clone();
+        let asked = r.into_inner().claims;
+        to_the_end(async move {
+            let mut claims = std::collections::HashMap::new();
+            for c in asked.into_iter().map(claim_ref) {
+                claims.insert(c.uid.clone(), prepare(&plugin, &c).await);
+            }
+            NodePrepareResourcesResponse { claims }
+        })
+        .await
     }
 
     async fn node_unprepare_resources(
         &self,
         r: Request<NodeUnprepareResourcesRequest>,
     ) -> Result<Response<NodeUnprepareResourcesResponse>, Status> {
-        let mut claims = std::collections::HashMap::new();
-        for c in r.into_inner().claims.into_iter().map(claim_ref) {
-            let error = match self.plugin.unprepare(&c).await {
-                Ok(()) => String::new(),
-                Err(e) => {
-                    tracing::warn!(claim = %c, "unprepare failed: {e}");
-                    e
-                }
-            };
-            claims.insert(c.uid, NodeUnprepareResourceResponse { error });
+        let plugin = self.plugin.clone();
+        let asked = r.into_inner().claims;
+        to_the_end(async move {
+            let mut claims = std::collections::HashMap::new();
+            for c in asked.into_iter().map(claim_ref) {
+                let error = match plugin.unprepare(&c).await {
+                    Ok(()) => String::new(),
+                    Err(e) => {
+                        tracing::warn!(claim = %c, "unprepare failed: {e}");
+                        e
+                    }
+                };
+                claims.insert(c.uid, NodeUnprepareResourceResponse { error });
+            }
+            NodeUnprepareResourcesResponse { claims }
+        })
+        .await
+    }
+}
+
+/// Runs a call's work in a task of its own, to its end: the kubelet gives up waiting after its
+/// deadline, which drops the call's future, and a claim's work dropped midway would leave its
+/// checkpoint write running unlocked (a later call's write could then land before it and be
+/// lost) or a tenant withdrawn with its claim still checkpointed.
+async fn to_the_end<T: Send + 'static>(
+    work: impl std::future::Future<Output = T> + Send + 'static,
+) -> Result<Response<T>, Status> {
+    tokio::spawn(work)
+        .await
+        .map(Response::new)
+        .map_err(|e| Status::internal(format!("the plugin's work on the call failed: {e}")))
+}
+
+/// Prepares one claim: its devices, or the error in the claim's answer.
+async fn prepare(plugin: &Plugin, c: &ClaimRef) -> NodePrepareResourceResponse {
+    match plugin.prepare(c).await {
+        Ok(devices) => NodePrepareResourceResponse {
+            devices: devices
+                .into_iter()
+                .map(|d| Device {
+                    request_names: d.requests,
+                    pool_name: d.pool,
+                    device_name: d.device,
+                    cdi_device_ids: d.cdi_device_ids,
+                })
+                .collect(),
+            error: String::new(),
+        },
+        Err(error) => {
+            tracing::warn!(claim = %c, "prepare failed: {error}");
+            NodePrepareResourceResponse {
+                devices: Vec::new(),
+                error,
+            }
         }
-        Ok(Response::new(NodeUnprepareResourcesResponse { claims }))
     }
 }
 

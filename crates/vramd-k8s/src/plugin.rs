@@ -280,6 +280,14 @@ impl Plugin {
                 claim = %c, tenant = name,
                 "claim unprepared: it was not prepared on this node, nothing to take back"
             ),
+            // Never prepared, and the daemon does not answer: the pod need not wait for it. A
+            // declaration its failed prepare left in the daemon names no prepared claim, so
+            // `reconcile` withdraws it once the daemon answers.
+            Err(e) if !known => tracing::warn!(
+                claim = %c, tenant = name,
+                "claim unprepared: it was not prepared on this node; the daemon does not answer \
+                 ({e}), and a declaration it may hold for the claim is withdrawn when it does"
+            ),
             Err(e) => return Err(format!("claim {c}: {e}")),
         }
         let (layout, uid) = (self.layout.clone(), c.uid.clone());

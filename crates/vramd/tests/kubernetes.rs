@@ -601,8 +601,9 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
     let e = kubelet.prepare("missing", "u-missing").error;
     assert!(e.contains("cannot read claim team/missing"), "{e}");
 
-    // The daemon goes down: a prepare says so and leaves nothing; an unprepare says so and
-    // keeps the claim prepared (its spec, its checkpoint entry) for the kubelet's retry.
+    // The daemon goes down: a prepare says so and leaves nothing; an unprepare of a prepared
+    // claim says so and keeps it prepared (its spec, its checkpoint entry) for the kubelet's
+    // retry.
     node.api
         .put_claim(claim("kept", "u-kept", "gpu-0", "1Gi", json!({})));
     assert_eq!(kubelet.prepare("kept", "u-kept").error, "");
@@ -613,6 +614,8 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
     assert!(e.contains("cannot reach vramd"), "{e}");
     let e = kubelet.unprepare("kept", "u-kept");
     assert!(e.contains("cannot reach vramd"), "{e}");
+    // A claim never prepared here is unprepared without the daemon: its pod can go.
+    assert_eq!(kubelet.unprepare("late", "u-late"), "");
     let specs = node.cdi_specs();
     assert_eq!(specs.len(), 1, "{specs:?}");
     assert!(specs[0].to_string_lossy().contains("u-kept"), "{specs:?}");
