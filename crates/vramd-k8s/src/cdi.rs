@@ -88,14 +88,20 @@ pub fn claims_with_specs(layout: &Layout) -> std::io::Result<Vec<String>> {
     let mut uids = Vec::new();
     for entry in entries {
         let name = entry?.file_name();
+        // A write's temporary file left by a stop midway counts as the claim's too.
         let uid = name
             .to_str()
             .and_then(|n| n.strip_prefix(SPEC_PREFIX))
-            .and_then(|n| n.strip_suffix(".json"));
+            .and_then(|n| {
+                n.strip_suffix(".json")
+                    .or_else(|| n.strip_suffix(".json.tmp"))
+            });
         if let Some(uid) = uid.filter(|u| !u.is_empty()) {
             uids.push(uid.to_string());
         }
     }
+    uids.sort_unstable();
+    uids.dedup();
     Ok(uids)
 }
 
@@ -156,12 +162,17 @@ pub fn write(layout: &Layout, uid: &str, spec: &Spec) -> std::io::Result<()> {
     std::fs::rename(&tmp, &path)
 }
 
-/// Removes claim `uid`'s spec; one already gone is not an error.
+/// Removes claim `uid`'s spec, and a temporary file a write of it left; one already gone is not
+/// an error.
 pub fn remove(layout: &Layout, uid: &str) -> std::io::Result<()> {
-    match std::fs::remove_file(spec_path(layout, uid)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
+    let path = spec_path(layout, uid);
+    for p in [path.with_extension("json.tmp"), path] {
+        match std::fs::remove_file(p) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
     }
+    Ok(())
 }
 
 /// Reads claim `uid`'s spec back, if it is there.
@@ -233,7 +244,12 @@ mod tests {
         assert_eq!(device_id("u-1"), "vramd.io/claim=u-1");
         std::fs::write(layout.cdi_dir.join("other-vendor.json"), "{}").unwrap();
         assert_eq!(claims_with_specs(&layout).unwrap(), ["u-1"]);
+        // A write's temporary file left behind names its claim, and goes with its spec.
+        let tmp = spec_path(&layout, "u-1").with_extension("json.tmp");
+        std::fs::write(&tmp, "{").unwrap();
+        assert_eq!(claims_with_specs(&layout).unwrap(), ["u-1"]);
         remove(&layout, "u-1").unwrap();
+        assert!(!tmp.exists());
         remove(&layout, "u-1").unwrap();
         assert!(read(&layout, "u-1").is_none());
         assert!(claims_with_specs(&layout).unwrap().is_empty());

@@ -72,6 +72,23 @@ pub struct PreparedDevice {
     pub cdi_device_ids: Vec<String>,
 }
 
+/// A claim's uid as Kubernetes makes them (a UUID: letters, digits and `-`), which names its
+/// tenant and its CDI spec's file: anything else (empty, a path) is refused before either.
+fn uid_check(c: &ClaimRef) -> Result<(), String> {
+    let ok = !c.uid.is_empty()
+        && c.uid.len() <= 64
+        && c.uid
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "claim {c}: its uid is not one Kubernetes gives (1 to 64 letters, digits and -)"
+        ))
+    }
+}
+
 pub struct Plugin {
     pub id: Identity,
     pub layout: Layout,
@@ -110,11 +127,12 @@ impl Plugin {
     /// this returns the devices. A claim prepared before is answered as then (its declaration
     /// made again, should the daemon have restarted since).
     pub async fn prepare(&self, c: &ClaimRef) -> Result<Vec<PreparedDevice>, String> {
-        if c.uid.is_empty() || c.name.is_empty() || c.namespace.is_empty() {
+        if c.name.is_empty() || c.namespace.is_empty() {
             return Err(format!(
-                "the kubelet named claim {c} without a namespace, name or uid"
+                "the kubelet named claim {c} without a namespace or name"
             ));
         }
+        uid_check(c)?;
         let mut cp = self.checkpoint.lock().await;
         if let Some(p) = cp.get(&c.uid).cloned() {
             self.daemon.declare(&p.declaration).await.map_err(|e| {
@@ -262,6 +280,7 @@ impl Plugin {
     /// kubelet unprepares a pod's claims whether or not their prepare succeeded, and holds the
     /// pod in Terminating until the unprepare does.
     pub async fn unprepare(&self, c: &ClaimRef) -> Result<(), String> {
+        uid_check(c)?;
         let mut cp = self.checkpoint.lock().await;
         let name = match cp.get(&c.uid) {
             Some(p) => p.declaration.name.clone(),

@@ -598,6 +598,14 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
     assert_eq!(kubelet.unprepare("ghost", "u-ghost"), "");
     nothing_left("after unpreparing claims never prepared");
 
+    // A uid no Kubernetes object has (it would name a file elsewhere) is refused either way.
+    for uid in ["../../u-out", ""] {
+        let e = kubelet.unprepare("odd", uid);
+        assert!(e.contains("its uid is not one Kubernetes gives"), "{e}");
+        let e = kubelet.prepare("odd", uid).error;
+        assert!(e.contains("its uid is not one Kubernetes gives"), "{e}");
+    }
+
     let e = kubelet.prepare("missing", "u-missing").error;
     assert!(e.contains("cannot read claim team/missing"), "{e}");
 
