@@ -133,8 +133,9 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     let resync = {
         let plugin = plugin.clone();
         tokio::spawn(async move {
+            let mut publisher = slices::Publisher::default();
             loop {
-                resync(&plugin, &kube, &id, policy).await;
+                resync(&plugin, &mut publisher, &kube, &id, policy).await;
                 tokio::time::sleep(period).await;
             }
         })
@@ -169,7 +170,13 @@ async fn serve(args: Args) -> anyhow::Result<()> {
 
 /// One round of keeping things current: the slice from the daemon's devices, the daemon's
 /// declarations from the checkpoint. A daemon that does not answer leaves the slice as it is.
-async fn resync(plugin: &Plugin, kube: &kube::Client, id: &Identity, policy: RequestPolicy) {
+async fn resync(
+    plugin: &Plugin,
+    publisher: &mut slices::Publisher,
+    kube: &kube::Client,
+    id: &Identity,
+    policy: RequestPolicy,
+) {
     let status = match plugin.daemon.status().await {
         Ok(s) => s,
         Err(e) => {
@@ -177,7 +184,7 @@ async fn resync(plugin: &Plugin, kube: &kube::Client, id: &Identity, policy: Req
             return;
         }
     };
-    match slices::publish(kube, id, &status, policy).await {
+    match publisher.publish(kube, id, &status, policy).await {
         Ok(slices::Published::Unchanged) => {}
         Ok(p) => tracing::info!(devices = status.devices.len(), "ResourceSlice {p:?}"),
         Err(e) => tracing::warn!("cannot publish the ResourceSlice: {e}"),

@@ -131,43 +131,74 @@ pub enum Published {
     Unchanged,
 }
 
-/// Makes the API server's slices of this node and driver exactly the one for `status`: created
-/// if missing, replaced if its devices differ (with the pool's generation one higher), others of
-/// this node and driver deleted.
+/// Publishes the node's slice, round after round, remembering what it last wrote: an API server
+/// may keep less of a slice than it was sent (one without consumable capacity drops
+/// `allowMultipleAllocations` and the request policy), so a slice as read back can differ from
+/// the one wanted while being exactly what the last write made of it; that is no change.
+#[derive(Debug, Default)]
+pub struct Publisher {
+    /// The spec last written and the `resourceVersion` the write gave the slice.
+    written: Option<(ResourceSliceSpec, Option<String>)>,
+}
+
+impl Publisher {
+    /// Makes the API server's slices of this node and driver exactly the one for `status`:
+    /// created if missing, replaced if it differs from what is wanted (with the pool's generation
+    /// one higher), unless it is what this publisher last wrote, unchanged since; others of this
+    /// node and driver deleted.
+    pub async fn publish(
+        &mut self,
+        client: &kube::Client,
+        id: &Identity,
+        status: &StatusReport,
+        policy: RequestPolicy,
+    ) -> Result<Published, kube::Error> {
+        let api: Api<ResourceSlice> = Api::all(client.clone());
+        let fields = format!("spec.nodeName={},spec.driver={}", id.node, id.driver);
+        let existing = api.list(&ListParams::default().fields(&fields)).await?;
+        let name = slice_name(id);
+        let mut current = None;
+        for s in existing.items {
+            if s.metadata.name.as_deref() == Some(name.as_str()) {
+                current = Some(s);
+            } else if let Some(other) = s.metadata.name.as_deref() {
+                api.delete(other, &DeleteParams::default()).await?;
+            }
+        }
+        let (sent, made, published) = match current {
+            None => {
+                let want = desired(id, status, policy, 1);
+                let made = api.create(&PostParams::default(), &want).await?;
+                (want.spec, made, Published::Created)
+            }
+            Some(cur) => {
+                let generation = cur.spec.pool.generation;
+                let want = desired(id, status, policy, generation);
+                let as_written = self.written.as_ref().is_some_and(|(spec, version)| {
+                    *spec == want.spec && *version == cur.metadata.resource_version
+                });
+                if want.spec == cur.spec || as_written {
+                    return Ok(Published::Unchanged);
+                }
+                let mut next = desired(id, status, policy, generation + 1);
+                next.metadata.resource_version = cur.metadata.resource_version.clone();
+                let made = api.replace(&name, &PostParams::default(), &next).await?;
+                (next.spec, made, Published::Updated)
+            }
+        };
+        self.written = Some((sent, made.metadata.resource_version));
+        Ok(published)
+    }
+}
+
+/// [`Publisher::publish`] by a publisher that has written nothing yet.
 pub async fn publish(
     client: &kube::Client,
     id: &Identity,
     status: &StatusReport,
     policy: RequestPolicy,
 ) -> Result<Published, kube::Error> {
-    let api: Api<ResourceSlice> = Api::all(client.clone());
-    let fields = format!("spec.nodeName={},spec.driver={}", id.node, id.driver);
-    let existing = api.list(&ListParams::default().fields(&fields)).await?;
-    let name = slice_name(id);
-    let mut current = None;
-    for s in existing.items {
-        if s.metadata.name.as_deref() == Some(name.as_str()) {
-            current = Some(s);
-        } else if let Some(other) = s.metadata.name.as_deref() {
-            api.delete(other, &DeleteParams::default()).await?;
-        }
-    }
-    match current {
-        None => {
-            api.create(&PostParams::default(), &desired(id, status, policy, 1))
-                .await?;
-            Ok(Published::Created)
-        }
-        Some(cur) => {
-            let generation = cur.spec.pool.generation;
-            let want = desired(id, status, policy, generation);
-            if want.spec == cur.spec {
-                return Ok(Published::Unchanged);
-            }
-            let mut next = desired(id, status, policy, generation + 1);
-            next.metadata.resource_version = cur.metadata.resource_version.clone();
-            api.replace(&name, &PostParams::default(), &next).await?;
-            Ok(Published::Updated)
-        }
-    }
+    Publisher::default()
+        .publish(client, id, status, policy)
+        .await
 }

@@ -25,6 +25,9 @@ struct Store {
     slices: BTreeMap<String, Value>,
     claims: BTreeMap<(String, String), Value>,
     version: u64,
+    /// Whether written slices lose the consumable-capacity fields, as an API server without
+    /// that feature drops them.
+    no_consumable_capacity: bool,
     /// `METHOD PATH?QUERY` of every request, in order.
     requests: Vec<String>,
 }
@@ -134,6 +137,9 @@ async fn create_slice(State(s): State<Shared>, Json(mut body): Json<Value>) -> R
     st.version += 1;
     body["metadata"]["resourceVersion"] = json!(st.version.to_string());
     body["metadata"]["uid"] = json!(format!("slice-uid-{}", st.version));
+    if st.no_consumable_capacity {
+        drop_consumable_capacity(&mut body);
+    }
     st.slices.insert(name, body.clone());
     (StatusCode::CREATED, Json(body)).into_response()
 }
@@ -171,8 +177,28 @@ async fn replace_slice(
     st.version += 1;
     body["metadata"]["resourceVersion"] = json!(st.version.to_string());
     body["metadata"]["uid"] = current["metadata"]["uid"].clone();
+    if st.no_consumable_capacity {
+        drop_consumable_capacity(&mut body);
+    }
     st.slices.insert(name, body.clone());
     Json(body).into_response()
+}
+
+/// What an API server without consumable capacity keeps of a slice's devices.
+fn drop_consumable_capacity(slice: &mut Value) {
+    let Some(devices) = slice["spec"]["devices"].as_array_mut() else {
+        return;
+    };
+    for d in devices {
+        if let Some(d) = d.as_object_mut() {
+            d.remove("allowMultipleAllocations");
+        }
+        if let Some(capacities) = d["capacity"].as_object_mut() {
+            for c in capacities.values_mut().filter_map(Value::as_object_mut) {
+                c.remove("requestPolicy");
+            }
+        }
+    }
 }
 
 async fn delete_slice(State(s): State<Shared>, UrlPath(name): UrlPath<String>) -> Response {
@@ -247,6 +273,11 @@ impl StandIn {
             store,
             stop: Some(stop),
         }
+    }
+
+    /// From now on, slices written lose the consumable-capacity fields (see [`Store`]).
+    pub fn drop_consumable_capacity(&self) {
+        lock(&self.store).no_consumable_capacity = true;
     }
 
     pub fn url(&self) -> String {

@@ -6,7 +6,7 @@
 use vram_core::Bytes;
 use vram_proto::{BackendKind, DaemonInfo, DeviceStatus, StatusReport};
 use vramd_k8s::plugin::Identity;
-use vramd_k8s::slices::{publish, slice_name, Published, RequestPolicy};
+use vramd_k8s::slices::{publish, slice_name, Published, Publisher, RequestPolicy};
 use vramd_k8s::stand_in::StandIn;
 
 fn device(index: u32, capacity: Bytes) -> DeviceStatus {
@@ -133,6 +133,40 @@ fn the_node_slice_is_created_kept_and_replaced_as_the_daemon_changes() {
             .collect();
         names.sort();
         assert_eq!(names, vec![slice_name(&id), slice_name(&other)]);
+
+        // An API server that keeps less than it was sent (no consumable capacity): the slice is
+        // written once, and what the server made of it is then no change to write again.
+        api.drop_consumable_capacity();
+        let mut publisher = Publisher::default();
+        let three = status(vec![device(0, Bytes::gib(16)), device(1, Bytes::gib(12))]);
+        for expected in [
+            Published::Updated,
+            Published::Unchanged,
+            Published::Unchanged,
+        ] {
+            assert_eq!(
+                publisher
+                    .publish(&client, &id, &three, policy)
+                    .await
+                    .unwrap(),
+                expected
+            );
+        }
+        let s = api
+            .slices()
+            .into_iter()
+            .find(|s| s.metadata.name.as_deref() == Some(slice_name(&id).as_str()))
+            .unwrap();
+        assert_eq!(s.spec.pool.generation, 3);
+        assert_eq!(
+            s.spec.devices.as_ref().unwrap()[0].allow_multiple_allocations,
+            None
+        );
+        // A change of the devices is still written.
+        assert_eq!(
+            publisher.publish(&client, &id, &two, policy).await.unwrap(),
+            Published::Updated
+        );
     });
     let reqs = api.requests();
     assert!(
