@@ -198,7 +198,25 @@ def worker_compat(args):
     _check(r, "compile_reduce_overhead", compile_reduce_overhead)
     _check(r, "record_stream_two_streams", record_stream)
     _check(r, "backward_counted", backward_counted)
+    def oom_of_pytorchs_own():
+        # PyTorch's own limit (its memory fraction) refuses before vramd would: its error, in
+        # its words, not one blaming vramd.
+        # The fraction is of the device's whole memory (its properties), not the tenant's limit:
+        # 1 % of it, then 2 GiB, which the tenant's limit allows.
+        torch.cuda.set_per_process_memory_fraction(0.01)
+        try:
+            torch.empty(2 * GIB, dtype=torch.uint8, device=dev)
+        except torch.OutOfMemoryError as e:
+            msg = str(e)
+            assert "vramd" not in msg, f"PyTorch's own refusal blames vramd: {msg[:300]}"
+            return {"message": msg[:300]}
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        raise AssertionError("no OutOfMemoryError past PyTorch's memory fraction")
+
     _check(r, "oom_catchable", oom_is_catchable)
+    if vramd_torch.installed() == "pool":
+        _check(r, "oom_of_pytorchs_own", oom_of_pytorchs_own)
     print("RESULT " + json.dumps(r), flush=True)
 
 

@@ -31,6 +31,7 @@ _SIGNATURES = {
     "vram_last_error": (c_char_p, []),
     "vram_stats_json": (c_void_p, []),
     "vram_snapshot_json": (c_void_p, []),
+    "vram_interposer_stats_json": (c_void_p, []),
     "vram_status_json": (c_void_p, [c_char_p]),
     "vram_string_free": (None, [c_void_p]),
     "vram_trim": (ctypes.c_longlong, []),

@@ -11,6 +11,12 @@ def stats():
     return take_json(lib().vram_stats_json(), "vram_stats_json")
 
 
+def refusals():
+    """How many allocations vramd refused in this process, over every interposed entry point."""
+    hooks = take_json(lib().vram_interposer_stats_json(), "vram_interposer_stats_json")["hooks"]
+    return sum(h["refused"] for h in hooks.values())
+
+
 def snapshot():
     return take_json(lib().vram_snapshot_json(), "vram_snapshot_json")
 

@@ -27,6 +27,9 @@ class _State:
         self.lock = threading.Lock()
         # Graph captures under way: emptying the cache then would synchronise into the capture.
         self.capturing = 0
+        # vramd's refusals as the last out-of-memory error saw them: one with none since is
+        # PyTorch's own (its memory fraction) or the driver's, and says so in PyTorch's words.
+        self.refusals = _lib.refusals()
 
 
 def install():
@@ -68,7 +71,11 @@ def _attach_oom_observer(torch):
 
 
 def _on_oom(device, alloc, device_allocated, device_free):
-    raise _state.torch.OutOfMemoryError(_lib.refusal_message(alloc))
+    now = _lib.refusals()
+    before, _state.refusals = _state.refusals, now
+    if now > before:
+        raise _state.torch.OutOfMemoryError(_lib.refusal_message(alloc))
+    # No refusal of vramd's since the last one: PyTorch raises its own error, in its words.
 
 
 def _count_captures(torch):
