@@ -419,7 +419,7 @@ impl Slot {
             Some((id, p)) if same_process(&p) => {
                 st.pending.remove(&id);
                 if let Some(r) = resume {
-                    settle(st, id, r);
+                    settle(st, id, r, granularity);
                 }
                 id
             }
@@ -455,7 +455,7 @@ impl Slot {
                 st.claim_outside(id, process.pid, own);
                 st.processes.insert(id, process);
                 if let Some(r) = resume {
-                    settle(st, id, r);
+                    settle(st, id, r, granularity);
                 }
                 id
             }
@@ -1207,12 +1207,14 @@ impl Slot {
     }
 
     /// The books as the driver should see them: what the daemon created, and each tenant's pid
-    /// with what it holds.
+    /// with what it holds. Grants adopted after a restart count as created: their memory is on
+    /// the device, kept by the tenant's imports, as a grant of this daemon's is by its handle.
     pub fn books(&self) -> vram_core::books::Books {
         let s = self.lock();
+        let adopted: Bytes = s.adopted.values().map(|&(_, size)| size).sum();
         vram_core::books::Books {
             daemon_pid: std::process::id(),
-            created: self.device.used(),
+            created: self.device.used().saturating_add(adopted),
             tenants: s
                 .broker
                 .tenants()
@@ -1373,8 +1375,12 @@ impl Slot {
 /// Settles an adopted tenant's books against what it says it holds: grants it no longer holds
 /// (given back, or never received, as the daemon before stopped) are unbooked; grants it holds
 /// that the books lack (the state file's last moments) are booked by the rules of a grant, as
-/// they were then; charges likewise. What it claims beyond its rules is not booked, and said.
-fn settle(s: &mut State, id: TenantId, r: &Resume) {
+/// they were then; charges likewise. What it claims beyond its rules is not booked, and said;
+/// such a grant is still known as the tenant's, at no size, so that a return naming it is
+/// taken. A claim is of whole granules (`granularity`), as every grant is, and a tenant is known
+/// to hold at most as many grants as its limit has granules: claims past that are ignored, so
+/// that an account cannot grow the daemon's books beyond what a tenant could hold.
+fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
     let claimed: HashMap<GrantId, Bytes> = r.grants.iter().copied().collect();
     let known: Vec<(GrantId, Bytes)> = s
         .adopted
@@ -1388,19 +1394,43 @@ fn settle(s: &mut State, id: TenantId, r: &Resume) {
             s.broker.release(id, *size);
         }
     }
+    let limit = s.broker.tenant(id).map_or(Bytes::ZERO, |t| t.limit);
+    let most = usize::try_from(limit.get() / granularity.get().max(1)).unwrap_or(usize::MAX);
+    let mut known = s.adopted.values().filter(|(t, _)| *t == id).count();
+    let (mut ignored, mut unbooked, mut first_refusal) = (0usize, 0usize, None);
     for (g, size) in &r.grants {
         if s.adopted.contains_key(g) || s.grants.contains_key(g) || s.take_back_kept(id, *g) {
             continue;
         }
+        let whole = *size > Bytes::ZERO && size.get() % granularity.get().max(1) == 0;
+        if !whole || known >= most {
+            ignored += 1;
+            continue;
+        }
+        known += 1;
         match s.broker.grant(id, *size) {
             Ok(()) => {
                 s.adopted.insert(*g, (id, *size));
             }
-            Err(e) => tracing::warn!(
-                grant = g.0,
-                "a grant the tenant says it holds is not booked: {e}"
-            ),
+            Err(e) => {
+                unbooked += 1;
+                first_refusal.get_or_insert(e);
+                s.adopted.insert(*g, (id, Bytes::ZERO));
+            }
         }
+    }
+    if let Some(e) = first_refusal {
+        tracing::warn!(
+            grants = unbooked,
+            "grants the tenant says it holds are not booked (the first: {e})"
+        );
+    }
+    if ignored > 0 {
+        tracing::warn!(
+            grants = ignored,
+            "grants the tenant claims are ignored: not whole granules, or more than its limit \
+             could hold"
+        );
     }
     let charged = s.broker.tenant(id).map_or(Bytes::ZERO, |t| t.charged);
     if r.charged < charged {

@@ -283,3 +283,106 @@ fn a_tenant_with_shared_buffers_gets_no_program_joined() {
     let e = slot.join(&token, std::process::id(), uid(), 2).unwrap_err();
     assert!(e.message.contains("owns a shared buffer"), "{e:?}");
 }
+
+/// Grants adopted after a daemon restart are memory on the device that none of the daemon's own
+/// handles keeps (the tenant's imports do): the books count them as created, so a reading of the
+/// driver does not take them for outside use on top of the tenant's held memory.
+#[test]
+fn adopted_grants_count_as_created_in_the_driver_books() {
+    use super::state::{process_start_time, SavedTenant};
+    use vram_core::books::{reconcile, DriverReading};
+
+    let slot = slot(Bytes::gib(1));
+    let pid = std::process::id();
+    let saved = SavedTenant {
+        gpu: 0,
+        uuid: String::new(),
+        name: "back".into(),
+        class: "normal".into(),
+        guarantee: Bytes::ZERO,
+        limit: Bytes::mib(512),
+        pid,
+        uid: uid(),
+        start_time: process_start_time(pid).unwrap(),
+        grants: vec![(GrantId(7), Bytes::mib(64)), (GrantId(9), Bytes::mib(32))],
+        charged: Bytes::ZERO,
+        invitation: None,
+    };
+    slot.adopt(&saved).unwrap();
+    let books = slot.books();
+    assert_eq!(books.created, Bytes::mib(96));
+    let reading = DriverReading {
+        total: Bytes::gib(1),
+        reserved: Bytes::ZERO,
+        used: Bytes::mib(96),
+        allowance: Bytes::ZERO,
+        processes: Vec::new(),
+    };
+    let r = reconcile(&books, &reading);
+    assert_eq!((r.outside_use, r.unattributed), (Bytes::ZERO, Bytes::ZERO));
+}
+
+/// A grant a reconnecting tenant claims that its rules no longer allow is not booked, yet is known
+/// as the tenant's: a return that names it with others takes them all back, rather than refusing
+/// the request and leaving the others booked.
+#[test]
+fn a_claimed_grant_not_booked_does_not_hold_back_a_return() {
+    use super::state::{process_start_time, SavedTenant};
+
+    let slot = slot(Bytes::mib(64));
+    let pid = std::process::id();
+    let saved = SavedTenant {
+        gpu: 0,
+        uuid: String::new(),
+        name: "back".into(),
+        class: "normal".into(),
+        guarantee: Bytes::ZERO,
+        limit: Bytes::mib(64),
+        pid,
+        uid: uid(),
+        start_time: process_start_time(pid).unwrap(),
+        grants: vec![(GrantId(7), Bytes::mib(32))],
+        charged: Bytes::ZERO,
+        invitation: None,
+    };
+    slot.adopt(&saved).unwrap();
+    // The state file missed the second grant, which is more than the device has room for now.
+    let resume = Resume {
+        grants: vec![(GrantId(7), Bytes::mib(32)), (GrantId(8), Bytes::mib(128))],
+        charged: Bytes::ZERO,
+    };
+    let t = connect_resuming(&slot, "back", 1, Some(&resume));
+    assert_eq!(slot.budget(t).unwrap().held, Bytes::mib(32));
+    let (_, held) = slot.give_back(t, &[GrantId(8), GrantId(7)]).unwrap();
+    assert_eq!(held, Bytes::ZERO);
+    assert_eq!(slot.budget(t).unwrap().held, Bytes::ZERO);
+}
+
+/// A tenant's account claims only whole granules, and at most as many grants as its limit holds:
+/// claims of single bytes, or past that count, are ignored and cost the daemon's books nothing.
+#[test]
+fn an_account_books_whole_granules_and_no_more_grants_than_the_limit_holds() {
+    let slot = slot(Bytes::mib(64));
+    let bytes = Resume {
+        grants: (1..=1000).map(|i| (GrantId(i), Bytes(1))).collect(),
+        charged: Bytes::ZERO,
+    };
+    let t = connect_resuming(&slot, "bytes", 1, Some(&bytes));
+    assert_eq!(slot.budget(t).unwrap().held, Bytes::ZERO);
+    assert!(slot.give_back(t, &[GrantId(1)]).is_err(), "not known");
+    slot.disconnect(t).unwrap();
+
+    let many = Resume {
+        grants: (1..=100).map(|i| (GrantId(i), Bytes::mib(2))).collect(),
+        charged: Bytes::ZERO,
+    };
+    let t = connect_resuming(&slot, "many", 2, Some(&many));
+    assert_eq!(slot.budget(t).unwrap().held, Bytes::mib(64));
+    assert!(
+        slot.give_back(t, &[GrantId(33)]).is_err(),
+        "past the limit's count"
+    );
+    let first: Vec<GrantId> = (1..=32).map(GrantId).collect();
+    let (_, held) = slot.give_back(t, &first).unwrap();
+    assert_eq!(held, Bytes::ZERO);
+}
