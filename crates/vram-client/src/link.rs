@@ -189,7 +189,10 @@ impl Link {
 
     /// Sends `request` without waiting for its reply, after `before` notes what it changes. On
     /// a lost connection the request is dropped: what it would have told the daemon travels
-    /// with the reconnect (the note is made before the reconnect's account of the books).
+    /// with the reconnect (the note is made before the reconnect's account of the books), which
+    /// the watcher (or the next call that waits for an answer) makes. The sender does not wait
+    /// for it: a return made under the allocator's lock must not hold every allocation back for
+    /// as long as the daemon stays away.
     pub(crate) fn send_only(
         self: &Arc<Self>,
         request: &Request,
@@ -201,7 +204,7 @@ impl Link {
         let sent = t.send_only(request);
         drop(books);
         match sent {
-            Err(e) if t.is_dead() && !self.closed.load(Ordering::Acquire) => self.reconnect(&t, &e),
+            Err(_) if t.is_dead() && !self.closed.load(Ordering::Acquire) => Ok(()),
             r => r,
         }
     }

@@ -103,6 +103,47 @@ fn a_return_made_while_the_client_reconnects_reaches_the_new_daemon() {
     assert_eq!(back.join().unwrap().unwrap(), Bytes::ZERO);
 }
 
+/// A return sent without waiting while the daemon is away costs its sender no wait for the
+/// reconnect (the allocator sends it under its lock), and the return travels with the account the
+/// reconnect gives once the daemon is back.
+#[test]
+fn a_return_sent_while_the_daemon_is_away_does_not_wait_for_it() {
+    let (dir, listener, client, old) = connected();
+    client.set_reconnect_for(Duration::from_secs(20));
+    let c = client.clone();
+    let grant = std::thread::spawn(move || c.grant_fd(Bytes::mib(2)).unwrap());
+    let ask: Received<Request> = old.recv().unwrap();
+    let memory = std::fs::File::create(dir.path().join("memory")).unwrap();
+    let granted = Reply::Granted {
+        grant: GrantId(7),
+        size: Bytes::mib(2),
+    };
+    old.send(ask.id, &granted, &[memory.as_fd()]).unwrap();
+    let (id, _, fd) = grant.join().unwrap();
+    drop(fd);
+
+    // The daemon goes away, its socket with it.
+    drop(old);
+    drop(listener);
+    std::fs::remove_file(dir.path().join("vramd.sock")).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    let started = std::time::Instant::now();
+    client.give_back_unanswered(vec![id]).unwrap();
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(2), "the return waited {took:?}");
+
+    // Back: the reconnect's account no longer names the grant.
+    let listener = UnixListener::bind(dir.path().join("vramd.sock")).unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    let new = Conn::new(stream);
+    let hello: Received<Request> = new.recv().unwrap();
+    let Request::Hello(h) = &hello.msg else {
+        panic!("{:?}", hello.msg)
+    };
+    assert_eq!(h.resume.as_ref().map(|r| r.grants.len()), Some(0));
+    new.send(hello.id, &welcome(), &[]).unwrap();
+}
+
 #[test]
 fn a_reply_the_client_cannot_read_closes_the_connection_for_the_daemon_too() {
     let (_dir, listener, client, old) = connected();
