@@ -463,3 +463,40 @@ fn each_threads_per_thread_stream_is_a_stream_of_its_own() {
     );
     assert_eq!(cuda_handle(stream_of(0, true)), Some(CU_STREAM_PER_THREAD));
 }
+
+/// A block freed (or allocated) from another thread-local's destructor at thread exit, after this
+/// thread's cache is gone, goes to the core: no panic, nothing left allocated.
+#[test]
+fn a_free_from_a_thread_local_destructor_goes_to_the_core() {
+    struct FreesAtExit(Option<(Arc<CachingAllocator<LocalSource>>, u64)>);
+    impl Drop for FreesAtExit {
+        fn drop(&mut self) {
+            if let Some((a, p)) = self.0.take() {
+                a.free(p, StreamId(0)).expect("freed at thread exit");
+                let q = a
+                    .alloc(Bytes(4096), StreamId(0))
+                    .expect("allocated at thread exit");
+                a.free(q, StreamId(0)).expect("freed at thread exit");
+            }
+        }
+    }
+    thread_local! {
+        static GUARD: std::cell::RefCell<FreesAtExit> =
+            const { std::cell::RefCell::new(FreesAtExit(None)) };
+    }
+    let (_dev, a) = host_allocator(Bytes::gib(1));
+    let a = Arc::new(a);
+    let b = a.clone();
+    std::thread::spawn(move || {
+        // The guard's destructor is registered first, so it runs after the thread's cache's.
+        GUARD.with(|_| {});
+        let p = b.alloc(Bytes(4096), StreamId(0)).unwrap();
+        let warm = b.alloc(Bytes(4096), StreamId(0)).unwrap();
+        b.free(warm, StreamId(0)).unwrap();
+        GUARD.with(|g| g.borrow_mut().0 = Some((b.clone(), p)));
+    })
+    .join()
+    .expect("no panic at thread exit");
+    a.trim();
+    assert_eq!(a.stats().in_use, Bytes::ZERO);
+}

@@ -52,8 +52,10 @@ fn class(len: u64) -> usize {
 }
 
 impl ThreadCaches {
-    fn with_mine<R>(&self, id: u64, f: impl FnOnce(&mut Cache) -> R) -> R {
-        MINE.with(|mine| {
+    /// `f` on this thread's cache; `None` once the thread's locals are being destroyed (a free
+    /// from another thread-local's destructor at thread exit), when the caller goes to the core.
+    fn with_mine<R>(&self, id: u64, f: impl FnOnce(&mut Cache) -> R) -> Option<R> {
+        MINE.try_with(|mine| {
             if let Some((_, shared)) = mine.borrow().iter().find(|(i, _)| *i == id) {
                 return f(&mut shared.lock());
             }
@@ -66,6 +68,7 @@ impl ThreadCaches {
             let mut cache = shared.lock();
             f(&mut cache)
         })
+        .ok()
     }
 
     /// A cached block of exactly `len` last used on `stream`.
@@ -78,6 +81,7 @@ impl ThreadCaches {
             c.hits += 1;
             Some(offset)
         })
+        .flatten()
     }
 
     /// Keeps a freed block; `false` if this thread's cache is full.
@@ -97,6 +101,7 @@ impl ThreadCaches {
             c.bytes += len;
             true
         })
+        .unwrap_or(false)
     }
 
     /// Empties every thread's cache.

@@ -60,7 +60,7 @@ impl<B: Backing> Allocator<B> {
     /// `grow_slack` above the peak allocated. Past it, growth reuses wholly free handles first.
     pub(super) fn growth_cap(&self, len: u64) -> u64 {
         let peak = self.peak_in_use(len);
-        peak + (peak as f64 * self.config.grow_slack) as u64
+        peak.saturating_add((peak as f64 * self.config.grow_slack) as u64)
     }
 
     /// The peak of memory in use, counting `len` more bytes allocated.

@@ -48,7 +48,7 @@ impl<B: Backing> Allocator<B> {
             .window
             .observe(now_us, self.release.allocated_since_tick, delay);
         self.release.allocated_since_tick = self.stats.allocated.get();
-        let keep = recent + (recent as f64 * self.config.keep_fraction) as u64;
+        let keep = recent.saturating_add((recent as f64 * self.config.keep_fraction) as u64);
         let held = self.stats.held.get();
         if held <= keep || now_us < self.release.next_scan {
             return 0;
