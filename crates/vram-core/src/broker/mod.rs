@@ -575,15 +575,18 @@ impl Broker {
     /// configuration), with the rule each breaks.
     pub fn breaking_rules(&self) -> Vec<(TenantId, AdmissionError)> {
         self.tenants
-            .iter()
-            .filter_map(|(id, t)| {
-                let declared = self.policy.tenants.get(&t.name);
-                let class = self.policy.classes.get(&t.class)?;
-                self.check_rules(&t.name, t.uid, &t.gids, declared, &t.class, class)
-                    .err()
-                    .map(|e| (*id, e))
-            })
+            .keys()
+            .filter_map(|&id| self.rule_broken(id).map(|e| (id, e)))
             .collect()
+    }
+
+    /// The rule in force that tenant `id`, as it is, breaks (its owners, its class's users).
+    pub fn rule_broken(&self, id: TenantId) -> Option<AdmissionError> {
+        let t = self.tenants.get(&id)?;
+        let declared = self.policy.tenants.get(&t.name);
+        let class = self.policy.classes.get(&t.class)?;
+        self.check_rules(&t.name, t.uid, &t.gids, declared, &t.class, class)
+            .err()
     }
 
     /// Accounts `bytes` more to `id`, or says why not (and counts the refusal).

@@ -123,9 +123,14 @@ impl Daemon {
                 peer.disconnect();
             }
             drop(peers);
+            let what = if conns.is_empty() {
+                // Adopted after a restart and not back yet: its reconnect is refused.
+                "will be refused when its process reconnects"
+            } else {
+                "disconnected"
+            };
             done.push(format!(
-                "gpu {gpu}: tenant `{name}` disconnected, the policy in force does not admit \
-                 it: {rule}"
+                "gpu {gpu}: tenant `{name}` {what}, the policy in force does not admit it: {rule}"
             ));
         }
         done

@@ -417,6 +417,12 @@ impl Slot {
         };
         let id = match adopted {
             Some((id, p)) if same_process(&p) => {
+                // The configuration may have changed since the adoption (a reload, a declared
+                // tenant): the process comes back only as the rules in force admit it. Refused,
+                // it stays adopted, its memory booked, until it ends.
+                if let Some(e) = st.broker.rule_broken(id) {
+                    return Err(admission(e.reason(), e.to_string()));
+                }
                 st.pending.remove(&id);
                 if let Some(r) = resume {
                     settle(st, id, r, granularity);

@@ -386,3 +386,65 @@ fn an_account_books_whole_granules_and_no_more_grants_than_the_limit_holds() {
     let (_, held) = slot.give_back(t, &first).unwrap();
     assert_eq!(held, Bytes::ZERO);
 }
+
+/// A tenant adopted after a restart comes back only as the rules in force admit it: once the
+/// configuration declares its name for other owners, its process's reconnect is refused with
+/// that rule, and its memory stays booked to it.
+#[test]
+fn an_adopted_tenant_reconnects_only_as_the_rules_in_force_admit_it() {
+    use super::state::{process_start_time, SavedTenant};
+    use vram_core::broker::DeclaredTenant;
+
+    let slot = slot(Bytes::mib(64));
+    let pid = std::process::id();
+    let saved = SavedTenant {
+        gpu: 0,
+        uuid: String::new(),
+        name: "x".into(),
+        class: "normal".into(),
+        guarantee: Bytes::ZERO,
+        limit: Bytes::mib(64),
+        pid,
+        uid: uid(),
+        start_time: process_start_time(pid).unwrap(),
+        grants: vec![(GrantId(7), Bytes::mib(8))],
+        charged: Bytes::ZERO,
+        invitation: None,
+    };
+    slot.adopt(&saved).unwrap();
+    slot.with_shared(|broker, _| {
+        let mut policy = broker.policy().clone();
+        let owner = DeclaredTenant {
+            class: "normal".into(),
+            guarantee: Bytes::ZERO,
+            limit: None,
+            owners: vec![uid().wrapping_add(1)],
+            groups: Vec::new(),
+        };
+        policy.tenants.insert("x".into(), owner);
+        broker.replace_policy(policy).unwrap();
+    });
+    let req = TenantRequest {
+        name: "x".into(),
+        class: None,
+        guarantee: None,
+        limit: None,
+        pid,
+        uid: uid(),
+        gids: Vec::new(),
+    };
+    let resume = Resume {
+        grants: vec![(GrantId(7), Bytes::mib(8))],
+        charged: Bytes::ZERO,
+    };
+    let e = slot.connect(req, 1, Some(&resume)).unwrap_err();
+    assert_eq!(e.reason.as_deref(), Some("not_owner"), "{e:?}");
+    let held: Bytes = slot
+        .status()
+        .1
+        .iter()
+        .filter(|t| t.name == "x")
+        .map(|t| t.held)
+        .sum();
+    assert_eq!(held, Bytes::mib(8));
+}
