@@ -63,23 +63,31 @@ struct Kept {
 }
 
 impl State {
-    /// Books the grants' `handles`, which tenant `id` gave back and still reaches, as kept by it.
-    fn keep(&mut self, id: TenantId, handles: Vec<Granted>) -> Bytes {
+    /// The name and uid of tenant `id`, under which handles it gives back and still reaches are
+    /// kept: taken with the grants, while the tenant is surely in the books, since another
+    /// connection of the tenant may disconnect it before the handles are found reached.
+    fn keeper(&self, id: TenantId) -> Option<(String, u32)> {
+        self.broker.tenant(id).map(|t| (t.name.clone(), t.uid))
+    }
+
+    /// Books the grants' `handles`, which the tenant `who` (its [`State::keeper`]) gave back and
+    /// still reaches, as kept by it, whether it is still connected or not.
+    fn keep(&mut self, who: &Option<(String, u32)>, handles: Vec<Granted>) -> Bytes {
         if handles.is_empty() {
             return Bytes::ZERO;
         }
-        let Some((name, uid)) = self.broker.tenant(id).map(|t| (t.name.clone(), t.uid)) else {
-            // Callers keep a tenant's handles before the broker forgets it; a handle dropped here
+        let Some((name, uid)) = who else {
+            // The grants were taken from a tenant the books did not have: a handle dropped here
             // lives on in the process that reaches it, booked to nobody.
             let bytes: Bytes = handles.iter().map(|(_, h)| h.size()).sum();
             tracing::error!(
-                tenant = id.0, %bytes,
+                %bytes,
                 "handles still reached by another process belong to no tenant: not booked"
             );
             return Bytes::ZERO;
         };
         let handles = handles.into_iter().map(|(g, h)| (Some(g), h)).collect();
-        self.keep_for(&name, uid, handles)
+        self.keep_for(name, *uid, handles)
     }
 
     /// Whether grant `g`, which tenant `id` says it holds, is one of its kept handles (dropped
@@ -612,7 +620,10 @@ impl Slot {
     /// The joined process of `tenant` ended: everything it held goes back, as at a crash, and the
     /// tenant is the registering process's again. Returns what it held and the handles released.
     pub fn member_gone(&self, tenant: TenantId) -> (Bytes, usize) {
-        let handles = take_grants(&mut self.lock(), tenant);
+        let (handles, who) = {
+            let mut s = self.lock();
+            (take_grants(&mut s, tenant), s.keeper(tenant))
+        };
         let n = handles.len();
         let (handles, reached) = self.split_reached(handles, EXIT_PATIENCE);
         // The memory first, the books after (see `give_back`).
@@ -620,7 +631,7 @@ impl Slot {
         drop(self.pool.forget(tenant.0));
         let mut s = self.lock();
         let st = &mut *s;
-        st.keep(tenant, reached);
+        st.keep(&who, reached);
         let held = st.broker.tenant(tenant).map_or(Bytes::ZERO, Tenant::total);
         // Its shared buffers with every version, its pins and its lease: all the program's.
         let shared = st.shared.disconnect(&mut st.broker, tenant);
@@ -1038,6 +1049,7 @@ impl Slot {
         if adopted > Bytes::ZERO {
             s.broker.release(tenant, adopted);
         }
+        let who = s.keeper(tenant);
         drop(s);
         let (handles, reached) = self.split_reached(handles, std::time::Duration::ZERO);
         let mut s = self.lock();
@@ -1048,7 +1060,7 @@ impl Slot {
             bytes -= kept_bytes;
             let name = s.broker.tenant(tenant).map(|t| t.name.clone());
             let n = reached.len();
-            s.keep(tenant, reached);
+            s.keep(&who, reached);
             if let Some(more) = s.kept_warnings.due() {
                 tracing::warn!(
                     tenant = name.as_deref().unwrap_or(""), gpu = self.index, handles = n,
@@ -1109,8 +1121,9 @@ impl Slot {
             s.processes.remove(&tenant);
             s.members.remove(&tenant);
             s.invitations.retain(|_, (t, _)| *t != tenant);
-            take_grants(&mut s, tenant)
+            (take_grants(&mut s, tenant), s.keeper(tenant))
         };
+        let (handles, who) = handles;
         let n = handles.len();
         let (handles, reached) = self.split_reached(handles, EXIT_PATIENCE);
         // The memory first, the books after (see `give_back`).
@@ -1118,7 +1131,7 @@ impl Slot {
         let mut s = self.lock();
         let st = &mut *s;
         // Counted under its name and uid once the broker lets the tenant go.
-        st.keep(tenant, reached);
+        st.keep(&who, reached);
         let shared = st.shared.disconnect(&mut st.broker, tenant);
         let state = st.broker.disconnect(tenant);
         // Under the lock with the broker's disconnect, so that a return racing this one either

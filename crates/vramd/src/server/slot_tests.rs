@@ -148,6 +148,9 @@ fn a_kept_grant_claimed_on_reconnect_is_booked_once() {
 struct OnExport {
     inner: HostDevice,
     hook: std::sync::Mutex<Option<ExportHook>>,
+    /// Run (once, when armed) where the daemon asks whether a handle is reached elsewhere, which
+    /// it then is.
+    reached: std::sync::Mutex<Option<ExportHook>>,
 }
 
 type ExportHook = Box<dyn FnOnce() + Send>;
@@ -176,6 +179,11 @@ impl Device for OnExport {
         self.inner.export(handle)
     }
     fn reached_elsewhere(&self, handle: &vram_device::Handle) -> Option<bool> {
+        let hook = self.reached.lock().unwrap().take();
+        if let Some(f) = hook {
+            f();
+            return Some(true);
+        }
         self.inner.reached_elsewhere(handle)
     }
     fn import(
@@ -225,6 +233,7 @@ fn a_return_overtaken_by_its_tenants_disconnect_keeps_nothing_for_it() {
     let dev = Arc::new(OnExport {
         inner: HostDevice::new(capacity, Bytes::mib(2)).unwrap(),
         hook: std::sync::Mutex::new(None),
+        reached: std::sync::Mutex::new(None),
     });
     let pool = Pool::new(
         dev.clone(),
@@ -447,4 +456,50 @@ fn an_adopted_tenant_reconnects_only_as_the_rules_in_force_admit_it() {
         .map(|t| t.held)
         .sum();
     assert_eq!(held, Bytes::mib(8));
+}
+
+/// A return whose handle another process still reaches, overtaken by its tenant's disconnect
+/// (another connection of the same tenant) while the daemon looks: the handle is booked as kept
+/// under the tenant's name and uid all the same, never dropped from the books while it lives.
+#[test]
+fn a_reached_return_overtaken_by_its_tenants_disconnect_stays_booked() {
+    let capacity = Bytes::mib(64);
+    let dev = Arc::new(OnExport {
+        inner: HostDevice::new(capacity, Bytes::mib(2)).unwrap(),
+        hook: std::sync::Mutex::new(None),
+        reached: std::sync::Mutex::new(None),
+    });
+    let pool = Pool::new(
+        dev.clone(),
+        PoolConfig {
+            max: Bytes::ZERO,
+            sizes: vec![Bytes::mib(2)],
+            initial: 0,
+        },
+    );
+    let slot = Arc::new(Slot::new(0, dev.clone(), Policy::with_capacity(capacity), pool).unwrap());
+    let never = OnAsk(Cell::new(None));
+    let t = connect(&slot, "job", 1);
+    let grants: Vec<GrantId> = slot
+        .grant_many(t, 1, &[Bytes::mib(8)], Duration::from_secs(1), &never)
+        .unwrap()
+        .into_iter()
+        .map(|(g, _, _)| g)
+        .collect();
+    let other = slot.clone();
+    *dev.reached.lock().unwrap() = Some(Box::new(move || {
+        other.disconnect(t).unwrap();
+    }));
+    slot.give_back(t, &grants).unwrap();
+    assert!(dev.reached.lock().unwrap().is_none(), "the disconnect ran");
+    assert_eq!(dev.used(), Bytes::mib(8), "the reached handle lives");
+    let kept: Bytes = slot
+        .status()
+        .0
+        .kept_offline
+        .iter()
+        .filter(|k| k.tenant == "job")
+        .map(|k| k.bytes)
+        .sum();
+    assert_eq!(kept, Bytes::mib(8));
 }
