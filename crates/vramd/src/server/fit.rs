@@ -1,7 +1,9 @@
 //! The status report cut to fit one frame ([`vram_proto::MAX_PAYLOAD`]) when it would not: first
-//! shared buffers' access lists (shortened step by step), then whole buffers, then tenants
-//! (those holding least go first), each cut counted in the report itself so that a reader knows
-//! what it does not see. Metrics' `/status` is served over HTTP whole.
+//! shared buffers' access lists (shortened step by step), then whole buffers, then the devices'
+//! lists of outside processes and of memory kept offline (to their largest entries; the totals
+//! stay), then tenants (those holding least go first), each cut of buffers and tenants counted in
+//! the report itself so that a reader knows what it does not see. Metrics' `/status` is served
+//! over HTTP whole.
 
 use vram_proto::{payload_len, Reply, StatusReport, MAX_PAYLOAD};
 
@@ -62,6 +64,18 @@ pub fn fit(id: u64, report: StatusReport) -> (StatusReport, Option<Cut>) {
             return (report, Some(cut));
         }
     }
+    // The devices' lists of what no connected tenant holds, before any tenant: their totals
+    // (`outside_use`, `kept`) stay whole, and the largest entries stay listed.
+    for d in &mut report.devices {
+        d.outside_processes.truncate(DEVICE_LIST);
+        d.kept_offline.sort_by_key(|k| std::cmp::Reverse(k.bytes));
+        d.kept_offline.truncate(DEVICE_LIST);
+    }
+    let (ok, r) = fits(id, report);
+    report = r;
+    if ok {
+        return (report, Some(cut));
+    }
     // Largest holders first, so that those left out matter least.
     report.tenants.sort_by_key(|t| std::cmp::Reverse(t.held));
     while !report.tenants.is_empty() {
@@ -77,10 +91,16 @@ pub fn fit(id: u64, report: StatusReport) -> (StatusReport, Option<Cut>) {
         }
     }
     for d in &mut report.devices {
-        d.outside_processes.truncate(16);
+        d.outside_processes.clear();
+        d.kept_offline.clear();
+        d.at_risk.clear();
     }
     (report, Some(cut))
 }
+
+/// Entries of a device's lists of outside processes and of memory kept offline that a cut
+/// report keeps (the largest).
+const DEVICE_LIST: usize = 16;
 
 #[cfg(test)]
 mod tests {
@@ -159,6 +179,60 @@ mod tests {
         }
         assert_eq!(cut.buffers, 0);
         assert!(cut.acl_entries > 0);
+    }
+
+    /// A device's status and a tenant's, from a slot on the host backend.
+    fn device_and_tenant() -> (vram_proto::DeviceStatus, vram_proto::TenantStatus) {
+        use std::sync::Arc;
+        use vram_core::broker::{Policy, TenantRequest};
+        use vram_device::{Device, HostDevice};
+
+        let capacity = Bytes::gib(1);
+        let dev: Arc<dyn Device> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
+        let pool = crate::server::pool::Pool::new(
+            dev.clone(),
+            crate::config::PoolConfig {
+                max: Bytes::ZERO,
+                sizes: vec![Bytes::mib(2)],
+                initial: 0,
+            },
+        );
+        let slot =
+            crate::server::slot::Slot::new(0, dev, Policy::with_capacity(capacity), pool).unwrap();
+        let req = TenantRequest {
+            name: "trainer".into(),
+            class: None,
+            guarantee: None,
+            limit: None,
+            pid: std::process::id(),
+            uid: 0,
+            gids: Vec::new(),
+        };
+        slot.connect(req, 1, None).unwrap();
+        let (device, mut tenants) = slot.status();
+        (device, tenants.remove(0))
+    }
+
+    #[test]
+    fn a_devices_long_lists_are_cut_before_any_tenant() {
+        let (mut device, tenant) = device_and_tenant();
+        device.kept_offline = (0..5_000u64)
+            .map(|i| vram_proto::KeptOffline {
+                tenant: format!("{i:064}"),
+                uid: 1,
+                bytes: Bytes(i),
+            })
+            .collect();
+        let mut r = report(Vec::new());
+        r.devices = vec![device];
+        r.tenants = vec![tenant];
+        let (out, cut) = fit(1, r);
+        assert!(cut.is_some());
+        assert!(payload_len(1, &Reply::Status(Box::new(out.clone()))).unwrap() <= MAX_PAYLOAD);
+        assert_eq!((out.tenants.len(), out.daemon.tenants_left_out), (1, 0));
+        let kept = &out.devices[0].kept_offline;
+        assert_eq!(kept.len(), DEVICE_LIST);
+        assert_eq!(kept[0].bytes, Bytes(4_999), "the largest stay");
     }
 
     #[test]
