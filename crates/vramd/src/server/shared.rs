@@ -332,6 +332,7 @@ fn answer(
         }
         request => Op {
             daemon,
+            peer,
             slot,
             tenant,
         }
@@ -364,9 +365,15 @@ impl FdOf {
 
 struct Op<'a> {
     daemon: &'a Arc<Daemon>,
+    /// The asking connection: a read of a whole version stops once it is closed.
+    peer: &'a Peer,
     slot: usize,
     tenant: TenantId,
 }
+
+/// A whole version is read for its checksum in pieces of this size, so that the read stops soon
+/// after its connection closes instead of reading on for nobody.
+const READ_PIECE: u64 = 64 << 20;
 
 type Answer = Result<(SharedReply, Option<FdOf>), ErrorReply>;
 
@@ -563,11 +570,11 @@ impl Op<'_> {
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
-        let checksum = checksum_memory(device.as_ref(), memory.handle(), u64::MAX, |_| true)
-            .map_err(|e| {
-                device_error(format!("cannot read version {version} to checksum it: {e}"))
-            })?
-            .expect("not cancelled");
+        let checksum = checksum_memory(device.as_ref(), memory.handle(), READ_PIECE, |_| {
+            !self.peer.is_closed()
+        })
+        .map_err(|e| device_error(format!("cannot read version {version} to checksum it: {e}")))?
+        .ok_or_else(|| gone(version))?;
         if let Some(given) = given.filter(|g| *g != checksum) {
             return Err(ErrorReply {
                 code: ErrorCode::BadRequest,
@@ -598,9 +605,11 @@ impl Op<'_> {
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
-        let actual = checksum_memory(device.as_ref(), memory.handle(), u64::MAX, |_| true)
-            .map_err(|e| device_error(format!("cannot read version {version}: {e}")))?
-            .expect("not cancelled");
+        let actual = checksum_memory(device.as_ref(), memory.handle(), READ_PIECE, |_| {
+            !self.peer.is_closed()
+        })
+        .map_err(|e| device_error(format!("cannot read version {version}: {e}")))?
+        .ok_or_else(|| gone(version))?;
         if actual != expected {
             report_mismatch(
                 self.daemon,
@@ -747,6 +756,15 @@ pub(super) fn report_mismatch(
         "shared buffer corrupted: a published version no longer matches its checksum (its \
          owner and readers are told)"
     );
+}
+
+/// The answer to a read of `version` stopped because its connection closed (sent to nobody).
+fn gone(version: Version) -> ErrorReply {
+    ErrorReply {
+        code: ErrorCode::Refused,
+        reason: None,
+        message: format!("the read of version {version} stopped: its connection closed"),
+    }
 }
 
 fn device_error(message: String) -> ErrorReply {
