@@ -55,21 +55,28 @@ fn connected() -> (tempfile::TempDir, UnixListener, Arc<Client>, Conn) {
     )
 }
 
-#[test]
-fn a_return_made_while_the_client_reconnects_reaches_the_new_daemon() {
-    let (dir, listener, client, old) = connected();
-
+/// Grant 7 of 2 MiB, asked by `client` and given by the daemon's end `daemon` (a file in `dir`
+/// for its memory); the client's handle of it already dropped.
+fn grant_seven(client: &Arc<Client>, daemon: &Conn, dir: &std::path::Path) -> GrantId {
     let c = client.clone();
     let grant = std::thread::spawn(move || c.grant_fd(Bytes::mib(2)).unwrap());
-    let ask: Received<Request> = old.recv().unwrap();
-    let memory = std::fs::File::create(dir.path().join("memory")).unwrap();
+    let ask: Received<Request> = daemon.recv().unwrap();
+    let memory = std::fs::File::create(dir.join("memory")).unwrap();
     let granted = Reply::Granted {
         grant: GrantId(7),
         size: Bytes::mib(2),
     };
-    old.send(ask.id, &granted, &[memory.as_fd()]).unwrap();
+    daemon.send(ask.id, &granted, &[memory.as_fd()]).unwrap();
     let (id, _, fd) = grant.join().unwrap();
     drop(fd);
+    id
+}
+
+#[test]
+fn a_return_made_while_the_client_reconnects_reaches_the_new_daemon() {
+    let (dir, listener, client, old) = connected();
+
+    let id = grant_seven(&client, &old, dir.path());
 
     // The daemon restarts; the client registers again, saying it holds grant 7.
     drop(old);
@@ -110,17 +117,7 @@ fn a_return_made_while_the_client_reconnects_reaches_the_new_daemon() {
 fn a_return_sent_while_the_daemon_is_away_does_not_wait_for_it() {
     let (dir, listener, client, old) = connected();
     client.set_reconnect_for(Duration::from_secs(20));
-    let c = client.clone();
-    let grant = std::thread::spawn(move || c.grant_fd(Bytes::mib(2)).unwrap());
-    let ask: Received<Request> = old.recv().unwrap();
-    let memory = std::fs::File::create(dir.path().join("memory")).unwrap();
-    let granted = Reply::Granted {
-        grant: GrantId(7),
-        size: Bytes::mib(2),
-    };
-    old.send(ask.id, &granted, &[memory.as_fd()]).unwrap();
-    let (id, _, fd) = grant.join().unwrap();
-    drop(fd);
+    let id = grant_seven(&client, &old, dir.path());
 
     // The daemon goes away, its socket with it.
     drop(old);

@@ -31,12 +31,32 @@ fn uid() -> u32 {
     rustix::process::getuid().as_raw()
 }
 
+/// A tenant of this process as a daemon before saved it: `name`, its `limit`, its `grants`.
+fn saved(name: &str, limit: Bytes, grants: Vec<(GrantId, Bytes)>) -> super::state::SavedTenant {
+    let pid = std::process::id();
+    super::state::SavedTenant {
+        gpu: 0,
+        uuid: String::new(),
+        name: name.into(),
+        class: "normal".into(),
+        guarantee: Bytes::ZERO,
+        limit,
+        pid,
+        uid: uid(),
+        start_time: super::state::process_start_time(pid).unwrap(),
+        grants,
+        charged: Bytes::ZERO,
+        invitation: None,
+    }
+}
+
 fn connect(slot: &Slot, name: &str, conn: u64) -> TenantId {
     connect_resuming(slot, name, conn, None)
 }
 
-fn connect_resuming(slot: &Slot, name: &str, conn: u64, resume: Option<&Resume>) -> TenantId {
-    let req = TenantRequest {
+/// This process asking to be tenant `name`, with no class, guarantee or limit of its own.
+fn request(name: &str) -> TenantRequest {
+    TenantRequest {
         name: name.into(),
         class: None,
         guarantee: None,
@@ -44,8 +64,11 @@ fn connect_resuming(slot: &Slot, name: &str, conn: u64, resume: Option<&Resume>)
         pid: std::process::id(),
         uid: uid(),
         gids: Vec::new(),
-    };
-    slot.connect(req, conn, resume).unwrap().0
+    }
+}
+
+fn connect_resuming(slot: &Slot, name: &str, conn: u64, resume: Option<&Resume>) -> TenantId {
+    slot.connect(request(name), conn, resume).unwrap().0
 }
 
 /// Runs `on_ask` the first time a reclaim is asked for, as another connection's request would
@@ -224,42 +247,49 @@ impl Device for OnExport {
     }
 }
 
-/// A tenant's return that its own disconnect (another connection of the same tenant) overtakes
-/// keeps nothing in the pool for it: the memory is released, not left waiting for a tenant that
-/// is gone.
-#[test]
-fn a_return_overtaken_by_its_tenants_disconnect_keeps_nothing_for_it() {
+/// A slot of 64 MiB on a hooked host device, its pool keeping up to `pool_max` for recycling.
+fn hooked_slot(pool_max: Bytes) -> (Arc<OnExport>, Arc<Pool>, Arc<Slot>) {
     let capacity = Bytes::mib(64);
     let dev = Arc::new(OnExport {
         inner: HostDevice::new(capacity, Bytes::mib(2)).unwrap(),
         hook: std::sync::Mutex::new(None),
         reached: std::sync::Mutex::new(None),
     });
-    let pool = Pool::new(
+    let config = PoolConfig {
+        max: pool_max,
+        sizes: vec![Bytes::mib(2)],
+        initial: 0,
+    };
+    let pool = Pool::new(dev.clone(), config);
+    let slot = Slot::new(
+        0,
         dev.clone(),
-        PoolConfig {
-            max: Bytes::mib(32),
-            sizes: vec![Bytes::mib(2)],
-            initial: 0,
-        },
+        Policy::with_capacity(capacity),
+        pool.clone(),
     );
-    let slot = Arc::new(
-        Slot::new(
-            0,
-            dev.clone(),
-            Policy::with_capacity(capacity),
-            pool.clone(),
-        )
-        .unwrap(),
-    );
+    (dev, pool, Arc::new(slot.unwrap()))
+}
+
+/// The tenant `job` of connection 1, with a grant of 8 MiB.
+fn job_with_a_grant(slot: &Slot) -> (TenantId, Vec<GrantId>) {
     let never = OnAsk(Cell::new(None));
-    let t = connect(&slot, "job", 1);
-    let grants: Vec<GrantId> = slot
+    let t = connect(slot, "job", 1);
+    let grants = slot
         .grant_many(t, 1, &[Bytes::mib(8)], Duration::from_secs(1), &never)
         .unwrap()
         .into_iter()
         .map(|(g, _, _)| g)
         .collect();
+    (t, grants)
+}
+
+/// A tenant's return that its own disconnect (another connection of the same tenant) overtakes
+/// keeps nothing in the pool for it: the memory is released, not left waiting for a tenant that
+/// is gone.
+#[test]
+fn a_return_overtaken_by_its_tenants_disconnect_keeps_nothing_for_it() {
+    let (dev, pool, slot) = hooked_slot(Bytes::mib(32));
+    let (t, grants) = job_with_a_grant(&slot);
     let other = slot.clone();
     *dev.hook.lock().unwrap() = Some(Box::new(move || {
         other.disconnect(t).unwrap();
@@ -298,25 +328,14 @@ fn a_tenant_with_shared_buffers_gets_no_program_joined() {
 /// driver does not take them for outside use on top of the tenant's held memory.
 #[test]
 fn adopted_grants_count_as_created_in_the_driver_books() {
-    use super::state::{process_start_time, SavedTenant};
     use vram_core::books::{reconcile, DriverReading};
 
     let slot = slot(Bytes::gib(1));
-    let pid = std::process::id();
-    let saved = SavedTenant {
-        gpu: 0,
-        uuid: String::new(),
-        name: "back".into(),
-        class: "normal".into(),
-        guarantee: Bytes::ZERO,
-        limit: Bytes::mib(512),
-        pid,
-        uid: uid(),
-        start_time: process_start_time(pid).unwrap(),
-        grants: vec![(GrantId(7), Bytes::mib(64)), (GrantId(9), Bytes::mib(32))],
-        charged: Bytes::ZERO,
-        invitation: None,
-    };
+    let saved = saved(
+        "back",
+        Bytes::mib(512),
+        vec![(GrantId(7), Bytes::mib(64)), (GrantId(9), Bytes::mib(32))],
+    );
     slot.adopt(&saved).unwrap();
     let books = slot.books();
     assert_eq!(books.created, Bytes::mib(96));
@@ -336,24 +355,8 @@ fn adopted_grants_count_as_created_in_the_driver_books() {
 /// the request and leaving the others booked.
 #[test]
 fn a_claimed_grant_not_booked_does_not_hold_back_a_return() {
-    use super::state::{process_start_time, SavedTenant};
-
     let slot = slot(Bytes::mib(64));
-    let pid = std::process::id();
-    let saved = SavedTenant {
-        gpu: 0,
-        uuid: String::new(),
-        name: "back".into(),
-        class: "normal".into(),
-        guarantee: Bytes::ZERO,
-        limit: Bytes::mib(64),
-        pid,
-        uid: uid(),
-        start_time: process_start_time(pid).unwrap(),
-        grants: vec![(GrantId(7), Bytes::mib(32))],
-        charged: Bytes::ZERO,
-        invitation: None,
-    };
+    let saved = saved("back", Bytes::mib(64), vec![(GrantId(7), Bytes::mib(32))]);
     slot.adopt(&saved).unwrap();
     // The state file missed the second grant, which is more than the device has room for now.
     let resume = Resume {
@@ -401,25 +404,10 @@ fn an_account_books_whole_granules_and_no_more_grants_than_the_limit_holds() {
 /// that rule, and its memory stays booked to it.
 #[test]
 fn an_adopted_tenant_reconnects_only_as_the_rules_in_force_admit_it() {
-    use super::state::{process_start_time, SavedTenant};
     use vram_core::broker::DeclaredTenant;
 
     let slot = slot(Bytes::mib(64));
-    let pid = std::process::id();
-    let saved = SavedTenant {
-        gpu: 0,
-        uuid: String::new(),
-        name: "x".into(),
-        class: "normal".into(),
-        guarantee: Bytes::ZERO,
-        limit: Bytes::mib(64),
-        pid,
-        uid: uid(),
-        start_time: process_start_time(pid).unwrap(),
-        grants: vec![(GrantId(7), Bytes::mib(8))],
-        charged: Bytes::ZERO,
-        invitation: None,
-    };
+    let saved = saved("x", Bytes::mib(64), vec![(GrantId(7), Bytes::mib(8))]);
     slot.adopt(&saved).unwrap();
     slot.with_shared(|broker, _| {
         let mut policy = broker.policy().clone();
@@ -433,15 +421,7 @@ fn an_adopted_tenant_reconnects_only_as_the_rules_in_force_admit_it() {
         policy.tenants.insert("x".into(), owner);
         broker.replace_policy(policy).unwrap();
     });
-    let req = TenantRequest {
-        name: "x".into(),
-        class: None,
-        guarantee: None,
-        limit: None,
-        pid,
-        uid: uid(),
-        gids: Vec::new(),
-    };
+    let req = request("x");
     let resume = Resume {
         grants: vec![(GrantId(7), Bytes::mib(8))],
         charged: Bytes::ZERO,
@@ -463,29 +443,8 @@ fn an_adopted_tenant_reconnects_only_as_the_rules_in_force_admit_it() {
 /// under the tenant's name and uid all the same, never dropped from the books while it lives.
 #[test]
 fn a_reached_return_overtaken_by_its_tenants_disconnect_stays_booked() {
-    let capacity = Bytes::mib(64);
-    let dev = Arc::new(OnExport {
-        inner: HostDevice::new(capacity, Bytes::mib(2)).unwrap(),
-        hook: std::sync::Mutex::new(None),
-        reached: std::sync::Mutex::new(None),
-    });
-    let pool = Pool::new(
-        dev.clone(),
-        PoolConfig {
-            max: Bytes::ZERO,
-            sizes: vec![Bytes::mib(2)],
-            initial: 0,
-        },
-    );
-    let slot = Arc::new(Slot::new(0, dev.clone(), Policy::with_capacity(capacity), pool).unwrap());
-    let never = OnAsk(Cell::new(None));
-    let t = connect(&slot, "job", 1);
-    let grants: Vec<GrantId> = slot
-        .grant_many(t, 1, &[Bytes::mib(8)], Duration::from_secs(1), &never)
-        .unwrap()
-        .into_iter()
-        .map(|(g, _, _)| g)
-        .collect();
+    let (dev, _pool, slot) = hooked_slot(Bytes::ZERO);
+    let (t, grants) = job_with_a_grant(&slot);
     let other = slot.clone();
     *dev.reached.lock().unwrap() = Some(Box::new(move || {
         other.disconnect(t).unwrap();
