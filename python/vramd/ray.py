@@ -246,12 +246,15 @@ def _end_other_tenant(name):
     """Before `name` starts: a tenant this worker became outside any task's ask (libvram.so's
     first use, in a task or thread that asked for nothing) is ended, or the worker exits."""
     lib = _lib.lib()
-    try:
-        _let_go()
-    except BaseException as e:
-        print(f"{e}", file=sys.stderr)
+    # No tenant (the usual case) ends at once; one still holding memory first lets go of what
+    # the program dropped and PyTorch's cache.
     if lib.vram_disconnect() != 0:
-        _exit(f"{_lib.last_error()} ({name} cannot start under it)")
+        try:
+            _let_go()
+        except BaseException as e:
+            print(f"{e}", file=sys.stderr)
+        if lib.vram_disconnect() != 0:
+            _exit(f"{_lib.last_error()} ({name} cannot start under it)")
     # A `vramd.Tenant` of the ended tenant speaks for it no more.
     _tenant_ends()
 
