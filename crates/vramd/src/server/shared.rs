@@ -371,9 +371,21 @@ struct Op<'a> {
     tenant: TenantId,
 }
 
-/// A whole version is read for its checksum in pieces of this size, so that the read stops soon
-/// after its connection closes instead of reading on for nobody.
-const READ_PIECE: u64 = 64 << 20;
+/// A whole version is read for its checksum on the host backend in pieces of this size, so that
+/// the read stops soon after its connection closes instead of reading on for nobody (at a few
+/// GiB/s a large version takes seconds). On a GPU the kernel reads a whole version in about a
+/// millisecond, and each piece would cost a synchronisation: it is read in one.
+const HOST_READ_PIECE: u64 = 64 << 20;
+
+impl Op<'_> {
+    /// The piece a version is read in for its checksum (see [`HOST_READ_PIECE`]).
+    fn read_piece(&self) -> u64 {
+        match self.daemon.slots[self.slot].device().info().kind {
+            vram_device::BackendKind::Host => HOST_READ_PIECE,
+            vram_device::BackendKind::Cuda => u64::MAX,
+        }
+    }
+}
 
 type Answer = Result<(SharedReply, Option<FdOf>), ErrorReply>;
 
@@ -570,7 +582,7 @@ impl Op<'_> {
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
-        let checksum = checksum_memory(device.as_ref(), memory.handle(), READ_PIECE, |_| {
+        let checksum = checksum_memory(device.as_ref(), memory.handle(), self.read_piece(), |_| {
             !self.peer.is_closed()
         })
         .map_err(|e| device_error(format!("cannot read version {version} to checksum it: {e}")))?
@@ -605,7 +617,7 @@ impl Op<'_> {
         let device = self.daemon.slots[self.slot]
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
-        let actual = checksum_memory(device.as_ref(), memory.handle(), READ_PIECE, |_| {
+        let actual = checksum_memory(device.as_ref(), memory.handle(), self.read_piece(), |_| {
             !self.peer.is_closed()
         })
         .map_err(|e| device_error(format!("cannot read version {version}: {e}")))?
