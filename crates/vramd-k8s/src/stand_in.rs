@@ -275,7 +275,8 @@ impl StandIn {
         }
     }
 
-    /// From now on, slices written lose the consumable-capacity fields (see [`Store`]).
+    /// From now on, slices written lose the consumable-capacity fields (`allowMultipleAllocations`
+    /// and the request policy), as an API server without consumable capacity drops them.
     pub fn drop_consumable_capacity(&self) {
         lock(&self.store).no_consumable_capacity = true;
     }
