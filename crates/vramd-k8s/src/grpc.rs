@@ -151,8 +151,8 @@ async fn prepare(plugin: &Plugin, c: &ClaimRef) -> NodePrepareResourceResponse {
     }
 }
 
-/// A unix socket at `path`, replacing what a plugin before left there.
-pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
+/// A unix socket at `path`, replacing what a plugin before left there, and its file.
+pub fn bind(path: &Path) -> anyhow::Result<(UnixListener, Bound)> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
@@ -162,7 +162,39 @@ pub fn bind(path: &Path) -> anyhow::Result<UnixListener> {
         }
         _ => {}
     }
-    UnixListener::bind(path).map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", path.display()))
+    let listener = UnixListener::bind(path)
+        .map_err(|e| anyhow::anyhow!("cannot bind {}: {e}", path.display()))?;
+    let inode = identity(path)
+        .ok_or_else(|| anyhow::anyhow!("cannot read back the socket {}", path.display()))?;
+    let bound = Bound {
+        path: path.to_path_buf(),
+        inode,
+    };
+    Ok((listener, bound))
+}
+
+/// The file of a socket this plugin bound (its path, device and inode).
+#[derive(Debug)]
+pub struct Bound {
+    path: std::path::PathBuf,
+    inode: (u64, u64),
+}
+
+impl Bound {
+    /// Removes the socket's file if it is still the one bound here: a plugin started after this
+    /// one (an update that starts the new pod first) has replaced it with its own, which stays.
+    pub fn remove(&self) {
+        if identity(&self.path) == Some(self.inode) {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn identity(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path)
+        .ok()
+        .map(|m| (m.dev(), m.ino()))
 }
 
 /// Serves registration on `registry` and DRA on `dra` until `stop` resolves.
@@ -191,4 +223,23 @@ pub async fn serve(
     a?;
     b?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A socket's file is removed at stop only while it is the one bound here: a plugin started
+    /// since has its own file at the path, which stays.
+    #[tokio::test]
+    async fn a_socket_replaced_by_another_plugin_is_not_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("dra.sock");
+        let (_first, first) = bind(&path).unwrap();
+        let (_second, second) = bind(&path).unwrap();
+        first.remove();
+        assert!(path.exists(), "the later plugin's socket stays");
+        second.remove();
+        assert!(!path.exists());
+    }
 }

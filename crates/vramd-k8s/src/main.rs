@@ -119,8 +119,8 @@ async fn serve(args: Args) -> anyhow::Result<()> {
 
     let dra_path = plugin_dir.join("dra.sock");
     let reg_path = args.registrar_dir.join(format!("{}-reg.sock", args.driver));
-    let dra_socket = grpc::bind(&dra_path)?;
-    let registry = grpc::bind(&reg_path)?;
+    let (dra_socket, dra_file) = grpc::bind(&dra_path)?;
+    let (registry, reg_file) = grpc::bind(&reg_path)?;
     let registration = RegistrationService {
         driver: args.driver.clone(),
         endpoint: dra_path.display().to_string(),
@@ -162,8 +162,9 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     .await;
     resync.abort();
     // Gone from the registry, the kubelet stops calling; the DRA socket goes with it.
-    let _ = std::fs::remove_file(&reg_path);
-    let _ = std::fs::remove_file(&dra_path);
+    // Only the files bound here: a plugin started since may have its own at the same paths.
+    reg_file.remove();
+    dra_file.remove();
     tracing::info!("stopped");
     served
 }
