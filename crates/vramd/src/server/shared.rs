@@ -774,7 +774,7 @@ pub(super) fn report_mismatch(
 fn gone(version: Version) -> ErrorReply {
     ErrorReply {
         code: ErrorCode::Refused,
-        reason: None,
+        reason: Some("connection_closed".into()),
         message: format!("the read of version {version} stopped: its connection closed"),
     }
 }
