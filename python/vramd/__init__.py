@@ -245,15 +245,15 @@ class Pin:
             if self._released:
                 raise VramdError("vramd: this pin was released")
             self._buf._check_open()
-            backend = _lib.take_json(_lib.lib().vram_stats_json(), "vram_stats_json")["backend"]
-            if backend != "host":
-                raise VramdError(
-                    f"vramd: a view of shared buffer `{self._buf.name}` is host memory, and this "
-                    f"tenant's device is `{backend}`: `ptr` is device memory (copy it with the "
-                    "device's own calls)"
-                )
             mem = self._mem() if self._mem is not None else None
             if mem is None:
+                backend = _lib.take_json(_lib.lib().vram_stats_json(), "vram_stats_json")["backend"]
+                if backend != "host":
+                    raise VramdError(
+                        f"vramd: a view of shared buffer `{self._buf.name}` is host memory, and "
+                        f"this tenant's device is `{backend}`: `ptr` is device memory (copy it "
+                        "with the device's own calls)"
+                    )
                 mem = (ctypes.c_char * self.size).from_address(self._pinned)
                 self._mem = weakref.ref(mem)
                 self._buf._viewed += 1

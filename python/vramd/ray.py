@@ -300,7 +300,8 @@ def _for_task(fn):
 
         def run(*args, **kwargs):
             if not _asked(ray):
-                _exit_if_leftover(name())
+                if _leftover is not None:
+                    _exit_if_leftover(name())
                 yield from fn(*args, **kwargs)
                 return
             with task_tenant(name()):
@@ -310,7 +311,8 @@ def _for_task(fn):
 
         def run(*args, **kwargs):
             if not _asked(ray):
-                _exit_if_leftover(name())
+                if _leftover is not None:
+                    _exit_if_leftover(name())
                 return fn(*args, **kwargs)
             with task_tenant(name()):
                 return fn(*args, **kwargs)

@@ -190,15 +190,3 @@ impl Publisher {
         Ok(published)
     }
 }
-
-/// [`Publisher::publish`] by a publisher that has written nothing yet.
-pub async fn publish(
-    client: &kube::Client,
-    id: &Identity,
-    status: &StatusReport,
-    policy: RequestPolicy,
-) -> Result<Published, kube::Error> {
-    Publisher::default()
-        .publish(client, id, status, policy)
-        .await
-}

@@ -6,7 +6,7 @@
 use vram_core::Bytes;
 use vram_proto::{BackendKind, DaemonInfo, DeviceStatus, StatusReport};
 use vramd_k8s::plugin::Identity;
-use vramd_k8s::slices::{publish, slice_name, Published, Publisher, RequestPolicy};
+use vramd_k8s::slices::{slice_name, Published, Publisher, RequestPolicy};
 use vramd_k8s::stand_in::StandIn;
 
 fn device(index: u32, capacity: Bytes) -> DeviceStatus {
@@ -72,12 +72,13 @@ fn the_node_slice_is_created_kept_and_replaced_as_the_daemon_changes() {
             step: Bytes::mib(64),
         };
         let one = status(vec![device(0, Bytes::gib(16))]);
+        let mut node_a = Publisher::default();
         assert_eq!(
-            publish(&client, &id, &one, policy).await.unwrap(),
+            node_a.publish(&client, &id, &one, policy).await.unwrap(),
             Published::Created
         );
         assert_eq!(
-            publish(&client, &id, &one, policy).await.unwrap(),
+            node_a.publish(&client, &id, &one, policy).await.unwrap(),
             Published::Unchanged
         );
         let s = &api.slices()[0];
@@ -98,7 +99,7 @@ fn the_node_slice_is_created_kept_and_replaced_as_the_daemon_changes() {
         // A second GPU: the slice is replaced, the pool's generation goes up.
         let two = status(vec![device(0, Bytes::gib(16)), device(1, Bytes::gib(8))]);
         assert_eq!(
-            publish(&client, &id, &two, policy).await.unwrap(),
+            node_a.publish(&client, &id, &two, policy).await.unwrap(),
             Published::Updated
         );
         let s = &api.slices()[0];
@@ -110,7 +111,10 @@ fn the_node_slice_is_created_kept_and_replaced_as_the_daemon_changes() {
             driver: "vramd.io".into(),
             node: "node-b".into(),
         };
-        publish(&client, &other, &one, policy).await.unwrap();
+        Publisher::default()
+            .publish(&client, &other, &one, policy)
+            .await
+            .unwrap();
         let mut stale = api
             .slices()
             .into_iter()
@@ -123,7 +127,7 @@ fn the_node_slice_is_created_kept_and_replaced_as_the_daemon_changes() {
             .await
             .unwrap();
         assert_eq!(
-            publish(&client, &id, &two, policy).await.unwrap(),
+            node_a.publish(&client, &id, &two, policy).await.unwrap(),
             Published::Unchanged
         );
         let mut names: Vec<String> = api
