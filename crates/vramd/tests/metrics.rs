@@ -457,3 +457,17 @@ fn status_over_http_is_for_the_daemons_own_users_by_default() {
     assert_eq!(code, 200);
     d.stop();
 }
+
+/// A client that sends half a request and waits holds neither the endpoint nor the daemon's
+/// stop: other clients are served beside it, and SIGTERM still ends the daemon within its 10 s.
+#[test]
+fn a_half_sent_request_holds_neither_scrapes_nor_the_stop() {
+    let d = Daemon::start(CONFIG);
+    let addr = metrics_addr(&d);
+    let mut half = TcpStream::connect(addr).unwrap();
+    write!(half, "GET /metrics HTTP/1.1\r\n").unwrap();
+    let (code, body) = get(addr, "/healthz");
+    assert_eq!((code, body.as_str()), (200, "ok\n"));
+    d.stop();
+    drop(half);
+}

@@ -1,10 +1,13 @@
 //! The metrics endpoint: `/metrics`, `/healthz` and `/status` over HTTP, served by axum on a
 //! thread of its own with a single-threaded tokio runtime, so the daemon's socket server stays
-//! plain threads and a slow scraper never touches a tenant's connection.
+//! plain threads and a slow scraper never touches a tenant's connection. Its connections are
+//! bounded in number and idle time (`conn.rs`), and stopping it waits for open ones at most
+//! [`STOP_GRACE`].
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::{ConnectInfo, State};
@@ -18,8 +21,12 @@ use tokio::sync::oneshot;
 use vram_proto::StatusReport;
 
 use super::collector::{by_class, StatusCollector};
+use super::conn::{self, Bounded, Peer};
 use super::{Detail, HttpStatus};
 use crate::server::{Daemon, Server};
+
+/// How long a stop waits for requests in progress before it closes their connections.
+pub const STOP_GRACE: Duration = Duration::from_secs(2);
 
 struct Scrape {
     registry: Registry,
@@ -63,9 +70,10 @@ impl Exporter {
                 detail,
                 port: addr.port(),
             }))
-            .into_make_service_with_connect_info::<SocketAddr>();
+            .into_make_service_with_connect_info::<Peer>();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_io()
+            .enable_time()
             .build()
             .context("cannot start the metrics runtime")?;
         let (stop, stopped) = oneshot::channel::<()>();
@@ -75,18 +83,35 @@ impl Exporter {
                 runtime.block_on(async move {
                     let served = match tokio::net::TcpListener::from_std(listener) {
                         Ok(l) => {
-                            axum::serve(l, app)
-                                .with_graceful_shutdown(async {
-                                    let _ = stopped.await;
-                                })
-                                .await
+                            let listener = Bounded::new(l, conn::MAX_CONNECTIONS, conn::IDLE);
+                            let stopping = Arc::new(tokio::sync::Notify::new());
+                            let stop_serving = stopping.clone();
+                            let serve =
+                                axum::serve(listener, app).with_graceful_shutdown(async move {
+                                    stop_serving.notified().await
+                                });
+                            let mut serve =
+                                std::pin::pin!(std::future::IntoFuture::into_future(serve));
+                            tokio::select! {
+                                served = &mut serve => served,
+                                _ = stopped => {
+                                    stopping.notify_one();
+                                    // A connection that never finishes its request would hold
+                                    // the graceful stop, and with it the daemon's exit.
+                                    tokio::time::timeout(STOP_GRACE, serve)
+                                        .await
+                                        .unwrap_or(Ok(()))
+                                }
+                            }
                         }
                         Err(e) => Err(e),
                     };
                     if let Err(e) = served {
                         tracing::error!(%addr, "metrics endpoint failed: {e}");
                     }
-                })
+                });
+                // Collections in progress on the blocking pool are not waited for past the grace.
+                runtime.shutdown_timeout(STOP_GRACE);
             })?;
         Ok(Exporter {
             addr,
@@ -137,17 +162,20 @@ async fn metrics(State(s): State<Arc<Scrape>>) -> Response {
 /// unless `metrics_tenants` is on.
 async fn status(
     State(s): State<Arc<Scrape>>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    ConnectInfo(Peer(peer)): ConnectInfo<Peer>,
 ) -> Response {
-    // The report takes the slots' locks and may read the kernel's socket table: off the runtime's
-    // one thread, which also answers `/metrics` and `/healthz`.
-    let report = match tokio::task::spawn_blocking(move || status_for(&s, peer)).await {
-        Ok(Ok(r)) => r,
-        Ok(Err(refusal)) => return refusal.into_response(),
-        Err(e) => return (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
-    };
-    match serde_json::to_string_pretty(&report) {
-        Ok(json) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
+    // The report takes the slots' locks, may read the kernel's socket table and is written out
+    // whole: off the runtime's one thread, which also answers `/metrics` and `/healthz`.
+    let json = tokio::task::spawn_blocking(move || {
+        status_for(&s, peer).and_then(|report| {
+            serde_json::to_string_pretty(&report)
+                .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")))
+        })
+    })
+    .await;
+    match json {
+        Ok(Ok(json)) => ([(header::CONTENT_TYPE, "application/json")], json).into_response(),
+        Ok(Err(refusal)) => refusal.into_response(),
         Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response(),
     }
 }
@@ -194,6 +222,9 @@ pub fn without_processes(mut r: vram_proto::StatusReport) -> vram_proto::StatusR
         for p in &mut d.outside_processes {
             p.pid = 0;
             p.name.clear();
+        }
+        for k in &mut d.kept_offline {
+            k.uid = 0;
         }
     }
     r

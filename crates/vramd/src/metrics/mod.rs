@@ -11,6 +11,7 @@
 //! `vramd status --json`), on its own thread and single-threaded runtime.
 
 mod collector;
+mod conn;
 pub mod http;
 mod peer_uid;
 
