@@ -407,3 +407,54 @@ fn the_state_is_saved_once_it_can_be_though_nothing_changed_since() {
     );
     a.exit();
 }
+
+/// A restart under a configuration that no longer admits a live tenant as it was (its class
+/// gone, its declared owners changed) keeps what the tenant holds in the books while its process
+/// lives: the class's tenant is adopted in the default class, the other stays booked, refused
+/// at its reconnect, until it ends.
+#[test]
+fn a_tenant_the_new_configuration_refuses_stays_booked_until_it_ends() {
+    let uid = rustix::process::getuid().as_raw();
+    let before =
+        format!("{CONFIG}[classes.batch]\npriority = 20\n[tenants.owned]\nowners = [{uid}]\n");
+    let mut d = Restartable::new(&before);
+    let mut x = Tenant::spawn(d.socket(), "x", &["--class", "batch"]);
+    assert_eq!(x.next()["event"], "welcome");
+    let mut owned = Tenant::spawn(d.socket(), "owned", &[]);
+    assert_eq!(owned.next()["event"], "welcome");
+    assert_eq!(x.cmd("take 512MiB 64MiB")["taken"], Bytes::mib(512).get());
+    assert_eq!(
+        owned.cmd("take 256MiB 64MiB")["taken"],
+        Bytes::mib(256).get()
+    );
+    std::thread::sleep(Duration::from_millis(300));
+    d.stop(rustix::process::Signal::TERM);
+    let after = format!("{CONFIG}[tenants.owned]\nowners = [{}]\n", uid + 1);
+    std::fs::write(d.d.dir().join("vramd.toml"), after).unwrap();
+    d.start();
+
+    let s = d.status();
+    assert_eq!(held_by(&s, "x"), Some(Bytes::mib(512)), "{}", d.log());
+    assert_eq!(held_by(&s, "owned"), Some(Bytes::mib(256)), "{}", d.log());
+    assert_eq!(s.devices[0].held, Bytes::mib(768), "{s:?}");
+    // x comes back in the default class and carries on.
+    assert!(wait_until(Duration::from_secs(10), || x
+        .cmd("verify")
+        .get("bad")
+        == Some(&serde_json::json!(0))));
+    let t = d.status();
+    let tx = t.tenants.iter().find(|t| t.name == "x").unwrap();
+    assert_eq!(tx.class, "normal", "{t:?}");
+    // `owned` is refused when it reconnects, and its memory stays booked while it lives.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(held_by(&d.status(), "owned"), Some(Bytes::mib(256)));
+    owned.kill();
+    assert!(
+        wait_until(Duration::from_secs(10), || held_by(&d.status(), "owned")
+            .is_none()),
+        "{}",
+        d.log()
+    );
+    assert_eq!(d.status().devices[0].held, Bytes::mib(512));
+    x.exit();
+}

@@ -173,7 +173,7 @@ impl Broker {
                     known: known_classes(&policy),
                 });
             }
-            let limit = t.limit.unwrap_or(policy.capacity);
+            let limit = policy.declared_limit(t);
             if t.guarantee > limit {
                 return Err(AdmissionError::GuaranteeAboveLimit {
                     name: name.clone(),
@@ -406,7 +406,7 @@ impl Broker {
         let (guarantee, limit) = match declared {
             // The operator's declaration wins; a process may only ask for a lower limit.
             Some(d) => {
-                let limit = d.limit.unwrap_or(capacity);
+                let limit = self.policy.declared_limit(d);
                 let limit = req.limit.map_or(limit, |l| l.min(limit)).max(d.guarantee);
                 (d.guarantee, limit)
             }
@@ -477,12 +477,72 @@ impl Broker {
                 outside: self.outside_use,
             });
         }
+        Ok(self.insert(req, class_name, class.priority, guarantee, limit, kept))
+    }
+
+    /// Books a tenant of the daemon before whose process still holds what it was granted: as
+    /// [`Broker::connect`] admits it, else without its guarantee, else whatever the rules in
+    /// force say (its class, or the default class where that is gone; no guarantee; its limit),
+    /// so that its memory stays in the books until its process ends. With the refusal that
+    /// made it so, if any; [`Broker::rule_broken`] then decides whether it may reconnect. Fails
+    /// only for a name no tenant can have or one already connected.
+    pub fn connect_adopted(
+        &mut self,
+        req: TenantRequest,
+    ) -> Result<(TenantId, Option<AdmissionError>), AdmissionError> {
+        let refused = match self.connect(req.clone()) {
+            Ok(id) => return Ok((id, None)),
+            Err(e @ (AdmissionError::NameInUse { .. } | AdmissionError::BadName { .. })) => {
+                return Err(e)
+            }
+            Err(e) => e,
+        };
+        let without_guarantee = TenantRequest {
+            guarantee: Some(Bytes::ZERO),
+            ..req.clone()
+        };
+        if let Ok(id) = self.connect(without_guarantee) {
+            return Ok((id, Some(refused)));
+        }
+        let class_name = req
+            .class
+            .clone()
+            .filter(|c| self.policy.classes.contains_key(c))
+            .unwrap_or_else(|| Policy::DEFAULT_CLASS.to_string());
+        let priority = self
+            .policy
+            .classes
+            .get(&class_name)
+            .map_or(0, |c| c.priority);
+        let limit = req
+            .limit
+            .unwrap_or(self.policy.capacity)
+            .min(self.policy.capacity);
+        let kept = self
+            .kept_offline
+            .get(&(req.name.clone(), req.uid))
+            .copied()
+            .unwrap_or(Bytes::ZERO);
+        let id = self.insert(req, class_name, priority, Bytes::ZERO, limit, kept);
+        Ok((id, Some(refused)))
+    }
+
+    /// Enters an admitted tenant in the books.
+    fn insert(
+        &mut self,
+        req: TenantRequest,
+        class: String,
+        priority: u32,
+        guarantee: Bytes,
+        limit: Bytes,
+        kept: Bytes,
+    ) -> TenantId {
         let id = TenantId(self.next_id);
         self.next_id += 1;
         let tenant = Tenant {
             name: req.name.clone(),
-            class: class_name,
-            priority: class.priority,
+            class,
+            priority,
             guarantee,
             limit,
             held: Bytes::ZERO,
@@ -493,7 +553,7 @@ impl Broker {
             cached: Bytes::ZERO,
             pid: req.pid,
             uid: req.uid,
-            gids: req.gids.clone(),
+            gids: req.gids,
             grants: 0,
             returns: 0,
             refusals: BTreeMap::new(),
@@ -501,7 +561,7 @@ impl Broker {
         self.kept_offline.remove(&(req.name.clone(), req.uid));
         self.tenants.insert(id, tenant);
         self.by_name.insert(req.name, id);
-        Ok(id)
+        id
     }
 
     /// Who may be this tenant, in this class: a declared tenant's owners, a class above the

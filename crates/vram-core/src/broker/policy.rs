@@ -47,7 +47,8 @@ pub struct DeclaredTenant {
     pub groups: Vec<u32>,
 }
 
-/// A limit as a configuration writes it: a size, or `none` (the whole device).
+/// A limit as a configuration writes it: a size, or `none` (for a class the whole device, for
+/// a declared tenant its class's `default_limit`).
 fn limit_text(limit: Option<Bytes>) -> String {
     limit.map_or_else(|| "none".to_owned(), |l| l.to_string())
 }
@@ -119,6 +120,14 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// A declared tenant's limit: its own, else its class's `default_limit`, else the whole
+    /// device.
+    pub fn declared_limit(&self, d: &DeclaredTenant) -> Bytes {
+        d.limit
+            .or_else(|| self.classes.get(&d.class).and_then(|c| c.default_limit))
+            .unwrap_or(self.capacity)
+    }
+
     /// The built-in classes: `high` (priority 100), `normal` (50, the default) and `low` (10).
     pub fn default_classes() -> BTreeMap<String, Class> {
         [("high", 100), ("normal", 50), ("low", 10)]
@@ -277,7 +286,7 @@ impl Policy {
                     known: self.classes.keys().cloned().collect::<Vec<_>>().join(", "),
                 });
             }
-            let limit = t.limit.unwrap_or(self.capacity);
+            let limit = self.declared_limit(t);
             if t.guarantee > limit {
                 out.push(PolicyError::GuaranteeAboveLimit {
                     name: name.clone(),
@@ -408,17 +417,16 @@ impl super::Broker {
 
     /// `t`'s class, priority, guarantee and limit under `new`.
     fn revise(&self, id: super::TenantId, t: &super::Tenant, new: &Policy) -> Revised {
-        let cap = new.capacity;
         match new.tenants.get(&t.name) {
             Some(d) => {
-                let declared_limit = d.limit.unwrap_or(cap);
+                let declared_limit = new.declared_limit(d);
                 // What the process asked for is not kept; a limit below the old declaration's
                 // was its own asking, and stays if still lower.
                 let old_declared = self
                     .policy
                     .tenants
                     .get(&t.name)
-                    .map(|o| o.limit.unwrap_or(cap));
+                    .map(|o| self.policy.declared_limit(o));
                 let limit = match old_declared {
                     Some(old) if t.limit >= old => declared_limit,
                     _ => t.limit.min(declared_limit),

@@ -139,6 +139,48 @@ fn declared_tenants_reserve_their_guarantee_while_offline() {
     assert_eq!((tt.class.as_str(), tt.guarantee), ("high", Bytes::gib(10)));
 }
 
+/// A declared tenant without a limit of its own takes its class's `default_limit`, at connect
+/// and when a reload declares it; with neither, the whole device.
+#[test]
+fn a_declared_tenant_without_a_limit_takes_its_classs_default() {
+    let declared = |class: &str| DeclaredTenant {
+        class: class.into(),
+        guarantee: Bytes::gib(1),
+        limit: None,
+        owners: Vec::new(),
+        groups: Vec::new(),
+    };
+    let mut p = policy(Bytes::gib(16));
+    p.classes.get_mut("low").unwrap().default_limit = Some(Bytes::gib(4));
+    p.tenants.insert("small".into(), declared("low"));
+    p.tenants.insert("big".into(), declared("normal"));
+    let mut b = Broker::new(p.clone()).unwrap();
+    let small = b.connect(req("small", "low", 0, 16)).unwrap();
+    let big = b.connect(req("big", "normal", 0, 16)).unwrap();
+    assert_eq!(b.tenant(small).unwrap().limit, Bytes::gib(4));
+    assert_eq!(b.tenant(big).unwrap().limit, Bytes::gib(16));
+    assert!(b.grant(small, Bytes::gib(5)).is_err());
+
+    // Declared by a reload while connected: the class's limit applies from then on.
+    let other = b.connect(req("other", "low", 0, 16)).unwrap();
+    assert_eq!(b.tenant(other).unwrap().limit, Bytes::gib(16));
+    p.tenants.insert("other".into(), declared("low"));
+    b.replace_policy(p).unwrap();
+    assert_eq!(b.tenant(other).unwrap().limit, Bytes::gib(4));
+
+    // A guarantee above the class's limit is an error of the configuration.
+    let mut bad = policy(Bytes::gib(16));
+    bad.classes.get_mut("low").unwrap().default_limit = Some(Bytes::gib(4));
+    bad.tenants.insert(
+        "greedy".into(),
+        DeclaredTenant {
+            guarantee: Bytes::gib(8),
+            ..declared("low")
+        },
+    );
+    assert!(Broker::new(bad).is_err());
+}
+
 #[test]
 fn reclaim_plan_asks_lowest_priority_cache_first() {
     let mut b = broker(16);

@@ -664,12 +664,12 @@ impl Slot {
     /// awaiting its reconnect. A process that is gone is not adopted (its memory went with it).
     pub fn adopt(&self, t: &super::state::SavedTenant) -> Result<TenantId, String> {
         if !super::state::still_running(t.pid, t.start_time) {
-            return Err(format!("pid {} is gone", t.pid));
+            return Err(format!("pid {} is gone, its memory with it", t.pid));
         }
-        let req = |guarantee| TenantRequest {
+        let req = TenantRequest {
             name: t.name.clone(),
             class: Some(t.class.clone()),
-            guarantee: Some(guarantee),
+            guarantee: Some(t.guarantee),
             limit: Some(t.limit),
             pid: t.pid,
             uid: t.uid,
@@ -678,14 +678,17 @@ impl Slot {
         let mut s = self.lock();
         let st = &mut *s;
         // The configuration may have changed meanwhile: what it no longer allows is said, and the
-        // tenant keeps what it holds, without a guarantee.
-        let id = match st.broker.connect(req(t.guarantee)) {
-            Ok(id) => id,
-            Err(e) => {
-                tracing::warn!(tenant = t.name, "adopted without its guarantee: {e}");
-                st.broker
-                    .connect(req(Bytes::ZERO))
-                    .map_err(|e| e.to_string())?
+        // process keeps what it holds, booked, without a guarantee. Whether it may reconnect is
+        // decided when it does (`Broker::rule_broken`); refused, its memory stays booked until
+        // it ends.
+        let id = match st.broker.connect_adopted(req).map_err(|e| e.to_string())? {
+            (id, None) => id,
+            (id, Some(e)) => {
+                tracing::warn!(
+                    tenant = t.name,
+                    "adopted without its guarantee, its memory booked until it ends: {e}"
+                );
+                id
             }
         };
         let held = t.grants.iter().map(|g| g.1).sum();

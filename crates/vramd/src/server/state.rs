@@ -205,11 +205,7 @@ impl Keeper {
                             grants = t.grants.len(), "adopted a tenant of the daemon before"
                         );
                     }
-                    Err(why) => tracing::info!(
-                        tenant = t.name,
-                        pid = t.pid,
-                        "not adopted ({why}); its memory went with it"
-                    ),
+                    Err(why) => tracing::info!(tenant = t.name, pid = t.pid, "not adopted: {why}"),
                 }
             }
             tracing::info!(
