@@ -277,8 +277,22 @@ pub struct Handle {
     size: Bytes,
     raw: RawHandle,
     /// Present for handles created (not imported) by a device object: gives their size back to its
-    /// usage count on drop.
-    usage: Option<Arc<Usage>>,
+    /// usage count on drop. Declared after `raw`, so it drops after it: the memory is released
+    /// before the count says it is.
+    _usage: Option<Counted>,
+}
+
+/// A created handle's place in its device object's usage count, given back on drop.
+#[derive(Debug)]
+struct Counted {
+    usage: Arc<Usage>,
+    size: Bytes,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.usage.sub(self.size);
+    }
 }
 
 /// A handle as its backend holds it, in a type private to that backend; each releases itself
@@ -320,15 +334,7 @@ impl Handle {
         Handle {
             size,
             raw,
-            usage: None,
-        }
-    }
-}
-
-impl Drop for Handle {
-    fn drop(&mut self) {
-        if let Some(u) = &self.usage {
-            u.sub(self.size);
+            _usage: None,
         }
     }
 }
@@ -364,7 +370,10 @@ impl Usage {
             Ok(raw) => Ok(Handle {
                 size,
                 raw,
-                usage: Some(Arc::clone(self)),
+                _usage: Some(Counted {
+                    usage: Arc::clone(self),
+                    size,
+                }),
             }),
             Err(e) => {
                 self.sub(size);

@@ -220,7 +220,7 @@ pub(crate) struct Allocation {
     pub handle: sys::CUmemGenericAllocationHandle,
     pub ctx: Arc<Context>,
     /// The handle exported once (an export is a costly driver call); later exports are duplicates
-    /// of it. For an imported handle, the fd it was imported from.
+    /// of it. Empty for an imported handle until something exports it.
     pub fd: OnceLock<OwnedFd>,
 }
 

@@ -393,12 +393,16 @@ impl<M: ContextMode> Device for Gpu<M> {
             expected: size,
             reason: e.to_string(),
         })?;
+        // The import holds the memory; the descriptor is closed here rather than kept, so a
+        // tenant holding thousands of handles holds no descriptor for them (its open-file limit
+        // is the program's own). An export of an imported handle, if ever asked, makes a new one.
+        drop(fd);
         Ok(Handle::imported(
             size,
             RawHandle::Cuda(Allocation {
                 handle,
                 ctx: Arc::clone(&self.ctx),
-                fd: OnceLock::from(fd),
+                fd: OnceLock::new(),
             }),
         ))
     }
