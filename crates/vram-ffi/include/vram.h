@@ -156,7 +156,7 @@ int vram_interposing(void);
  *
  * Allocations on another GPU than the tenant's go to the driver (logged once). When no tenant can
  * be set up (no daemon), the allocation calls are refused with the reason in vram_last_error and
- * on stderr once: memory never escapes vramd's books silently. Refusals libvram.so makes itself
+ * on stderr once: such memory never escapes vramd's books silently. Refusals libvram.so makes itself
  * are reported to the daemon (`vramd status` refusals). */
 
 /* Allocations and frees vramd's allocator served through the interposed runtime and driver entry

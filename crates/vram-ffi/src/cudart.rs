@@ -208,11 +208,11 @@ pub unsafe extern "C" fn cudaMallocAsync(
 fn warn_other_gpu(device: c_int, gpu: u32) {
     static WARNED: AtomicBool = AtomicBool::new(false);
     if !WARNED.swap(true, Ordering::Relaxed) {
-        eprintln!(
+        refusal::to_stderr(format_args!(
             "vramd: cudaMalloc on device {device}, but this process is a tenant of the daemon's \
              gpu {gpu}, another device: that memory is the CUDA runtime's own, outside vramd's \
              books"
-        );
+        ));
     }
 }
 

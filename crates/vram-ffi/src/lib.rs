@@ -7,7 +7,9 @@
 //!
 //! Preloaded (`vramd run` does it), the library also interposes the CUDA runtime's allocation
 //! calls in pool mode (`cudart`) and, always, the driver's and NVML's memory calls and `dlsym`
-//! (`interpose`): every device allocation of the process goes through vramd.
+//! (`interpose`): every device allocation the process makes through them goes through vramd.
+//! Memory the driver gives by other calls (CUDA arrays, graph memory nodes) is not hooked; the
+//! daemon counts it as the tenant's use outside its grants where NVML reports each process.
 //!
 //! Nothing here aborts or unwinds into C: every entry point catches panics, and errors go to the
 //! calling thread's `vram_last_error`. Refusals made here are reported to the daemon (`refusal`).
@@ -444,6 +446,12 @@ pub extern "C" fn vram_disconnect() -> c_int {
         interpose::vmm::forget_exported_let_go();
         Ok(0)
     })
+}
+
+/// [`tenant`] where its failure only means "not vramd's": none where it cannot be set up, and a
+/// panic on the way caught here, since the callers are inside the program's CUDA calls.
+fn tenant_or_none() -> Option<&'static Tenant> {
+    catch_unwind(tenant).ok().and_then(Result::ok)
 }
 
 fn guarded<R>(fallback: R, f: impl FnOnce() -> Result<R, String>) -> R {

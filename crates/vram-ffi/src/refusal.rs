@@ -28,8 +28,15 @@ pub(crate) fn log_once(reason: &str, message: &str) {
         .unwrap_or_else(|p| p.into_inner())
         .insert(reason.to_owned());
     if first {
-        eprintln!("{message} (reported once per reason)");
+        to_stderr(format_args!("{message} (reported once per reason)"));
     }
+}
+
+/// Writes a line to stderr and ignores failure: `eprintln!` panics where stderr is closed or
+/// full, and this runs inside the program's CUDA calls, where no panic may go.
+pub(crate) fn to_stderr(line: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 /// A refusal made in this library: logged once per reason, and reported to the daemon.

@@ -1,6 +1,8 @@
-//! Driver-level interposition: what makes every device allocation of a process that preloads
+//! Driver-level interposition: what makes the device allocations of a process that preloads
 //! libvram.so (`vramd run` does, in both torch modes) go through vramd, whichever way the
-//! allocating library reaches the driver.
+//! allocating library reaches the driver: the allocation, virtual-memory, pool and managed-memory
+//! calls below. CUDA arrays and graph memory nodes are not hooked; the daemon sees them as the
+//! tenant's use outside its grants where NVML reports each process.
 //!
 //! - [`dlsym`] is interposed, so that a library that loads the driver itself and looks its
 //!   functions up by name (XLA, ctypes) gets libvram.so's hooks.

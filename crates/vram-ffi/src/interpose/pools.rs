@@ -16,7 +16,8 @@
 //! (`CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT`) is read after each allocation, free and trim, and
 //! the charge follows it: up, or refused past the tenant's limit (the allocation is freed again
 //! and fails with out-of-memory); down, once the pool gave memory back. Destroying the pool takes
-//! back what is left of its charge.
+//! back what is left of its charge, or, where allocations from it are still out (the driver
+//! frees its memory only once they are freed), keeps that charge until the last of them is.
 //!
 //! The driver's own pools of other locations than a device, which a program can only get from
 //! `cuMemGetDefaultMemPool` or `cuMemGetMemPool`, are placed as a made pool is when those hand
@@ -126,6 +127,19 @@ struct Made {
 static MADE: LazyLock<Mutex<HashMap<usize, Made>>> = LazyLock::new(Default::default);
 /// Allocations from charged pools, by pointer: their pool.
 static FROM: LazyLock<Mutex<HashMap<CuDevicePtr, usize>>> = LazyLock::new(Default::default);
+/// Charged pools destroyed while allocations from them were still out, by a number of their own
+/// (the pool's handle may be given to another pool): their charge and how many are still out.
+static LEFTOVER: LazyLock<Mutex<Leftovers>> = LazyLock::new(Default::default);
+
+#[derive(Default)]
+struct Leftovers {
+    next: u64,
+    /// Number -> (charge, allocations still out).
+    pools: HashMap<u64, (u64, usize)>,
+    /// An allocation still out -> its destroyed pool's number.
+    of: HashMap<CuDevicePtr, u64>,
+}
+
 /// Whether `MADE` ever held a pool: until then every pool is a device's own, and an allocation
 /// from one takes no lock to find that out.
 static ANY_MADE: AtomicBool = AtomicBool::new(false);
@@ -156,7 +170,7 @@ pub(crate) fn verdict(pool: *mut c_void, stream: CuStream) -> Verdict {
     let Some(place) = lock(&MADE).get(&(pool as usize)).map(|m| m.place) else {
         return Verdict::Serve;
     };
-    let Ok(t) = crate::tenant() else {
+    let Some(t) = crate::tenant_or_none() else {
         return Verdict::Serve;
     };
     match place {
@@ -180,7 +194,7 @@ pub(crate) fn current_drivers(stream: CuStream) -> Option<(*mut c_void, bool)> {
     if !ANY_CURRENT.load(Ordering::Acquire) {
         return None;
     }
-    let t = crate::tenant().ok()?;
+    let t = crate::tenant_or_none()?;
     if stream_gpu(t, stream) != Gpu::Tenant {
         return None;
     }
@@ -276,7 +290,12 @@ fn reserved(pool: *mut c_void) -> Option<u64> {
 /// A free of an allocation from a charged pool: done by `free` (the driver's function), then
 /// the pool's charge settled. `None` if `ptr` is not such an allocation.
 pub(crate) fn free_charged(ptr: CuDevicePtr, free: impl FnOnce() -> CuResult) -> Option<CuResult> {
-    let pool = lock(&FROM).remove(&ptr)?;
+    if !ANY_MADE.load(Ordering::Acquire) {
+        return None;
+    }
+    let Some(pool) = lock(&FROM).remove(&ptr) else {
+        return free_leftover(ptr, free);
+    };
     let r = free();
     if r == CUDA_SUCCESS {
         if let Some(t) = crate::current() {
@@ -285,6 +304,27 @@ pub(crate) fn free_charged(ptr: CuDevicePtr, free: impl FnOnce() -> CuResult) ->
         }
     } else {
         lock(&FROM).insert(ptr, pool);
+    }
+    Some(r)
+}
+
+/// A free of an allocation from a charged pool destroyed while it was out: the pool's charge
+/// goes once its last such allocation is freed. `None` if `ptr` is not one.
+fn free_leftover(ptr: CuDevicePtr, free: impl FnOnce() -> CuResult) -> Option<CuResult> {
+    let mut left = lock(&LEFTOVER);
+    let n = left.of.remove(&ptr)?;
+    let r = free();
+    if r != CUDA_SUCCESS {
+        left.of.insert(ptr, n);
+        return Some(r);
+    }
+    if let Some((charged, out)) = left.pools.get_mut(&n) {
+        *out -= 1;
+        if *out == 0 {
+            let charged = *charged;
+            left.pools.remove(&n);
+            super::charged::uncharge(charged);
+        }
     }
     Some(r)
 }
@@ -430,7 +470,8 @@ pub unsafe extern "C" fn cuMemSetMemPool(
 }
 
 /// See the module documentation: once the driver destroyed the pool, what is left of its charge
-/// is taken back and the pool forgotten (its handle may be given to another pool).
+/// is taken back (once its allocations still out are freed) and the pool forgotten (its handle
+/// may be given to another pool).
 ///
 /// # Safety
 /// As for the driver's `cuMemPoolDestroy`.
@@ -443,12 +484,32 @@ pub unsafe extern "C" fn cuMemPoolDestroy(pool: *mut c_void) -> CuResult {
     // SAFETY: the driver's own function with the caller's argument.
     let r = unsafe { destroy(pool) };
     if r == CUDA_SUCCESS {
-        if let Some(m) = made.remove(&(pool as usize)) {
-            if m.charged > 0 {
-                super::charged::uncharge(m.charged);
+        let pool = pool as usize;
+        let charged = made.remove(&pool).map_or(0, |m| m.charged);
+        let mut from = lock(&FROM);
+        let out: Vec<CuDevicePtr> = from
+            .iter()
+            .filter(|(_, p)| **p == pool)
+            .map(|(ptr, _)| *ptr)
+            .collect();
+        from.retain(|_, p| *p != pool);
+        drop(from);
+        if out.is_empty() {
+            if charged > 0 {
+                super::charged::uncharge(charged);
             }
+        } else {
+            // The driver frees the pool's memory once these are freed: the charge stays until
+            // then.
+            let mut left = lock(&LEFTOVER);
+            let n = left.next;
+            left.next += 1;
+            left.pools.insert(n, (charged, out.len()));
+            left.of.extend(out.into_iter().map(|ptr| (ptr, n)));
         }
-        lock(&FROM).retain(|_, p| *p != pool as usize);
+        // The driver makes the device's own pool current again, and the handle may be given to
+        // another pool.
+        lock(&CURRENT).retain(|_, p| *p != pool);
     }
     r
 }

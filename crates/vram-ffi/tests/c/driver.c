@@ -285,7 +285,15 @@ int main(int argc, char **argv) {
     CHECK(calls("cuMemAllocAsync") == async_calls + 2);
     CHECK(free_async(cb, stream) == 0);
 
+    /* A pool destroyed while an allocation from it is out: the driver frees its memory once
+     * that is freed, and the charge stays until then. */
+    CUdeviceptr left = 0;
+    CHECK(from_pool(&left, (size_t)8 << 20, export_pool, stream) == 0 && left != 0);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - mib32);
     CHECK(pool_destroy(export_pool) == 0 && calls("cuMemPoolDestroy") == 1);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - mib32);
+    CHECK(free_async(left, stream) == 0);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before);
     CHECK(pool_destroy(managed_p) == 0);
     CHECK(pool_destroy(host_pool) == 0 && pool_destroy(device_pool) == 0);
 
