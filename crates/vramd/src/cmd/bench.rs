@@ -190,8 +190,10 @@ fn start_own_daemon(args: &Args) -> anyhow::Result<OwnDaemon> {
     let per_round: u64 = args.sizes.iter().map(|s| s.get()).sum();
     let pool_max = Bytes((per_round * args.tenants as u64 * 4).max(Bytes::GIB));
     let sizes: Vec<String> = args.sizes.iter().map(|s| format!("\"{s}\"")).collect();
+    // Metrics on, as a daemon in service has them (the grant path's instruments are measured
+    // too), on a free port rather than the one a daemon in service may need.
     let config = format!(
-        "[pool]\nmax = \"{pool_max}\"\nsizes = [{}]\ninitial = {}\n",
+        "metrics = \"127.0.0.1:0\"\n[pool]\nmax = \"{pool_max}\"\nsizes = [{}]\ninitial = {}\n",
         sizes.join(", "),
         (4 * args.tenants).max(8)
     );
