@@ -1,6 +1,6 @@
 //! The broker's configuration: capacity, classes and pre-declared tenants.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 use serde::{Deserialize, Serialize};
 
@@ -104,6 +104,18 @@ pub struct UserLimits {
     /// The most tenants the uid may have connected at once.
     #[serde(default)]
     pub max_tenants: Option<usize>,
+}
+
+impl std::fmt::Display for UserLimits {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "max_memory {}, max_tenants {}",
+            limit_text(self.max_memory),
+            self.max_tenants
+                .map_or_else(|| "none".to_owned(), |n| n.to_string())
+        )
+    }
 }
 
 /// Everything the broker needs to decide.
@@ -371,8 +383,58 @@ impl super::Broker {
                 self.policy.priority_reserve, new.priority_reserve
             ));
         }
+        changes.extend(self.describe_users(&new));
         self.policy = new;
         Ok(changes)
+    }
+
+    /// The `[users]` limits `new` changes, and each connected uid that holds or has more than
+    /// its new limits allow (nothing is taken back; its tenants cannot grow or join).
+    fn describe_users(&self, new: &Policy) -> Vec<String> {
+        let old = &self.policy;
+        let mut out = Vec::new();
+        if old.default_user != new.default_user {
+            out.push(format!(
+                "users.default: {} → {}",
+                old.default_user, new.default_user
+            ));
+        }
+        let uids: BTreeSet<u32> = old.users.keys().chain(new.users.keys()).copied().collect();
+        for uid in uids {
+            let (before, after) = (old.users.get(&uid), new.users.get(&uid));
+            if before != after {
+                let text =
+                    |l: Option<&UserLimits>| l.map_or("users.default".into(), |l| l.to_string());
+                out.push(format!("users.{uid}: {} → {}", text(before), text(after)));
+            }
+        }
+        let connected: BTreeSet<u32> = self.tenants.values().map(|t| t.uid).collect();
+        for uid in connected {
+            let (limits, before) = (new.user(uid), old.user(uid));
+            if limits == before {
+                continue;
+            }
+            let holds = self
+                .tenants
+                .values()
+                .filter(|t| t.uid == uid)
+                .map(super::Tenant::footprint)
+                .fold(self.kept_offline_of(uid), Bytes::saturating_add);
+            if let Some(max) = limits.max_memory.filter(|m| holds > *m) {
+                out.push(format!(
+                    "uid {uid} holds {holds}, above its new max_memory {max}: nothing is taken \
+                     back, its tenants cannot grow"
+                ));
+            }
+            let count = self.tenants.values().filter(|t| t.uid == uid).count();
+            if let Some(max) = limits.max_tenants.filter(|m| count > *m) {
+                out.push(format!(
+                    "uid {uid} has {count} tenants connected, above its new max_tenants {max}: \
+                     they stay, no more may connect"
+                ));
+            }
+        }
+        out
     }
 
     /// Whether [`Broker::replace_policy`](super::Broker::replace_policy) would put `new` in force

@@ -426,6 +426,43 @@ fn only_the_listed_uids_may_rank_above_the_default_class() {
     b.connect(as_uid("w", "high", 0)).unwrap();
 }
 
+/// A reload that changes `[users]` says so, and names each connected uid over its new limits.
+#[test]
+fn a_reload_names_user_limits_it_changes_and_uids_over_them() {
+    let mut p = policy(Bytes::gib(64));
+    p.priority_reserve = Bytes::ZERO;
+    let mut b = Broker::new(p.clone()).unwrap();
+    let a = b.connect(as_uid("a", "normal", 1001)).unwrap();
+    b.connect(as_uid("c", "normal", 1001)).unwrap();
+    b.grant(a, Bytes::gib(3)).unwrap();
+    p.users.insert(
+        1001,
+        UserLimits {
+            max_memory: Some(Bytes::gib(2)),
+            max_tenants: Some(1),
+        },
+    );
+    let changes = b.replace_policy(p.clone()).unwrap().join("\n");
+    assert!(
+        changes.contains("users.1001: users.default → max_memory 2 GiB, max_tenants 1"),
+        "{changes}"
+    );
+    assert!(
+        changes.contains("uid 1001 holds 3 GiB, above its new max_memory 2 GiB"),
+        "{changes}"
+    );
+    assert!(
+        changes.contains("uid 1001 has 2 tenants connected, above its new max_tenants 1"),
+        "{changes}"
+    );
+    p.default_user.max_tenants = Some(4);
+    let changes = b.replace_policy(p).unwrap().join("\n");
+    assert_eq!(
+        changes,
+        "users.default: max_memory none, max_tenants none → max_memory none, max_tenants 4"
+    );
+}
+
 #[test]
 fn a_uids_tenants_share_its_limits() {
     let mut p = policy(Bytes::gib(64));
