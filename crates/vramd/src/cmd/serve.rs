@@ -70,13 +70,12 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let devices = open_devices(backend, capacity)?;
     raise_fd_limit();
     let probe = open_probe(&devices);
+    let uuids: Vec<String> = devices.iter().map(|d| d.info().uuid.clone()).collect();
+    let held = crate::server::held_by_live_tenants(&socket, &uuids);
     let measured: Vec<Option<Bytes>> = devices
         .iter()
-        .enumerate()
-        .map(|(i, d)| {
-            let held = crate::server::held_by_live_tenants(&socket, i as u32);
-            measured_memory(probe.as_deref(), d.as_ref(), held)
-        })
+        .zip(held)
+        .map(|(d, held)| measured_memory(probe.as_deref(), d.as_ref(), held))
         .collect();
     let caps: Vec<Bytes> = devices
         .iter()

@@ -122,21 +122,25 @@ pub fn load(path: &Path) -> Option<Saved> {
     None
 }
 
-/// What the tenants of a daemon before, still running, hold on device `gpu`, by the state file
-/// beside `socket` (read only: adoption happens when the server starts).
-pub fn held_by_live_tenants(socket: &Path, gpu: u32) -> Bytes {
+/// What the tenants of a daemon before, still running, hold on each of the devices whose UUIDs
+/// are `uuids` (in that order), by the state file beside `socket`; a tenant finds its device as
+/// adoption finds it, by UUID though the numbering changed (read only: adoption happens when the
+/// server starts).
+pub fn held_by_live_tenants(socket: &Path, uuids: &[String]) -> Vec<Bytes> {
+    let mut held = vec![Bytes::ZERO; uuids.len()];
     let Ok(bytes) = std::fs::read(path_for(socket)) else {
-        return Bytes::ZERO;
+        return held;
     };
     let Ok(saved) = serde_json::from_slice::<Saved>(&bytes) else {
-        return Bytes::ZERO;
+        return held;
     };
-    saved
-        .tenants
-        .iter()
-        .filter(|t| t.gpu == gpu && still_running(t.pid, t.start_time))
-        .flat_map(|t| t.grants.iter().map(|g| g.1))
-        .fold(Bytes::ZERO, Bytes::saturating_add)
+    for t in &saved.tenants {
+        if let Some(i) = slot_of(t, uuids).filter(|_| still_running(t.pid, t.start_time)) {
+            let grants = t.grants.iter().map(|g| g.1);
+            held[i] = grants.fold(held[i], Bytes::saturating_add);
+        }
+    }
+    held
 }
 
 /// The start time of process `pid` (clock ticks since boot, field 22 of `/proc/PID/stat`), or
@@ -301,6 +305,42 @@ fn slot_of(t: &SavedTenant, uuids: &[String]) -> Option<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The memory live tenants hold is found on their device by UUID, as adoption finds it, not
+    /// by the number it had before.
+    #[test]
+    fn live_tenants_memory_is_found_on_their_device_by_uuid() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("s.sock");
+        let me = std::process::id();
+        let tenant = |gpu, uuid: &str, mib| SavedTenant {
+            gpu,
+            uuid: uuid.into(),
+            name: format!("t{gpu}"),
+            class: "normal".into(),
+            guarantee: Bytes::ZERO,
+            limit: Bytes::gib(8),
+            pid: me,
+            uid: 0,
+            start_time: process_start_time(me).unwrap(),
+            grants: vec![(GrantId(u64::from(gpu) + 1), Bytes::mib(mib))],
+            charged: Bytes::ZERO,
+            invitation: None,
+        };
+        let saved = Saved {
+            format: FORMAT,
+            daemon_pid: 1,
+            next_grant: vec![10, 10],
+            tenants: vec![tenant(0, "GPU-a", 64), tenant(1, "GPU-b", 128)],
+        };
+        std::fs::write(path_for(&socket), serde_json::to_vec(&saved).unwrap()).unwrap();
+        // GPU-a is gone and GPU-b is the daemon's device 0 now.
+        let now = ["GPU-b".to_string(), "GPU-c".to_string()];
+        assert_eq!(
+            held_by_live_tenants(&socket, &now),
+            vec![Bytes::mib(128), Bytes::ZERO]
+        );
+    }
 
     #[test]
     fn a_saved_tenant_finds_its_gpu_by_uuid_though_the_numbers_changed() {
