@@ -16,6 +16,9 @@ pub const MAX_RECLAIM_TIMEOUT_MS: u64 = 60_000;
 /// lease shorter than this would run out before a writer could renew it.
 pub const MIN_LEASE_MS: u64 = 10;
 
+/// The slowest scrub that is not a mistake for a unit left out: a 1 GiB version in about 17 min.
+pub const MIN_SCRUB_RATE: Bytes = Bytes::mib(1);
+
 /// The longest of the `[connections]` timeouts.
 pub const MAX_CONNECTION_TIMEOUT_MS: u64 = 3_600_000;
 
@@ -66,6 +69,13 @@ pub enum ConfigError {
          tenants' memory"
     )]
     ReclaimTimeoutTooLong { ms: u64, max: u64 },
+    #[error(
+        "[shared] scrub_rate = {rate} a second is below {min}: a pass over a 1 GiB version would \
+         take {days} days (0 turns the scrub off){}",
+        bare_size_hint(*rate),
+        days = Bytes::GIB / rate.get().max(1) / 86_400
+    )]
+    ScrubTooSlow { rate: Bytes, min: Bytes },
     #[error("[shared] max_lease_ms = {ms} is below {min}: no writer lease could be that short")]
     LeaseTooShort { ms: u64, min: u64 },
     #[error("[connections] {key} = 0: {why}")]
@@ -114,6 +124,13 @@ impl Config {
             out.push(ConfigError::ReclaimTimeoutTooLong {
                 ms,
                 max: MAX_RECLAIM_TIMEOUT_MS,
+            });
+        }
+        let rate = self.shared.scrub_rate;
+        if rate > Bytes::ZERO && rate < MIN_SCRUB_RATE {
+            out.push(ConfigError::ScrubTooSlow {
+                rate,
+                min: MIN_SCRUB_RATE,
             });
         }
         if self.shared.max_lease_ms < MIN_LEASE_MS {
@@ -218,7 +235,12 @@ impl Config {
             .chain(self.users.iter().map(|(n, u)| {
                 let why = "the uid's tenants could hold nothing";
                 (format!("[users.{n}] max_memory"), u.max_memory, why)
-            }));
+            }))
+            .chain(std::iter::once((
+                "priority_reserve".to_string(),
+                self.priority_reserve,
+                "it could keep no grant from a lower class (0 keeps none)",
+            )));
         for (key, size, why) in sizes {
             if let Some(size) = size.filter(|s| *s > Bytes::ZERO && *s < granularity) {
                 out.push(ConfigError::SizeBelowGranularity {
@@ -296,6 +318,44 @@ mod tests {
         for (got, want) in p.iter().zip(want) {
             assert!(got.starts_with(want), "`{got}` is not `{want}…`");
         }
+    }
+
+    /// A scrub rate or priority reserve written without a unit is bytes: refused, with the unit
+    /// it lacks, where that makes it useless.
+    #[test]
+    fn a_scrub_rate_or_reserve_without_a_unit_is_refused() {
+        let c: Config = toml::from_str(
+            "priority_reserve = 512
+[shared]
+scrub_rate = 256
+",
+        )
+        .unwrap();
+        let host = Device {
+            capacity: Some(Bytes::gib(8)),
+            granularity: Some(Bytes::mib(2)),
+        };
+        let p: Vec<String> = c.problems(&[host]).iter().map(|e| e.to_string()).collect();
+        assert_eq!(p.len(), 2, "{p:#?}");
+        assert!(
+            p[0].starts_with("[shared] scrub_rate = 256 B a second is below 1 MiB"),
+            "{}",
+            p[0]
+        );
+        assert!(p[0].contains("write \"8 GiB\""), "{}", p[0]);
+        assert!(
+            p[1].starts_with("priority_reserve = 512 B is below the device's granularity"),
+            "{}",
+            p[1]
+        );
+        let c: Config = toml::from_str(
+            "priority_reserve = 0
+[shared]
+scrub_rate = \"0\"
+",
+        )
+        .unwrap();
+        assert!(c.problems(&[host]).is_empty());
     }
 
     #[test]
