@@ -944,7 +944,7 @@ fn validate_name(name: &str) -> Result<(), AdmissionError> {
 }
 
 /// What is wrong with a tenant's or a shared buffer's name, if anything.
-pub(crate) fn name_problem(name: &str) -> Option<&'static str> {
+pub fn name_problem(name: &str) -> Option<&'static str> {
     if name.is_empty() {
         return Some("empty");
     }

@@ -298,7 +298,7 @@ pub fn replay_through(
     config: &AllocConfig,
     pace: Pace,
 ) -> anyhow::Result<Outcome> {
-    let opts = TenantOptions::named(format!("replay-{}-{name}", std::process::id()));
+    let opts = TenantOptions::named(tenant_name(std::process::id(), name));
     let client = Arc::new(
         Client::connect(Some(socket), &opts)
             .with_context(|| format!("cannot connect to {}", socket.display()))?,
@@ -658,4 +658,38 @@ fn table(outcomes: &[Outcome], compare: &[Compare]) -> String {
         }
     }
     out
+}
+
+/// The tenant name of a replay through a daemon: the trace's name with what a tenant name cannot
+/// hold made `_`, cut to fit the 64 bytes a name may have.
+fn tenant_name(pid: u32, trace: &str) -> String {
+    let name = format!("replay-{pid}-");
+    let room = 64 - name.len();
+    let trace: String = trace
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "-_.@:".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .take(room)
+        .collect();
+    name + &trace
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_traces_file_name_makes_a_tenant_name_the_daemon_takes() {
+        let long = "x".repeat(100);
+        for trace in ["snapshot (1)", "résumé", long.as_str(), "resnet50_train"] {
+            let name = tenant_name(4_194_304, trace);
+            assert_eq!(vram_core::broker::name_problem(&name), None, "{name}");
+        }
+        assert_eq!(tenant_name(7, "snapshot (1)"), "replay-7-snapshot__1_");
+    }
 }

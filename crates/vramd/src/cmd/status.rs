@@ -128,7 +128,10 @@ pub fn render(r: &StatusReport) -> String {
             let _ = writeln!(
                 out,
                 "GPU {}: outside use: pid {} `{}` holds {} (not a tenant; not lent to anyone)",
-                d.index, p.pid, p.name, p.bytes
+                d.index,
+                p.pid,
+                p.name.escape_default(),
+                p.bytes
             );
         }
         if d.deficit > vram_core::Bytes::ZERO {
