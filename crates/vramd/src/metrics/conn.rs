@@ -103,19 +103,22 @@ impl Counted {
         }
     }
 
-    /// What a pending read or write returns: pending until the deadline, then `TimedOut`.
-    fn pending_or_idle<T>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<T>> {
-        match self.deadline.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("idle for {:?}", self.idle),
-            ))),
-            Poll::Pending => Poll::Pending,
+    /// A read's or write's outcome: done, the connection counts as active again; pending, it
+    /// waits until the deadline, then fails with `TimedOut`.
+    fn polled<T>(&mut self, cx: &mut Context<'_>, p: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        match p {
+            Poll::Ready(r) => {
+                self.deadline.as_mut().reset(Instant::now() + self.idle);
+                Poll::Ready(r)
+            }
+            Poll::Pending => match self.deadline.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("idle for {:?}", self.idle),
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
         }
-    }
-
-    fn active(&mut self) {
-        self.deadline.as_mut().reset(Instant::now() + self.idle);
     }
 }
 
@@ -126,13 +129,8 @@ impl AsyncRead for Counted {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.stream).poll_read(cx, buf) {
-            Poll::Ready(r) => {
-                this.active();
-                Poll::Ready(r)
-            }
-            Poll::Pending => this.pending_or_idle(cx),
-        }
+        let p = Pin::new(&mut this.stream).poll_read(cx, buf);
+        this.polled(cx, p)
     }
 }
 
@@ -143,21 +141,14 @@ impl AsyncWrite for Counted {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.stream).poll_write(cx, buf) {
-            Poll::Ready(r) => {
-                this.active();
-                Poll::Ready(r)
-            }
-            Poll::Pending => this.pending_or_idle(cx),
-        }
+        let p = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.polled(cx, p)
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.stream).poll_flush(cx) {
-            Poll::Ready(r) => Poll::Ready(r),
-            Poll::Pending => this.pending_or_idle(cx),
-        }
+        let p = Pin::new(&mut this.stream).poll_flush(cx);
+        this.polled(cx, p)
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -170,13 +161,8 @@ impl AsyncWrite for Counted {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        match Pin::new(&mut this.stream).poll_write_vectored(cx, bufs) {
-            Poll::Ready(r) => {
-                this.active();
-                Poll::Ready(r)
-            }
-            Poll::Pending => this.pending_or_idle(cx),
-        }
+        let p = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.polled(cx, p)
     }
 
     fn is_write_vectored(&self) -> bool {
