@@ -23,6 +23,7 @@ use std::ffi::{c_int, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
+use vram_client::alloc::SYNCHRONOUS;
 use vram_core::alloc::StreamId;
 use vram_core::Bytes;
 
@@ -161,7 +162,7 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
     if dev_ptr.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    match serve(Hook::CudaMalloc, "cudaMalloc", size, StreamId(0)) {
+    match serve(Hook::CudaMalloc, "cudaMalloc", size, SYNCHRONOUS) {
         Served::Done(ptr) => {
             // SAFETY: the caller passes a pointer valid for one write (checked non-null).
             unsafe { *dev_ptr = ptr as *mut c_void };
@@ -239,7 +240,7 @@ pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
             return r;
         }
     }
-    free_here(Hook::CudaFree, "cudaFree", ptr, StreamId(0))
+    free_here(Hook::CudaFree, "cudaFree", ptr, SYNCHRONOUS)
 }
 
 /// See the module documentation: no synchronisation, the block stays with `stream` until the

@@ -128,6 +128,14 @@ pub fn per_thread_stream() -> StreamId {
     StreamId(PER_THREAD_TAG | MINE.with(|m| *m))
 }
 
+/// The stream of the synchronous allocation and free calls (`cudaMalloc`, `cuMemAlloc`,
+/// `cudaFree`, `cuMemFree`): one of its own, which no stream handle names. A synchronous
+/// allocation promises memory every stream may use at once, so it takes a block freed on another
+/// stream (the default stream included) only once that stream has passed the free, as any
+/// stream does. A synchronous free comes after the device synchronised; its fences are recorded
+/// on the legacy default stream.
+pub const SYNCHRONOUS: StreamId = StreamId(PER_THREAD_TAG - 1);
+
 /// The stream a program's stream handle names on the calling thread: its per-thread default
 /// stream for `CU_STREAM_PER_THREAD`, and for the null handle where the call is a per-thread one
 /// (`_ptsz`); the handle itself otherwise.
@@ -144,9 +152,13 @@ fn is_per_thread(stream: StreamId) -> bool {
     stream.0 & PER_THREAD_TAG != 0
 }
 
-/// The handle the driver knows `stream` by on the calling thread; `None` for another thread's
-/// per-thread default stream, which no handle names from here.
+/// The handle the driver knows `stream` by on the calling thread (the legacy default stream for
+/// [`SYNCHRONOUS`]); `None` for another thread's per-thread default stream, which no handle names
+/// from here.
 fn cuda_handle(stream: StreamId) -> Option<u64> {
+    if stream == SYNCHRONOUS {
+        return Some(0);
+    }
     if !is_per_thread(stream) {
         return Some(stream.0);
     }

@@ -500,3 +500,44 @@ fn a_free_from_a_thread_local_destructor_goes_to_the_core() {
     a.trim();
     assert_eq!(a.stats().in_use, Bytes::ZERO);
 }
+
+/// Fences that never complete: work queued on a stream is never seen done.
+struct NeverDone;
+
+impl Fences for NeverDone {
+    fn is_complete(&self, _: Fence) -> bool {
+        false
+    }
+
+    fn record(&self, _: StreamId) -> Option<Fence> {
+        Some(Fence(1))
+    }
+}
+
+impl StreamEvents for NeverDone {
+    fn is_capturing(&self, _: StreamId) -> bool {
+        false
+    }
+
+    fn none_capturing(&self) -> bool {
+        true
+    }
+}
+
+/// A block freed on the default stream, whose work may still be queued there, is not what a
+/// synchronous allocation gets: that memory must be usable from any stream at once.
+#[test]
+fn a_synchronous_allocation_waits_for_the_default_streams_frees() {
+    let (_, a) = allocator_with(Bytes::gib(1), Box::new(NeverDone));
+    for size in [Bytes::kib(4), Bytes::mib(4)] {
+        let p = a.alloc(size, StreamId(0)).unwrap();
+        a.free(p, StreamId(0)).unwrap();
+        a.trim();
+        let q = a.alloc(size, SYNCHRONOUS).unwrap();
+        assert_ne!(
+            p, q,
+            "{size}: handed out while its free was still queued on stream 0"
+        );
+    }
+    assert_eq!(cuda_handle(SYNCHRONOUS), Some(0));
+}

@@ -2,9 +2,11 @@
 //! `cudaMalloc` is): `cuMemAlloc_v2`, `cuMemAllocPitch_v2`, `cuMemFree_v2`, and the
 //! stream-ordered `cuMemAllocAsync`, `cuMemFreeAsync`, `cuMemAllocFromPoolAsync`.
 //!
-//! The synchronous calls use stream 0, the asynchronous ones the caller's stream: the allocator
-//! reuses a block freed on stream S at once on S and on other streams only after a fence
-//! recorded on S, which is what stream-ordered allocation promises. The `_ptsz` forms (what a
+//! The synchronous calls use a stream of their own (`vram_client::alloc::SYNCHRONOUS`), the
+//! asynchronous ones the caller's stream: the allocator reuses a block freed on stream S at once
+//! on S and on other streams only after a fence recorded on S, which is what stream-ordered
+//! allocation promises, and a synchronous allocation, whose memory any stream may use at once,
+//! gets a block freed on a stream (the default stream too) only once that stream passed it. The `_ptsz` forms (what a
 //! program built for per-thread default streams calls) treat stream 0 as the calling thread's
 //! default stream, `CU_STREAM_PER_THREAD`, as the driver does.
 //!
@@ -21,6 +23,7 @@
 
 use std::ffi::c_uint;
 
+use vram_client::alloc::SYNCHRONOUS;
 use vram_core::alloc::StreamId;
 use vram_core::Bytes;
 
@@ -112,7 +115,7 @@ pub unsafe extern "C" fn cuMemAlloc_v2(dptr: *mut CuDevicePtr, bytesize: usize) 
         Hook::MemAlloc,
         "cuMemAlloc",
         bytesize,
-        StreamId(0),
+        SYNCHRONOUS,
         NO_STREAM,
     ) {
         Outcome::Done(p) => {
@@ -158,7 +161,7 @@ pub unsafe extern "C" fn cuMemAllocPitch_v2(
         Hook::MemAllocPitch,
         "cuMemAllocPitch",
         size,
-        StreamId(0),
+        SYNCHRONOUS,
         NO_STREAM,
     ) {
         Outcome::Done(p) => {
@@ -195,7 +198,7 @@ pub unsafe extern "C" fn cuMemFree_v2(dptr: CuDevicePtr) -> CuResult {
                 return r;
             }
         }
-        return free_ours(Hook::MemFree, dptr, StreamId(0)).unwrap_or(CUDA_ERROR_INVALID_VALUE);
+        return free_ours(Hook::MemFree, dptr, SYNCHRONOUS).unwrap_or(CUDA_ERROR_INVALID_VALUE);
     }
     if let Some(r) = charged::free_managed(dptr) {
         return r;
