@@ -4,7 +4,9 @@
 //! process ([`OwnDaemon::spawn`]: its log in the directory, stopped by a signal as an operator
 //! would), or, for a program that has no vramd executable at hand (the example, libvram.so's
 //! tests), the same server on a thread of the calling process ([`OwnDaemon::in_process`]).
-//! Dropped, it is gone: a child is killed and reaped, a thread shut down and joined.
+//! Dropped, it is gone: a child is killed and reaped, a thread shut down and joined. A child also
+//! stops when this process ends without dropping it (killed, say): its standard input is a pipe
+//! only this process holds, and it runs with `--stop-on-stdin-close`.
 
 use std::ffi::{OsStr, OsString};
 use std::path::{Path, PathBuf};
@@ -165,8 +167,12 @@ impl OwnDaemon {
                 .arg("serve")
                 .arg("--socket")
                 .arg(&self.socket)
+                // Its standard input is a pipe whose other end only this process holds (the
+                // child's `stdin`, kept open until the child is reaped): when this process
+                // ends, however it ends, the daemon stops.
+                .arg("--stop-on-stdin-close")
                 .args(&*args)
-                .stdin(Stdio::null())
+                .stdin(Stdio::piped())
                 .stdout(log.try_clone()?)
                 .stderr(log)
                 .spawn()

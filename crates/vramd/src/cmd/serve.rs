@@ -37,6 +37,12 @@ pub struct Args {
     /// 0 valid, 1 invalid. Nothing is started; --backend and --capacity are taken into account.
     #[arg(long, value_name = "FILE", conflicts_with = "config")]
     pub check_config: Option<PathBuf>,
+    /// Stop cleanly, as on SIGTERM, once standard input reaches its end: for a daemon that
+    /// another program starts with a pipe as its standard input, so that it stops when that
+    /// program ends, however it ends (vramd's own tools start their daemons so). Not for a
+    /// service: a standard input of /dev/null ends at once.
+    #[arg(long)]
+    pub stop_on_stdin_close: bool,
 }
 
 /// The host backend's capacity when none is configured.
@@ -145,6 +151,9 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         daemon: server.daemon().clone(),
     };
     signals::start(signals, server.shutdown_handle(), reloader)?;
+    if args.stop_on_stdin_close {
+        stop_on_stdin_close(server.shutdown_handle())?;
+    }
     for (d, cap) in devices.iter().zip(&caps) {
         let info = d.info();
         tracing::info!(
@@ -306,6 +315,24 @@ impl Reloader {
         }
         Ok(self.daemon.reload(new.live(), |cap| new.policy(cap))?)
     }
+}
+
+/// A thread that reads standard input to its end (what it reads is ignored), then stops the
+/// daemon: the end comes when every holder of a pipe's other end has closed it or exited.
+fn stop_on_stdin_close(shutdown: crate::server::Shutdown) -> anyhow::Result<()> {
+    std::thread::Builder::new()
+        .name("vramd-stdin".into())
+        .spawn(move || {
+            let mut sink = std::io::sink();
+            match std::io::copy(&mut std::io::stdin().lock(), &mut sink) {
+                Ok(_) => tracing::info!("standard input closed: stopping"),
+                Err(e) => tracing::warn!(error = %e, "standard input unreadable: stopping"),
+            }
+            crate::notify::notify("STOPPING=1");
+            shutdown.trigger();
+        })
+        .context("cannot start the thread that watches standard input")?;
+    Ok(())
 }
 
 mod signals {
