@@ -19,8 +19,8 @@
 //! `cudaFreeAsync` does not: the allocator's stream fences keep the block from another stream
 //! until the free's stream has passed it.
 
-use std::ffi::{c_int, c_void, CStr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::ffi::{c_int, c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::OnceLock;
 
 use vram_client::alloc::SYNCHRONOUS;
@@ -44,47 +44,133 @@ type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type SyncFn = unsafe extern "C" fn() -> c_int;
 type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
 
-/// The CUDA runtime's own functions, found after libvram.so in the lookup order.
-struct Runtime {
-    malloc: Option<MallocFn>,
-    free: Option<FreeFn>,
-    malloc_async: Option<MallocAsyncFn>,
-    free_async: Option<FreeAsyncFn>,
-    synchronize: Option<SyncFn>,
-    get_device: Option<GetDeviceFn>,
+/// One of the CUDA runtime's own functions, found the first time it can be: after libvram.so in
+/// the lookup order (a runtime the program or a library loaded globally links), else in a runtime
+/// the process loaded with `RTLD_LOCAL` (a Python extension's dependency, a library's `dlopen`),
+/// which `RTLD_NEXT` does not search. A program that calls the runtime through libvram.so's
+/// `cudaMalloc` has loaded it somewhere, so one of the two finds it; a name not found is looked
+/// for again at the next call, since the runtime may be loaded later.
+struct RuntimeFn {
+    name: &'static CStr,
+    found: AtomicPtr<c_void>,
 }
 
-fn next_symbol(name: &CStr) -> *mut c_void {
+impl RuntimeFn {
+    const fn new(name: &'static CStr) -> RuntimeFn {
+        RuntimeFn {
+            name,
+            found: AtomicPtr::new(std::ptr::null_mut()),
+        }
+    }
+
+    fn get(&self) -> Option<*mut c_void> {
+        let p = self.found.load(Ordering::Acquire);
+        if !p.is_null() {
+            return Some(p);
+        }
+        let p = find_runtime_symbol(self.name)?;
+        self.found.store(p, Ordering::Release);
+        Some(p)
+    }
+}
+
+static MALLOC: RuntimeFn = RuntimeFn::new(c"cudaMalloc");
+static FREE: RuntimeFn = RuntimeFn::new(c"cudaFree");
+static MALLOC_ASYNC: RuntimeFn = RuntimeFn::new(c"cudaMallocAsync");
+static FREE_ASYNC: RuntimeFn = RuntimeFn::new(c"cudaFreeAsync");
+static SYNCHRONIZE: RuntimeFn = RuntimeFn::new(c"cudaDeviceSynchronize");
+static GET_DEVICE: RuntimeFn = RuntimeFn::new(c"cudaGetDevice");
+
+// SAFETY (each of the six below): the pointer is the CUDA runtime's function of that name, whose
+// C signature is the one transmuted to (cuda_runtime_api.h).
+fn runtime_malloc() -> Option<MallocFn> {
+    // SAFETY: see above.
+    MALLOC
+        .get()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, MallocFn>(p) })
+}
+fn runtime_free() -> Option<FreeFn> {
+    // SAFETY: see above.
+    FREE.get()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, FreeFn>(p) })
+}
+fn runtime_malloc_async() -> Option<MallocAsyncFn> {
+    // SAFETY: see above.
+    MALLOC_ASYNC
+        .get()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, MallocAsyncFn>(p) })
+}
+fn runtime_free_async() -> Option<FreeAsyncFn> {
+    // SAFETY: see above.
+    FREE_ASYNC
+        .get()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, FreeAsyncFn>(p) })
+}
+fn runtime_synchronize() -> Option<SyncFn> {
+    // SAFETY: see above.
+    SYNCHRONIZE
+        .get()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, SyncFn>(p) })
+}
+fn runtime_get_device() -> Option<GetDeviceFn> {
+    // SAFETY: see above.
+    GET_DEVICE
+        .get()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, GetDeviceFn>(p) })
+}
+
+/// `name` in the CUDA runtime: after libvram.so in the lookup order, else in any loaded object
+/// whose file is a `libcudart.so*` (the first that has it).
+fn find_runtime_symbol(name: &CStr) -> Option<*mut c_void> {
     // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only reads the loader's tables.
-    unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) }
+    let next = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
+    if !next.is_null() {
+        return Some(next);
+    }
+    loaded_runtimes().iter().find_map(|path| {
+        // SAFETY: dlopen with RTLD_NOLOAD only finds a library the process already loaded (and
+        // takes a reference to it, given back below); `path` is a NUL-terminated string.
+        let lib = unsafe { libc::dlopen(path.as_ptr(), libc::RTLD_LAZY | libc::RTLD_NOLOAD) };
+        if lib.is_null() {
+            return None;
+        }
+        let p = crate::interpose::dlsym::lookup(lib, name);
+        // SAFETY: `lib` came from the dlopen above. The library stays loaded: the reference
+        // given back is that dlopen's own, and whoever loaded it first still holds theirs.
+        unsafe { libc::dlclose(lib) };
+        (!p.is_null()).then_some(p)
+    })
 }
 
-fn runtime() -> &'static Runtime {
-    static RUNTIME: OnceLock<Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        let malloc = next_symbol(c"cudaMalloc");
-        let free = next_symbol(c"cudaFree");
-        let malloc_async = next_symbol(c"cudaMallocAsync");
-        let free_async = next_symbol(c"cudaFreeAsync");
-        let synchronize = next_symbol(c"cudaDeviceSynchronize");
-        let get_device = next_symbol(c"cudaGetDevice");
-        // SAFETY: each pointer, where not null, is the CUDA runtime's function of that name, whose
-        // C signature is the one transmuted to (cuda_runtime_api.h).
-        unsafe {
-            Runtime {
-                malloc: (!malloc.is_null()).then(|| std::mem::transmute::<_, MallocFn>(malloc)),
-                free: (!free.is_null()).then(|| std::mem::transmute::<_, FreeFn>(free)),
-                malloc_async: (!malloc_async.is_null())
-                    .then(|| std::mem::transmute::<_, MallocAsyncFn>(malloc_async)),
-                free_async: (!free_async.is_null())
-                    .then(|| std::mem::transmute::<_, FreeAsyncFn>(free_async)),
-                synchronize: (!synchronize.is_null())
-                    .then(|| std::mem::transmute::<_, SyncFn>(synchronize)),
-                get_device: (!get_device.is_null())
-                    .then(|| std::mem::transmute::<_, GetDeviceFn>(get_device)),
+/// The paths of the loaded objects whose file name starts with `libcudart.so`.
+fn loaded_runtimes() -> Vec<CString> {
+    unsafe extern "C" fn each(
+        info: *mut libc::dl_phdr_info,
+        _size: usize,
+        found: *mut c_void,
+    ) -> c_int {
+        // SAFETY: dl_iterate_phdr passes a valid `info` for the duration of this call, and
+        // `found` is the vector `loaded_runtimes` passed, used by this thread only.
+        let (name, found) = unsafe { ((*info).dlpi_name, &mut *found.cast::<Vec<CString>>()) };
+        if !name.is_null() {
+            // SAFETY: `dlpi_name` is a NUL-terminated path (empty for the executable).
+            let path = unsafe { CStr::from_ptr(name) };
+            let file = path
+                .to_bytes()
+                .rsplit(|&b| b == b'/')
+                .next()
+                .unwrap_or_default();
+            if file.starts_with(b"libcudart.so") {
+                found.push(path.to_owned());
             }
         }
-    })
+        0
+    }
+    let mut found: Vec<CString> = Vec::new();
+    // SAFETY: `each` only reads the entries it is given and pushes to `found`, which outlives
+    // the call; it returns 0 to go on through every object.
+    unsafe { libc::dl_iterate_phdr(Some(each), (&raw mut found).cast()) };
+    found
 }
 
 fn pool_mode() -> bool {
@@ -94,7 +180,7 @@ fn pool_mode() -> bool {
 
 /// The calling thread's current CUDA device, if the runtime answers.
 fn current_device() -> Option<c_int> {
-    let get = runtime().get_device?;
+    let get = runtime_get_device()?;
     let mut device = -1;
     // SAFETY: the runtime's cudaGetDevice with a valid out pointer.
     (unsafe { get(&mut device) } == CUDA_SUCCESS).then_some(device)
@@ -169,7 +255,7 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
             CUDA_SUCCESS
         }
         Served::Refused => CUDA_ERROR_MEMORY_ALLOCATION,
-        Served::Pass => match runtime().malloc {
+        Served::Pass => match runtime_malloc() {
             // SAFETY: the runtime's own cudaMalloc with the caller's arguments.
             Some(malloc) => unsafe { malloc(dev_ptr, size) },
             None => CUDA_ERROR_NO_RUNTIME,
@@ -198,7 +284,7 @@ pub unsafe extern "C" fn cudaMallocAsync(
             CUDA_SUCCESS
         }
         Served::Refused => CUDA_ERROR_MEMORY_ALLOCATION,
-        Served::Pass => match runtime().malloc_async {
+        Served::Pass => match runtime_malloc_async() {
             // SAFETY: the runtime's own cudaMallocAsync with the caller's arguments.
             Some(malloc) => unsafe { malloc(dev_ptr, size, stream) },
             None => CUDA_ERROR_NO_RUNTIME,
@@ -225,13 +311,13 @@ fn warn_other_gpu(device: c_int, gpu: u32) {
 pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
     if !frees_here(ptr) {
         stats::passed(Hook::CudaFree);
-        return match runtime().free {
+        return match runtime_free() {
             // SAFETY: the runtime's own cudaFree with the caller's argument.
             Some(free) => unsafe { free(ptr) },
             None => CUDA_ERROR_NO_RUNTIME,
         };
     }
-    if let Some(sync) = runtime().synchronize {
+    if let Some(sync) = runtime_synchronize() {
         // SAFETY: the runtime's cudaDeviceSynchronize takes no arguments.
         let r = unsafe { sync() };
         if r != CUDA_SUCCESS {
@@ -252,7 +338,7 @@ pub unsafe extern "C" fn cudaFree(ptr: *mut c_void) -> c_int {
 pub unsafe extern "C" fn cudaFreeAsync(ptr: *mut c_void, stream: *mut c_void) -> c_int {
     if !frees_here(ptr) {
         stats::passed(Hook::CudaFreeAsync);
-        return match runtime().free_async {
+        return match runtime_free_async() {
             // SAFETY: the runtime's own cudaFreeAsync with the caller's arguments.
             Some(free) => unsafe { free(ptr, stream) },
             None => CUDA_ERROR_NO_RUNTIME,

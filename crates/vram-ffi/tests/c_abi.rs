@@ -136,6 +136,33 @@ fn c_program_gets_cuda_runtime_allocations_from_vramd_in_pool_mode() {
     assert!(status.success(), "interpose.c failed:\n{seen}");
 }
 
+/// A CUDA runtime that a library loaded with `RTLD_LOCAL` brought in (a Python extension's), which
+/// `RTLD_NEXT` does not search, still gets the calls libvram.so passes on (outside pool mode,
+/// all of them): they are not refused for want of a runtime.
+#[test]
+fn a_runtime_loaded_locally_gets_the_calls_libvram_passes_on() {
+    let out = tempfile::tempdir().unwrap();
+    cprog::build_shared("fake_cudart", "libcudart.so.13", out.path());
+    cprog::build_shared_linked(
+        "runtime_user",
+        "libruntime_user.so",
+        out.path(),
+        &["libcudart.so.13"],
+    );
+    let exe = cprog::build("local_runtime", out.path());
+    let run = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", out.path())
+        .env_remove("VRAMD_TORCH_MODE")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success() && stdout.contains("local_runtime: ok"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
 #[test]
 fn allocator_settings_come_from_vramd_alloc_and_a_bad_one_is_a_clear_error() {
     let out = tempfile::tempdir().unwrap();

@@ -77,6 +77,12 @@ pub fn build(name: &str, out: &Path) -> PathBuf {
 /// binding its calls of its own functions to themselves, as the libraries it stands in for do:
 /// libvram.so, preloaded, defines the same names.
 pub fn build_shared(name: &str, soname: &str, out: &Path) -> PathBuf {
+    build_shared_linked(name, soname, out, &[])
+}
+
+/// [`build_shared`], linked against the libraries `libs` (each a file name in `out`, found there
+/// at run time too).
+pub fn build_shared_linked(name: &str, soname: &str, out: &Path, libs: &[&str]) -> PathBuf {
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let lib = out.join(soname);
     let cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "gcc".into()))
@@ -92,6 +98,9 @@ pub fn build_shared(name: &str, soname: &str, out: &Path) -> PathBuf {
         .arg(manifest.join(format!("tests/c/{name}.c")))
         .arg("-o")
         .arg(&lib)
+        .arg(format!("-L{}", out.display()))
+        .args(libs.iter().map(|l| format!("-l:{l}")))
+        .arg(format!("-Wl,-rpath,{}", out.display()))
         .status()
         .expect("gcc runs");
     assert!(cc.success(), "gcc failed on {name}.c");
