@@ -4,9 +4,8 @@
 
 mod common;
 
-use std::time::Duration;
 
-use common::{wait_until, Daemon};
+use common::Daemon;
 use vram_client::{ClientError, Observer};
 use vram_core::Bytes;
 use vram_proto::{Declaration, ErrorCode};
@@ -20,19 +19,6 @@ fn declaration(name: &str, guarantee: Bytes) -> Declaration {
         limit: Some(Bytes::gib(7)),
         owners: vec![],
     }
-}
-
-/// Writes `config` as the daemon's configuration and reloads it (SIGHUP), waiting for the reload.
-fn reload(d: &Daemon, config: &str) {
-    std::fs::write(d.dir().join("vramd.toml"), config).unwrap();
-    rustix::process::kill_process(
-        rustix::process::Pid::from_raw(d.pid() as i32).unwrap(),
-        rustix::process::Signal::HUP,
-    )
-    .unwrap();
-    assert!(wait_until(Duration::from_secs(5), || d
-        .log()
-        .contains("configuration reloaded")));
 }
 
 fn code(e: ClientError) -> (ErrorCode, String) {
@@ -72,7 +58,7 @@ fn runtime_declarations_reserve_survive_a_reload_and_withdraw_takes_their_memory
     );
 
     // A reload of the configuration keeps the runtime declaration.
-    reload(&d, config);
+    d.reload(config);
     assert_eq!(
         admin.declarations().unwrap(),
         vec![declaration("job", Bytes::gib(6))]
@@ -151,7 +137,7 @@ fn a_withdrawn_declaration_gives_way_to_the_configurations_of_its_name() {
     let admin = Observer::connect(Some(&d.socket)).unwrap();
     assert!(admin.declare(&declaration("both", Bytes::gib(2))).unwrap());
     let with_it = format!("{config}[tenants.both]\nguarantee = \"1 GiB\"\n");
-    reload(&d, &with_it);
+    d.reload(&with_it);
     assert!(
         d.log().contains("takes its place when it is withdrawn"),
         "{}",

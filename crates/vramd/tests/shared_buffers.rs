@@ -536,3 +536,37 @@ fn a_version_freed_during_a_scrub_pass_goes_back_at_once() {
     drop(first);
     d.stop();
 }
+
+/// A scrub rate a reload changes applies to the pass under way: a slow pass over a large version
+/// does not keep its rate for the minute it would take, and a rate of 0 ends it.
+#[test]
+fn a_reloaded_scrub_rate_applies_to_the_pass_under_way() {
+    let slow = "capacity = \"1 GiB\"\nmetrics = \"off\"\n[shared]\nscrub_rate = \"1 MiB\"\n";
+    let d = Daemon::start_on(&backend(), slow);
+    let owner = tenant(&d, "trainer");
+    let buf = create(&owner, "weights", Bytes::mib(64));
+    let lease = buf.lease(Duration::from_secs(10)).unwrap();
+    assert_eq!(publish(&buf, &lease, 1), 1);
+    // At 1 MiB/s the first pass would take a minute.
+    assert!(wait_until(Duration::from_secs(10), || d
+        .status()
+        .shared
+        .scrub
+        .bytes
+        > 0));
+    d.reload(&slow.replace("1 MiB", "4 GiB"));
+    assert!(
+        wait_until(Duration::from_secs(5), || d.status().shared.scrub.passes
+            > 0),
+        "the pass kept its rate: {:?}",
+        d.status().shared.scrub
+    );
+    // Turned off, the scrub reads nothing more, in the pass under way or after it.
+    d.reload(&slow.replace("1 MiB", "0"));
+    std::thread::sleep(Duration::from_millis(300));
+    let read = d.status().shared.scrub.bytes;
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(d.status().shared.scrub.bytes, read);
+    drop(lease);
+    d.stop();
+}

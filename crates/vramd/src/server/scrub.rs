@@ -58,8 +58,8 @@ fn run(daemon: &Daemon) {
             std::thread::sleep(TICK);
             continue;
         }
-        let started = Instant::now();
-        let mut done = 0u64;
+        let mut schedule = Schedule::new(rate);
+        let mut turned_off = false;
         for (slot, p) in targets {
             let Some(memory) = daemon.slots[slot].version_memory(p.buffer, p.version) else {
                 continue;
@@ -72,18 +72,23 @@ fn run(daemon: &Daemon) {
                 }
             };
             // Keeps to the rate: after each piece, sleeps until the bytes so far are on schedule.
-            // Stops at once if the version was freed meanwhile (`gone`), so that its memory goes.
+            // Stops at once if the version was freed meanwhile (`gone`), so that its memory goes,
+            // and ends the pass if a reload turned the scrub off.
             let mut gone = false;
             let pace = |n: u64| {
                 if !daemon.slots[slot].keeps_version(p.buffer, p.version) {
                     gone = true;
                     return false;
                 }
-                done += n;
+                schedule.done += n;
                 daemon.shared.scrub.bytes.fetch_add(n, Ordering::Relaxed);
-                let due = Duration::from_secs_f64(done as f64 / rate as f64);
                 loop {
-                    let elapsed = started.elapsed();
+                    if !schedule.follow(daemon.shared.scrub_rate()) {
+                        turned_off = true;
+                        return false;
+                    }
+                    let elapsed = schedule.started.elapsed();
+                    let due = schedule.due();
                     if elapsed >= due {
                         break;
                     }
@@ -107,6 +112,9 @@ fn run(daemon: &Daemon) {
             if gone {
                 continue;
             }
+            if turned_off {
+                break;
+            }
             match read {
                 Ok(Some(actual)) => {
                     daemon.shared.scrub.versions.fetch_add(1, Ordering::Relaxed);
@@ -124,6 +132,40 @@ fn run(daemon: &Daemon) {
                 ),
             }
         }
+        if turned_off {
+            continue;
+        }
         daemon.shared.scrub.passes.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A pass's pace: the bytes read since `started`, due at `rate` bytes a second.
+struct Schedule {
+    rate: u64,
+    started: Instant,
+    done: u64,
+}
+
+impl Schedule {
+    fn new(rate: u64) -> Schedule {
+        Schedule {
+            rate,
+            started: Instant::now(),
+            done: 0,
+        }
+    }
+
+    /// Takes the configured rate, `rate`: a changed one (a reload) applies from now on, a slow
+    /// pass does not keep the rate it started with; false where it is 0, the scrub turned off.
+    fn follow(&mut self, rate: u64) -> bool {
+        if rate != self.rate {
+            *self = Schedule::new(rate);
+        }
+        rate != 0
+    }
+
+    /// When the bytes read so far are due, counted from `started`.
+    fn due(&self) -> Duration {
+        Duration::from_secs_f64(self.done as f64 / self.rate as f64)
     }
 }

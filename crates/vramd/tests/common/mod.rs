@@ -107,6 +107,24 @@ impl Daemon {
         self.inner.as_ref().map(OwnDaemon::log).unwrap_or_default()
     }
 
+    /// Writes `config` as its configuration and reloads it (SIGHUP), waiting up to 5 s for the
+    /// reload to be logged.
+    pub fn reload(&self, config: &str) {
+        let reloads = || self.log().matches("configuration reloaded").count();
+        let before = reloads();
+        std::fs::write(self.dir().join("vramd.toml"), config).unwrap();
+        rustix::process::kill_process(
+            rustix::process::Pid::from_raw(self.pid() as i32).unwrap(),
+            rustix::process::Signal::HUP,
+        )
+        .unwrap();
+        assert!(
+            wait_until(Duration::from_secs(5), || reloads() > before),
+            "the reload was not logged:\n{}",
+            self.log()
+        );
+    }
+
     /// Starts a scripted tenant and waits for its welcome.
     pub fn tenant(&self, name: &str, flags: &[&str]) -> Tenant {
         let mut t = Tenant::spawn(&self.socket, name, flags);
