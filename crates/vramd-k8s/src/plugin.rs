@@ -1,5 +1,7 @@
 //! Preparing and unpreparing claims: the kubelet's two calls, independent of gRPC. One claim at
-//! a time (a lock over the checkpoint), so a retry racing its original sees what it did.
+//! a time (a lock over the checkpoint), so a retry racing its original sees what it did. The
+//! API server is never waited on under that lock: a slow or stalled one holds up the claim that
+//! asked it, not every other claim's prepare and unprepare.
 
 use std::sync::Arc;
 
@@ -23,6 +25,10 @@ async fn on_disk<T: Send + 'static>(
         .await
         .map_err(std::io::Error::other)?
 }
+
+/// How long a read from the API server may take: the kubelet's call ends with an error naming
+/// it rather than wait on a server that stopped answering (the client sets no limit itself).
+const API_PATIENCE: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// The prefix of the tenants this plugin declares: `k8s-` and the claim's uid.
 pub const TENANT_PREFIX: &str = "k8s-";
@@ -133,21 +139,21 @@ impl Plugin {
             ));
         }
         uid_check(c)?;
-        let mut cp = self.checkpoint.lock().await;
-        if let Some(p) = cp.get(&c.uid).cloned() {
-            self.daemon.declare(&p.declaration).await.map_err(|e| {
-                format!("claim {c} was prepared, but declaring it again failed: {e}")
-            })?;
-            let (layout, uid) = (self.layout.clone(), c.uid.clone());
-            let spec = on_disk(move || Ok(cdi::read(&layout, &uid))).await;
-            if !matches!(spec, Ok(Some(_))) {
-                self.write_spec(&c.uid, &p.declaration).await?;
+        {
+            let cp = self.checkpoint.lock().await;
+            if let Some(p) = cp.get(&c.uid) {
+                return self.prepared_again(c, p).await;
             }
-            return Ok(devices_of(&p));
         }
-        let rc = Api::<ResourceClaim>::namespaced(self.kube.clone(), &c.namespace)
-            .get(&c.name)
+        let claims = Api::<ResourceClaim>::namespaced(self.kube.clone(), &c.namespace);
+        let rc = tokio::time::timeout(API_PATIENCE, claims.get(&c.name))
             .await
+            .map_err(|_| {
+                format!(
+                    "cannot read claim {c} from the API server: no answer within {} s",
+                    API_PATIENCE.as_secs()
+                )
+            })?
             .map_err(|e| format!("cannot read claim {c} from the API server: {e}"))?;
         let uid = rc.metadata.uid.as_deref().unwrap_or("");
         if uid != c.uid {
@@ -214,6 +220,11 @@ impl Plugin {
             limit: Some(limit),
             owners: a.config.uids.clone(),
         };
+        let mut cp = self.checkpoint.lock().await;
+        // A retry of this claim may have prepared it while this one read the API server.
+        if let Some(p) = cp.get(&c.uid) {
+            return self.prepared_again(c, p).await;
+        }
         self.daemon
             .declare(&declaration)
             .await
@@ -249,6 +260,26 @@ impl Plugin {
             class = declaration.class, "claim prepared"
         );
         Ok(devices_of(&prepared))
+    }
+
+    /// A claim prepared before (`p`, its checkpoint entry) answered as then: its declaration
+    /// made again, should the daemon have restarted since, and its CDI spec written again if it
+    /// is missing. Called with the checkpoint's lock held.
+    async fn prepared_again(
+        &self,
+        c: &ClaimRef,
+        p: &Prepared,
+    ) -> Result<Vec<PreparedDevice>, String> {
+        self.daemon
+            .declare(&p.declaration)
+            .await
+            .map_err(|e| format!("claim {c} was prepared, but declaring it again failed: {e}"))?;
+        let (layout, uid) = (self.layout.clone(), c.uid.clone());
+        let spec = on_disk(move || Ok(cdi::read(&layout, &uid))).await;
+        if !matches!(spec, Ok(Some(_))) {
+            self.write_spec(&c.uid, &p.declaration).await?;
+        }
+        Ok(devices_of(p))
     }
 
     async fn write_spec(&self, uid: &str, d: &Declaration) -> Result<(), String> {

@@ -30,6 +30,8 @@ struct Store {
     no_consumable_capacity: bool,
     /// `METHOD PATH?QUERY` of every request, in order.
     requests: Vec<String>,
+    /// Claims (namespace, name) whose reads are never answered, as by a server that stalled.
+    stalled: std::collections::BTreeSet<(String, String)>,
 }
 
 type Shared = Arc<Mutex<Store>>;
@@ -212,7 +214,11 @@ async fn get_claim(
     State(s): State<Shared>,
     UrlPath((ns, name)): UrlPath<(String, String)>,
 ) -> Response {
-    match lock(&s).claims.get(&(ns, name.clone())) {
+    let key = (ns, name.clone());
+    if lock(&s).stalled.contains(&key) {
+        return std::future::pending().await;
+    }
+    match lock(&s).claims.get(&key) {
         Some(v) => Json(v.clone()).into_response(),
         None => not_found(&format!("resourceclaims.resource.k8s.io \"{name}\"")),
     }
@@ -304,6 +310,13 @@ impl StandIn {
             .to_string();
         let name = claim["metadata"]["name"].as_str().unwrap_or("").to_string();
         lock(&self.store).claims.insert((ns, name), claim);
+    }
+
+    /// From now on, reads of claim `namespace/name` are never answered.
+    pub fn stall_claim(&self, namespace: &str, name: &str) {
+        lock(&self.store)
+            .stalled
+            .insert((namespace.to_string(), name.to_string()));
     }
 
     /// The ResourceSlices stored now.

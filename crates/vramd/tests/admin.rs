@@ -4,7 +4,6 @@
 
 mod common;
 
-
 use common::Daemon;
 use vram_client::{ClientError, Observer};
 use vram_core::Bytes;

@@ -10,7 +10,7 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{wait_until, Daemon, VRAMD};
 use serde_json::json;
@@ -693,4 +693,54 @@ fn a_plugin_restart_or_a_daemon_restart_loses_no_claim_and_doubles_none() {
     assert_eq!(Kubelet::dial(&node.dra_socket()).unprepare("a", UID_A), "");
     assert!(declared().is_empty());
     assert!(node.cdi_specs().is_empty());
+}
+
+/// An API server that stops answering holds up only the claim whose read it never answers: other
+/// claims are prepared and unprepared meanwhile, and the stalled one fails with the reason
+/// within the plugin's limit.
+#[test]
+fn a_stalled_api_server_read_holds_up_no_other_claim() {
+    let daemon = Daemon::start("capacity = \"8 GiB\"\npriority_reserve = \"0\"\n");
+    let node = Node::start(&daemon);
+    let endpoint = node.dra_socket();
+    assert!(wait_until(Duration::from_secs(10), || endpoint.exists()));
+    node.api.stall_claim("team", "slow");
+    node.api
+        .put_claim(claim("quick", "u-quick", "gpu-0", "1Gi", json!({})));
+    let stalled = {
+        let endpoint = endpoint.clone();
+        std::thread::spawn(move || {
+            let started = Instant::now();
+            let answer = Kubelet::dial(&endpoint).prepare("slow", "u-slow");
+            (answer.error, started.elapsed())
+        })
+    };
+    assert!(wait_until(Duration::from_secs(5), || node
+        .api
+        .requests()
+        .iter()
+        .any(|r| r.contains("resourceclaims/slow"))));
+    // The other claims' calls, on a thread of their own: a call held up would hang the test.
+    let (done, answers) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut kubelet = Kubelet::dial(&endpoint);
+        let _ = done.send((
+            kubelet.prepare("quick", "u-quick").error,
+            kubelet.unprepare("quick", "u-quick"),
+            kubelet.unprepare("ghost", "u-ghost"),
+        ));
+    });
+    let answers = answers.recv_timeout(Duration::from_secs(5));
+    assert_eq!(
+        answers,
+        Ok((String::new(), String::new(), String::new())),
+        "the other claims' calls (none within 5 s: held up by the stalled read)"
+    );
+    let (error, took) = stalled.join().unwrap();
+    assert!(
+        error.contains("cannot read claim team/slow") && error.contains("no answer within"),
+        "{error}"
+    );
+    assert!(took < Duration::from_secs(30), "{took:?}");
+    assert!(node.cdi_specs().is_empty(), "{:?}", node.cdi_specs());
 }
