@@ -145,3 +145,87 @@ fn the_helm_chart_parses_and_its_templates_use_only_values_it_defines() {
     }
     assert!(used > 0);
 }
+
+/// The daemon's configuration, as the ConfigMap and the chart's values give it.
+fn daemon_configs() -> Vec<(String, String)> {
+    let cm: ConfigMap =
+        serde_saphyr::from_str(&std::fs::read_to_string(deploy().join("configmap.yaml")).unwrap())
+            .unwrap();
+    let values: Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(deploy().join("helm/vramd/values.yaml")).unwrap(),
+    )
+    .unwrap();
+    vec![
+        (
+            "configmap.yaml".into(),
+            cm.data.unwrap()["vramd.toml"].clone(),
+        ),
+        (
+            "values.yaml".into(),
+            values["config"].as_str().unwrap().to_string(),
+        ),
+    ]
+}
+
+/// On a node where the daemon cannot open the GPU (no driver in its container), it stops with
+/// the reason: `auto` would serve host memory, published as the node's GPU.
+#[test]
+fn the_daemon_serves_the_gpu_or_does_not_start() {
+    for (file, text) in daemon_configs() {
+        let config: toml::Table = toml::from_str(&text).unwrap_or_else(|e| panic!("{file}: {e}"));
+        assert_eq!(
+            config.get("backend").and_then(|b| b.as_str()),
+            Some("cuda"),
+            "{file}"
+        );
+    }
+}
+
+/// The init container installs libvram.so beside the old one and renames it over: a pod that
+/// has the old one loaded keeps its pages (a copy over the file would rewrite them under it).
+#[test]
+fn libvram_is_installed_by_rename_so_running_pods_keep_the_one_they_loaded() {
+    let ds: DaemonSet =
+        serde_saphyr::from_str(&std::fs::read_to_string(deploy().join("daemonset.yaml")).unwrap())
+            .unwrap();
+    let init = ds
+        .spec
+        .unwrap()
+        .template
+        .spec
+        .unwrap()
+        .init_containers
+        .unwrap();
+    let install = init.iter().find(|c| c.name == "install-libvram").unwrap();
+    let command = install.command.clone().unwrap();
+    let chart =
+        std::fs::read_to_string(deploy().join("helm/vramd/templates/daemonset.yaml")).unwrap();
+    assert!(
+        chart.contains(command.last().unwrap()),
+        "the chart installs libvram.so otherwise: {command:?}"
+    );
+    assert_eq!(&command[..2], ["sh", "-c"], "{command:?}");
+
+    let image = tempfile::tempdir().unwrap();
+    let host = tempfile::tempdir().unwrap();
+    std::fs::write(image.path().join("libvram.so"), b"new").unwrap();
+    std::fs::write(host.path().join("libvram.so"), b"old").unwrap();
+    let loaded = std::fs::File::open(host.path().join("libvram.so")).unwrap();
+    let script = command[2]
+        .replace("/usr/lib/vramd/", &format!("{}/", image.path().display()))
+        .replace("/host-lib/", &format!("{}/", host.path().display()));
+    let ran = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .status()
+        .unwrap();
+    assert!(ran.success(), "{script}");
+    let mut kept = String::new();
+    std::io::Read::read_to_string(&mut &loaded, &mut kept).unwrap();
+    assert_eq!(kept, "old", "the file a pod has open was rewritten");
+    assert_eq!(
+        std::fs::read(host.path().join("libvram.so")).unwrap(),
+        b"new"
+    );
+    let left: Vec<_> = std::fs::read_dir(host.path()).unwrap().flatten().collect();
+    assert_eq!(left.len(), 1, "{left:?}");
+}
