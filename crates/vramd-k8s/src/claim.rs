@@ -45,6 +45,10 @@ pub struct MemoryConfig {
     /// The daemon's priority class for the tenant. Unset: the daemon's default class.
     #[serde(default)]
     pub priority_class: Option<String>,
+    /// Whether `priority_class` is the claim's own choice, not its device class's: a claim's
+    /// author may name only the classes the plugin allows claims (`--claim-classes`).
+    #[serde(skip)]
+    pub class_from_claim: bool,
     /// The uids that may connect as the tenant. Unset: any uid the daemon allows.
     #[serde(default)]
     pub uids: Vec<u32>,
@@ -173,7 +177,8 @@ pub fn allocated(claim: &ResourceClaim, driver: &str, node: &str) -> Result<Allo
 }
 
 /// The configuration for `driver` that applies to `requests`: the class's first, the claim's
-/// over it (a later setting wins, field by field).
+/// over it (a later setting wins, field by field), but for the priority class: one the device
+/// class sets is the administrators' and binds the claim, which may not name another.
 fn config_for<'a>(
     configs: impl Iterator<Item = &'a DeviceAllocationConfiguration>,
     driver: &str,
@@ -217,8 +222,20 @@ fn config_for<'a>(
         if m.limit.is_some() {
             out.limit = m.limit;
         }
-        if m.priority_class.is_some() {
-            out.priority_class = m.priority_class;
+        if let Some(class) = m.priority_class {
+            let from_claim = c.source != "FromClass";
+            match &out.priority_class {
+                Some(set) if from_claim && !out.class_from_claim && *set != class => {
+                    return Err(bad(format!(
+                        "the claim names priority class `{class}`, but its device class sets `{set}`"
+                    )));
+                }
+                Some(_) if from_claim && !out.class_from_claim => {}
+                _ => {
+                    out.priority_class = Some(class);
+                    out.class_from_claim = from_claim;
+                }
+            }
         }
         if !m.uids.is_empty() {
             out.uids = m.uids;
@@ -264,7 +281,45 @@ mod tests {
         assert_eq!(a.consumed, Some(Bytes::gib(4)));
         assert_eq!(a.config.limit().unwrap(), Some(Bytes::gib(6)));
         assert_eq!(a.config.priority_class.as_deref(), Some("low"));
+        assert!(!a.config.class_from_claim);
         assert_eq!(a.config.uids, vec![1000]);
+    }
+
+    #[test]
+    fn a_priority_class_its_device_class_sets_binds_the_claim() {
+        let results = serde_json::json!([{"request": "mem", "driver": "vramd.io",
+            "pool": "node-a", "device": "gpu-0"}]);
+        let config = |source: &str, class: &str| {
+            serde_json::json!({"source": source, "opaque": {"driver": "vramd.io",
+                "parameters": {"priorityClass": class}}})
+        };
+        let read = |configs: Vec<serde_json::Value>| {
+            allocated(
+                &claim(results.clone(), serde_json::Value::Array(configs)),
+                "vramd.io",
+                "node-a",
+            )
+        };
+        // The claim's own: said so, for the plugin to check against what claims may name.
+        let own = read(vec![config("FromClaim", "high")]).unwrap().config;
+        assert_eq!(own.priority_class.as_deref(), Some("high"));
+        assert!(own.class_from_claim);
+        // The device class's, and the claim naming the same: the class's.
+        let same = read(vec![config("FromClaim", "low"), config("FromClass", "low")]);
+        let same = same.unwrap().config;
+        assert_eq!(same.priority_class.as_deref(), Some("low"));
+        assert!(!same.class_from_claim);
+        // Another than its device class's: refused, whatever the order they are listed in.
+        let e = read(vec![
+            config("FromClaim", "high"),
+            config("FromClass", "low"),
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("names priority class `high`, but its device class sets `low`"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -59,6 +59,12 @@ struct Args {
     /// granularity).
     #[arg(long, default_value = "64MiB")]
     request_step: Bytes,
+    /// The daemon's priority classes a claim's own configuration may name, comma-separated. A
+    /// DeviceClass's configuration, which the cluster's administrators write, may set any class
+    /// and binds the claims of that class; a claim that names a class not listed here is
+    /// refused, so that whoever may create a claim does not choose its priority.
+    #[arg(long, value_delimiter = ',', default_value = vram_core::broker::Policy::DEFAULT_CLASS)]
+    claim_classes: Vec<String>,
 }
 
 fn main() -> anyhow::Result<()> {
@@ -112,6 +118,7 @@ async fn serve(args: Args) -> anyhow::Result<()> {
         daemon.clone(),
         kube.clone(),
         &plugin_dir.join("checkpoint.json"),
+        args.claim_classes.clone(),
     )?;
     if let Err(e) = plugin.reconcile().await {
         tracing::warn!("cannot check the daemon's declarations at start: {e}");

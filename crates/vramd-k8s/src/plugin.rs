@@ -101,6 +101,8 @@ pub struct Plugin {
     pub daemon: DaemonLink,
     kube: kube::Client,
     checkpoint: Mutex<Checkpoint>,
+    /// The daemon's priority classes a claim's own configuration may name.
+    claim_classes: Vec<String>,
 }
 
 fn devices_of(p: &Prepared) -> Vec<PreparedDevice> {
@@ -119,6 +121,7 @@ impl Plugin {
         daemon: DaemonLink,
         kube: kube::Client,
         checkpoint: &std::path::Path,
+        claim_classes: Vec<String>,
     ) -> anyhow::Result<Arc<Plugin>> {
         Ok(Arc::new(Plugin {
             id,
@@ -126,6 +129,7 @@ impl Plugin {
             daemon,
             kube,
             checkpoint: Mutex::new(Checkpoint::load(checkpoint)?),
+            claim_classes,
         }))
     }
 
@@ -165,6 +169,16 @@ impl Plugin {
         }
         let a = claim::allocated(&rc, &self.id.driver, &self.id.node)
             .map_err(|e| format!("claim {c}: {e}"))?;
+        if let Some(class) = a.config.priority_class.as_ref() {
+            if a.config.class_from_claim && !self.claim_classes.contains(class) {
+                return Err(format!(
+                    "claim {c} names priority class `{class}`, which claims may not name on \
+                     this node (the plugin's --claim-classes: {}); a DeviceClass's configuration \
+                     may set it",
+                    self.claim_classes.join(", ")
+                ));
+            }
+        }
         let gpu = device_index(&a.device).ok_or_else(|| {
             format!(
                 "claim {c} is allocated device {}, which is not a device this plugin publishes \

@@ -423,14 +423,20 @@ fn the_kubelet_prepares_two_claims_their_pods_are_tenants_and_unprepare_takes_ev
     // Two claims on the one GPU: A was given 512 MiB (its limit), B 1 GiB with a limit of 2 GiB.
     node.api
         .put_claim(claim("a", UID_A, "gpu-0", "512Mi", json!({})));
-    node.api.put_claim(claim(
+    // B's priority class is its device class's (the administrators'): a claim may not name it.
+    let mut b = claim(
         "b",
         UID_B,
         "gpu-0",
         "1Gi",
-        json!({"apiVersion": "vramd.io/v1alpha1", "kind": "MemoryConfig", "limit": "2Gi",
-               "priorityClass": "high"}),
-    ));
+        json!({"apiVersion": "vramd.io/v1alpha1", "kind": "MemoryConfig", "limit": "2Gi"}),
+    );
+    b["status"]["allocation"]["devices"]["config"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"source": "FromClass", "requests": ["gpu-memory"],
+            "opaque": {"driver": DRIVER, "parameters": {"priorityClass": "high"}}}));
+    node.api.put_claim(b);
     let both = vec![claim_ref("a", UID_A), claim_ref("b", UID_B)];
     let mut dra = rt.block_on(async { DraPluginClient::new(dial(endpoint.clone()).await) });
     let prepared = rt
@@ -605,6 +611,33 @@ fn bad_claims_and_a_daemon_that_is_down_are_clear_errors_that_leave_nothing_behi
         let e = kubelet.prepare("odd", uid).error;
         assert!(e.contains("its uid is not one Kubernetes gives"), "{e}");
     }
+
+    // A priority class the claim names itself, not its device class: only those the plugin
+    // allows claims (`--claim-classes`, by default the daemon's default class).
+    node.api.put_claim(claim(
+        "vip",
+        "u-vip",
+        "gpu-0",
+        "1Gi",
+        json!({"priorityClass": "high"}),
+    ));
+    let e = kubelet.prepare("vip", "u-vip").error;
+    assert!(
+        e.contains("names priority class `high`, which claims may not name")
+            && e.contains("--claim-classes: normal"),
+        "{e}"
+    );
+    nothing_left("a priority class the claim may not name");
+    node.api.put_claim(claim(
+        "plain",
+        "u-plain",
+        "gpu-0",
+        "1Gi",
+        json!({"priorityClass": "normal"}),
+    ));
+    assert_eq!(kubelet.prepare("plain", "u-plain").error, "");
+    assert_eq!(kubelet.unprepare("plain", "u-plain"), "");
+    nothing_left("after unprepare");
 
     let e = kubelet.prepare("missing", "u-missing").error;
     assert!(e.contains("cannot read claim team/missing"), "{e}");
