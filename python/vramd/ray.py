@@ -115,9 +115,13 @@ def options(memory, limit=None, priority=None, gpu=None, torch_mode="full", prel
 
 
 def _merge(ours, theirs):
-    """Ray options: the caller's on top of ours, runtime_env and resources merged key by key."""
+    """Ray options: the caller's on top of ours, runtime_env and resources merged key by key. A
+    runtime_env or resources of None (a wrapper passing on an argument it was not given) leaves
+    ours: without them the task would not become a tenant."""
     out = dict(ours)
     for k, v in theirs.items():
+        if k in ("resources", "runtime_env") and v is None:
+            continue
         if k in ("resources", "runtime_env") and isinstance(v, dict):
             merged = dict(out.get(k, {}))
             for kk, vv in v.items():

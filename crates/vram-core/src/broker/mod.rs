@@ -347,15 +347,21 @@ impl Broker {
     /// Whom to ask for idle memory so that the deficit closes: borrowers' caches (memory held
     /// above a guarantee and idle), lowest priority first, then the largest cache.
     pub fn deficit_plan(&self) -> Vec<ReclaimAsk> {
-        self.borrowers_plan(None, self.deficit())
+        self.borrowers_plan(None, self.deficit(), &|_| false)
     }
 
-    /// Asks for at most `short` from the idle memory of borrowers other than `except`.
-    fn borrowers_plan(&self, except: Option<TenantId>, mut short: Bytes) -> Vec<ReclaimAsk> {
+    /// Asks for at most `short` from the idle memory of borrowers other than `except` and those
+    /// `skip` names.
+    fn borrowers_plan(
+        &self,
+        except: Option<TenantId>,
+        mut short: Bytes,
+        skip: &dyn Fn(TenantId) -> bool,
+    ) -> Vec<ReclaimAsk> {
         let mut candidates: Vec<(TenantId, &Tenant, Bytes)> = self
             .tenants
             .iter()
-            .filter(|(other, _)| Some(**other) != except)
+            .filter(|(other, _)| Some(**other) != except && !skip(**other))
             .map(|(other, u)| {
                 let above = u.total().saturating_sub(u.guarantee);
                 (*other, u, u.cached.min(above))
@@ -862,7 +868,13 @@ impl Broker {
     /// Whom to ask for idle memory so that `id` could take `bytes`: tenants whose returned cache
     /// would lower the committed total (held above guarantee), lowest priority first, then the
     /// largest cache. Empty when nobody's cache would help or the request is over its limit anyway.
-    pub fn reclaim_plan(&self, id: TenantId, bytes: Bytes) -> Vec<ReclaimAsk> {
+    /// Tenants `skip` names are left out (the daemon's: those that cannot answer now).
+    pub fn reclaim_plan(
+        &self,
+        id: TenantId,
+        bytes: Bytes,
+        skip: &dyn Fn(TenantId) -> bool,
+    ) -> Vec<ReclaimAsk> {
         let Some(t) = self.tenants.get(&id) else {
             return Vec::new();
         };
@@ -884,7 +896,7 @@ impl Broker {
             extra
         };
         let short = need_free.saturating_sub(self.free());
-        self.borrowers_plan(Some(id), short)
+        self.borrowers_plan(Some(id), short, skip)
     }
 
     pub fn snapshot(&self) -> BrokerSnapshot {

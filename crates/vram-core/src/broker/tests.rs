@@ -192,7 +192,7 @@ fn reclaim_plan_asks_lowest_priority_cache_first() {
     b.report_usage(lo, Bytes::gib(2), Bytes::gib(4));
     b.report_usage(mid, Bytes::gib(1), Bytes::gib(5));
     // 4 GiB is free; 4 GiB more must come back, from the lowest priority first.
-    let plan = b.reclaim_plan(hi, Bytes::gib(8));
+    let plan = b.reclaim_plan(hi, Bytes::gib(8), &|_| false);
     assert_eq!(
         plan,
         vec![ReclaimAsk {
@@ -200,7 +200,7 @@ fn reclaim_plan_asks_lowest_priority_cache_first() {
             bytes: Bytes::gib(4)
         }]
     );
-    let plan = b.reclaim_plan(hi, Bytes::gib(11));
+    let plan = b.reclaim_plan(hi, Bytes::gib(11), &|_| false);
     assert_eq!(
         plan,
         vec![
@@ -214,8 +214,17 @@ fn reclaim_plan_asks_lowest_priority_cache_first() {
             },
         ]
     );
+    // A tenant the daemon says cannot answer now is left out: the next is asked instead.
+    let plan = b.reclaim_plan(hi, Bytes::gib(8), &|t| t == lo);
+    assert_eq!(
+        plan,
+        vec![ReclaimAsk {
+            tenant: mid,
+            bytes: Bytes::gib(4)
+        }]
+    );
     // Nothing to ask when the request would be over the limit anyway.
-    assert!(b.reclaim_plan(hi, Bytes::gib(17)).is_empty());
+    assert!(b.reclaim_plan(hi, Bytes::gib(17), &|_| false).is_empty());
 }
 
 #[derive(Debug, Clone)]

@@ -22,6 +22,8 @@ struct State {
     shared: Books,
     /// Grants waiting on `Slot::returned`: only then is memory coming back signalled.
     waiting: usize,
+    /// The tenants with a grant waiting on a reclaim (see [`Slot::reserve`]).
+    waiters: HashMap<TenantId, Waiter>,
     /// The driver's figures as last reconciled (`None`: never read).
     driver: Option<DriverView>,
     /// Grants booked without a handle here: a tenant adopted after a daemon restart holds them
@@ -214,6 +216,14 @@ pub trait ReclaimSender {
     fn asker_gone(&self) -> bool;
 }
 
+/// A tenant with grants waiting on a reclaim: how many, and whether a tenant of higher priority
+/// asked it for memory, which it can give back only once its own waits end.
+#[derive(Debug, Default)]
+struct Waiter {
+    waits: usize,
+    give_way: bool,
+}
+
 /// How often a grant waiting on a reclaim looks whether its tenant is still there.
 const LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -236,6 +246,7 @@ impl Slot {
                 conn_of: HashMap::new(),
                 shared: Books::default(),
                 waiting: 0,
+                waiters: HashMap::new(),
                 driver: None,
                 adopted: HashMap::new(),
                 pending: HashMap::new(),
@@ -952,6 +963,14 @@ impl Slot {
     /// Books `size` for `tenant`'s connection `conn` as `how` says, asking tenants with idle
     /// memory for it first when it does not fit. Refused if a program has joined the tenant
     /// meanwhile (the tenant's memory is then the program's: [`Slot::memory_side`]).
+    ///
+    /// A tenant whose own grant waits on a reclaim cannot answer an ask until that wait ends: its
+    /// connection's requests are served one at a time, and its allocator is busy growing. Two
+    /// such tenants asking each other would both wait out the timeout, and one be refused although
+    /// the memory was there. So a waiting tenant of the asker's priority or above is not asked
+    /// (the asker is refused at once where no one else can help, and the waiting one's ask is
+    /// then answered), and one of lower priority is told to give way: its wait ends at once,
+    /// refused with reason `gave_way`, and it answers the ask.
     fn reserve(
         &self,
         tenant: TenantId,
@@ -963,9 +982,32 @@ impl Slot {
     ) -> Result<(), ErrorReply> {
         let mut s = self.lock();
         if s.broker.check_grant(tenant, size).is_err() {
-            let plan = s.broker.reclaim_plan(tenant, size);
+            let plan = {
+                let State {
+                    broker, waiters, ..
+                } = &*s;
+                let mine = broker.tenant(tenant).map_or(0, |t| t.priority);
+                let cannot_answer = |other: TenantId| {
+                    waiters.contains_key(&other)
+                        && broker.tenant(other).is_none_or(|t| t.priority >= mine)
+                };
+                broker.reclaim_plan(tenant, size, &cannot_answer)
+            };
             if !plan.is_empty() {
+                let mut gave_way = false;
+                for ask in &plan {
+                    if let Some(w) = s.waiters.get_mut(&ask.tenant) {
+                        w.give_way = true;
+                        gave_way = true;
+                    }
+                }
+                if gave_way {
+                    self.returned.notify_all();
+                }
                 let targets = conns_of(&s, &plan);
+                // Waiting from before the asks go out, so that no one's plan counts on this
+                // tenant's answer in the meantime.
+                s.waiters.entry(tenant).or_default().waits += 1;
                 drop(s);
                 for (conn, b) in targets {
                     reclaim.ask(conn, b);
@@ -974,10 +1016,11 @@ impl Slot {
                 let asked = Instant::now();
                 let deadline = asked + timeout;
                 s.waiting += 1;
-                let mut gone = false;
+                let (mut gone, mut yielded) = (false, false);
                 while s.broker.check_grant(tenant, size).is_err() {
                     let left = deadline.saturating_duration_since(Instant::now());
-                    if left.is_zero() {
+                    yielded = s.waiters.get(&tenant).is_some_and(|w| w.give_way);
+                    if left.is_zero() || yielded {
                         break;
                     }
                     s = self
@@ -991,6 +1034,24 @@ impl Slot {
                     }
                 }
                 s.waiting -= 1;
+                if let Some(w) = s.waiters.get_mut(&tenant) {
+                    w.waits -= 1;
+                    if w.waits == 0 {
+                        s.waiters.remove(&tenant);
+                    }
+                }
+                if yielded && s.broker.check_grant(tenant, size).is_err() {
+                    reclaim.settled(false, asked.elapsed());
+                    return Err(ErrorReply {
+                        code: ErrorCode::Refused,
+                        reason: Some("gave_way".into()),
+                        message: format!(
+                            "{size} could not wait for idle memory to come back: a tenant of \
+                             higher priority asked this one for its own idle memory, which it \
+                             gives back only once this request ends; nothing is booked"
+                        ),
+                    });
+                }
                 if gone {
                     return Err(ErrorReply {
                         code: ErrorCode::NotRegistered,

@@ -15,6 +15,11 @@ use super::slot::{ReclaimSender, Slot};
 use crate::config::PoolConfig;
 
 fn slot(capacity: Bytes) -> Slot {
+    slot_with(Policy::with_capacity(capacity))
+}
+
+fn slot_with(policy: Policy) -> Slot {
+    let capacity = policy.capacity;
     let dev: Arc<dyn Device> = Arc::new(HostDevice::new(capacity, Bytes::mib(2)).unwrap());
     let pool = Pool::new(
         dev.clone(),
@@ -24,7 +29,7 @@ fn slot(capacity: Bytes) -> Slot {
             initial: 0,
         },
     );
-    Slot::new(0, dev, Policy::with_capacity(capacity), pool).unwrap()
+    Slot::new(0, dev, policy, pool).unwrap()
 }
 
 fn uid() -> u32 {
@@ -461,4 +466,119 @@ fn a_reached_return_overtaken_by_its_tenants_disconnect_stays_booked() {
         .map(|k| k.bytes)
         .sum();
     assert_eq!(kept, Bytes::mib(8));
+}
+
+/// Records the connections asked for memory.
+#[derive(Default)]
+struct Asked(std::cell::RefCell<Vec<u64>>);
+
+impl ReclaimSender for Asked {
+    fn ask(&self, conn: u64, _bytes: Bytes) {
+        self.0.borrow_mut().push(conn);
+    }
+
+    fn settled(&self, _satisfied: bool, _waited: Duration) {}
+
+    fn asker_gone(&self) -> bool {
+        false
+    }
+}
+
+/// Tenant `name` of class `class` on connection `conn`, holding `bytes`, all of it idle.
+fn idle_tenant(
+    slot: &Slot,
+    name: &str,
+    class: &str,
+    conn: u64,
+    bytes: Bytes,
+) -> (TenantId, Vec<GrantId>) {
+    let req = TenantRequest {
+        class: Some(class.into()),
+        ..request(name)
+    };
+    let t = slot.connect(req, conn, None).unwrap().0;
+    let never = OnAsk(Cell::new(None));
+    let grants = slot
+        .grant_many(t, conn, &[bytes], Duration::from_secs(1), &never)
+        .unwrap()
+        .into_iter()
+        .map(|(id, _, _)| id)
+        .collect();
+    slot.report_usage(t, Bytes::ZERO, bytes);
+    (t, grants)
+}
+
+/// Two tenants of one priority that grow at once, each with idle memory the other could use: the
+/// second to ask does not ask the first, whose grant waits (it could answer only once that wait
+/// ended), and is refused at once; its answer to the first's ask then ends the first's wait.
+#[test]
+fn a_tenant_waiting_for_memory_is_not_asked_for_its_own() {
+    let slot = slot(Bytes::mib(64));
+    let (a, _) = idle_tenant(&slot, "a", "normal", 1, Bytes::mib(32));
+    let (b, b_grants) = idle_tenant(&slot, "b", "normal", 2, Bytes::mib(32));
+    let wait = Duration::from_secs(5);
+    let b_grows_meanwhile = OnAsk(Cell::new(Some(Box::new(|| {
+        let asked = Asked::default();
+        let started = std::time::Instant::now();
+        let e = slot
+            .grant_many(b, 2, &[Bytes::mib(4)], wait, &asked)
+            .unwrap_err();
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "b waited {:?}: {e:?}",
+            started.elapsed()
+        );
+        assert!(asked.0.borrow().is_empty(), "b asked {:?}", asked.0);
+        slot.give_back(b, &b_grants).unwrap();
+    }))));
+    let started = std::time::Instant::now();
+    slot.grant_many(a, 1, &[Bytes::mib(4)], wait, &b_grows_meanwhile)
+        .unwrap();
+    assert!(started.elapsed() < Duration::from_secs(1));
+}
+
+/// A tenant whose grant waits on a reclaim, asked for its idle memory by a tenant of higher
+/// priority, gives way: its wait ends at once, refused (`gave_way`), so that it can answer.
+#[test]
+fn a_waiting_tenant_gives_way_to_a_higher_priority_ask() {
+    let mut policy = Policy::with_capacity(Bytes::mib(64));
+    policy.classes.get_mut("high").unwrap().users.push(uid());
+    let slot = slot_with(policy);
+    let (low, low_grants) = idle_tenant(&slot, "low", "low", 1, Bytes::mib(32));
+    // The tenant `low` asks, which never answers.
+    idle_tenant(&slot, "mute", "normal", 2, Bytes::mib(32));
+    let high = slot.connect(
+        TenantRequest {
+            class: Some("high".into()),
+            ..request("high")
+        },
+        3,
+        None,
+    );
+    let high = high.unwrap().0;
+    let wait = Duration::from_secs(10);
+    let slot = &slot;
+    std::thread::scope(|scope| {
+        let (waiting, low_is_waiting) = std::sync::mpsc::channel();
+        let low_grows = scope.spawn(move || {
+            let started = std::time::Instant::now();
+            let tell = OnAsk(Cell::new(Some(Box::new(move || {
+                let _ = waiting.send(());
+            }))));
+            let e = slot.grant_many(low, 1, &[Bytes::mib(4)], wait, &tell);
+            (e.map(|_| ()), started.elapsed())
+        });
+        low_is_waiting.recv_timeout(wait).unwrap();
+        let low_answers = OnAsk(Cell::new(Some(Box::new(|| {
+            let (e, waited) = low_grows.join().unwrap();
+            let e = e.unwrap_err();
+            assert_eq!(e.reason.as_deref(), Some("gave_way"), "{e:?}");
+            assert!(waited < Duration::from_secs(2), "{waited:?}");
+            slot.give_back(low, &low_grants).unwrap();
+        }))));
+        let started = std::time::Instant::now();
+        slot.grant_many(high, 3, &[Bytes::mib(4)], wait, &low_answers)
+            .unwrap();
+        assert!(started.elapsed() < Duration::from_secs(2));
+    });
 }

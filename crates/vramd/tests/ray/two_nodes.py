@@ -115,6 +115,11 @@ def main():
         w1, w2 = ray.get([a1.where.remote(), a2.where.remote()], timeout=120)
         assert {w1[0], w2[0]} == {"head", "worker"}, (w1, w2)
         small = vr.options(memory="1GiB", limit="1GiB")
+        # A caller's runtime_env or resources of None (a wrapper passing its arguments on) keeps
+        # vramd's: without them the task would run as no tenant.
+        passed_on = vr.options(memory="1GiB", runtime_env=None, resources=None)
+        assert passed_on["resources"] == {vr.RESOURCE: 1024}, passed_on
+        assert passed_on["runtime_env"]["env_vars"][vr.GUARANTEE_VAR] == str(1 << 30), passed_on
         a3 = Holder.options(**small).remote()
         w3 = ray.get(a3.where.remote(), timeout=120)
         assert w3[0] == "head", w3
