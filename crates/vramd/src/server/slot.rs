@@ -24,6 +24,13 @@ struct State {
     waiting: usize,
     /// The tenants with a grant waiting on a reclaim (see [`Slot::reserve`]).
     waiters: HashMap<TenantId, Waiter>,
+    /// When each tenant last gave memory back.
+    returned_at: HashMap<TenantId, Instant>,
+    /// Tenants asked for idle memory that gave none back before the asker's deadline, and when:
+    /// left out of plans for [`UNFRUITFUL_PAUSE`] or until they give something back. The idle
+    /// memory a tenant reports is its word; one that is stopped, or says it has memory it does
+    /// not give, would otherwise be asked first by every grant and make each wait in vain.
+    unfruitful: HashMap<TenantId, Instant>,
     /// The driver's figures as last reconciled (`None`: never read).
     driver: Option<DriverView>,
     /// Grants booked without a handle here: a tenant adopted after a daemon restart holds them
@@ -224,6 +231,10 @@ struct Waiter {
     give_way: bool,
 }
 
+/// How long a tenant that gave nothing back when asked is not asked again (unless it gives
+/// something back first).
+pub const UNFRUITFUL_PAUSE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// How often a grant waiting on a reclaim looks whether its tenant is still there.
 const LOOK_EVERY: std::time::Duration = std::time::Duration::from_millis(20);
 
@@ -247,6 +258,8 @@ impl Slot {
                 shared: Books::default(),
                 waiting: 0,
                 waiters: HashMap::new(),
+                returned_at: HashMap::new(),
+                unfruitful: HashMap::new(),
                 driver: None,
                 adopted: HashMap::new(),
                 pending: HashMap::new(),
@@ -982,18 +995,38 @@ impl Slot {
     ) -> Result<(), ErrorReply> {
         let mut s = self.lock();
         if s.broker.check_grant(tenant, size).is_err() {
-            let plan = {
+            // Asked and waited on; asked only (see `unfruitful`): still asked, so that one that
+            // does not read its socket is disconnected in time, but waited on by no one.
+            let (plan, unwaited) = {
                 let State {
-                    broker, waiters, ..
+                    broker,
+                    waiters,
+                    unfruitful,
+                    ..
                 } = &*s;
                 let mine = broker.tenant(tenant).map_or(0, |t| t.priority);
-                let cannot_answer = |other: TenantId| {
+                let waiting = |other: TenantId| {
                     waiters.contains_key(&other)
                         && broker.tenant(other).is_none_or(|t| t.priority >= mine)
                 };
-                broker.reclaim_plan(tenant, size, &cannot_answer)
+                let silent = |other: TenantId| {
+                    unfruitful
+                        .get(&other)
+                        .is_some_and(|since| since.elapsed() < UNFRUITFUL_PAUSE)
+                };
+                let plan = broker.reclaim_plan(tenant, size, &|o| waiting(o) || silent(o));
+                let mut unwaited = broker.reclaim_plan(tenant, size, &waiting);
+                unwaited.retain(|ask| silent(ask.tenant));
+                (plan, unwaited)
             };
-            if !plan.is_empty() {
+            let unwaited = conns_of(&s, &unwaited);
+            if plan.is_empty() && !unwaited.is_empty() {
+                drop(s);
+                for (conn, b) in unwaited {
+                    reclaim.ask(conn, b);
+                }
+                s = self.lock();
+            } else if !plan.is_empty() {
                 let mut gave_way = false;
                 for ask in &plan {
                     if let Some(w) = s.waiters.get_mut(&ask.tenant) {
@@ -1008,8 +1041,9 @@ impl Slot {
                 // Waiting from before the asks go out, so that no one's plan counts on this
                 // tenant's answer in the meantime.
                 s.waiters.entry(tenant).or_default().waits += 1;
+                let asking = Instant::now();
                 drop(s);
-                for (conn, b) in targets {
+                for (conn, b) in targets.into_iter().chain(unwaited) {
                     reclaim.ask(conn, b);
                 }
                 s = self.lock();
@@ -1063,6 +1097,14 @@ impl Slot {
                     });
                 }
                 let satisfied = s.broker.check_grant(tenant, size).is_ok();
+                if !satisfied {
+                    for ask in &plan {
+                        let gave = s.returned_at.get(&ask.tenant).is_some_and(|t| *t >= asking);
+                        if !gave {
+                            s.unfruitful.insert(ask.tenant, Instant::now());
+                        }
+                    }
+                }
                 reclaim.settled(satisfied, asked.elapsed());
             }
         }
@@ -1165,6 +1207,10 @@ impl Slot {
         drop(unkept);
         let mut s = self.lock();
         s.broker.release(tenant, bytes);
+        if bytes > Bytes::ZERO || adopted > Bytes::ZERO || kept_bytes > Bytes::ZERO {
+            s.returned_at.insert(tenant, Instant::now());
+            s.unfruitful.remove(&tenant);
+        }
         let held = s.broker.tenant(tenant).map_or(Bytes::ZERO, |t| t.held);
         self.pool.set_room(s.broker.free());
         self.unlock_and_wake(s);
@@ -1182,6 +1228,8 @@ impl Slot {
             let mut s = self.lock();
             s.conn_of.remove(&tenant);
             s.pending.remove(&tenant);
+            s.returned_at.remove(&tenant);
+            s.unfruitful.remove(&tenant);
             s.processes.remove(&tenant);
             s.members.remove(&tenant);
             s.invitations.retain(|_, (t, _)| *t != tenant);

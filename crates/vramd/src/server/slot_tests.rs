@@ -492,6 +492,17 @@ fn idle_tenant(
     conn: u64,
     bytes: Bytes,
 ) -> (TenantId, Vec<GrantId>) {
+    idle_tenant_of(slot, name, class, conn, &[bytes])
+}
+
+/// Tenant `name` of class `class` on connection `conn`, holding grants of `sizes`, all idle.
+fn idle_tenant_of(
+    slot: &Slot,
+    name: &str,
+    class: &str,
+    conn: u64,
+    sizes: &[Bytes],
+) -> (TenantId, Vec<GrantId>) {
     let req = TenantRequest {
         class: Some(class.into()),
         ..request(name)
@@ -499,12 +510,12 @@ fn idle_tenant(
     let t = slot.connect(req, conn, None).unwrap().0;
     let never = OnAsk(Cell::new(None));
     let grants = slot
-        .grant_many(t, conn, &[bytes], Duration::from_secs(1), &never)
+        .grant_many(t, conn, sizes, Duration::from_secs(1), &never)
         .unwrap()
         .into_iter()
         .map(|(id, _, _)| id)
         .collect();
-    slot.report_usage(t, Bytes::ZERO, bytes);
+    slot.report_usage(t, Bytes::ZERO, sizes.iter().copied().sum());
     (t, grants)
 }
 
@@ -581,4 +592,71 @@ fn a_waiting_tenant_gives_way_to_a_higher_priority_ask() {
             .unwrap();
         assert!(started.elapsed() < Duration::from_secs(2));
     });
+}
+
+/// A tenant that reports idle memory but gives none back when asked (stopped, or saying what is
+/// not so) makes one grant wait in vain, not every one: the next are not held up by it (it is
+/// still asked, so that one that does not read is disconnected in time), and the tenants that
+/// answer are asked, until it gives something back.
+#[test]
+fn a_tenant_that_gave_nothing_back_holds_up_no_later_grant() {
+    let slot = slot(Bytes::mib(64));
+    let (liar, liar_grants) = idle_tenant_of(
+        &slot,
+        "liar",
+        "normal",
+        1,
+        &[Bytes::mib(20), Bytes::mib(20)],
+    );
+    let (honest, honest_grants) = idle_tenant(&slot, "honest", "normal", 2, Bytes::mib(24));
+    let needy = connect(&slot, "needy", 3);
+    let wait = Duration::from_millis(500);
+    // The largest idle memory is asked first: the liar's, which never comes.
+    let asked = Asked::default();
+    let started = std::time::Instant::now();
+    let e = slot
+        .grant_many(needy, 3, &[Bytes::mib(4)], wait, &asked)
+        .unwrap_err();
+    assert_eq!(*asked.0.borrow(), vec![1], "{e:?}");
+    assert!(started.elapsed() >= wait);
+    // Then the honest tenant is asked too, and its answer is enough.
+    let mut returns = honest_grants.into_iter();
+    struct Answers<F: FnMut(u64)>(std::cell::RefCell<F>);
+    impl<F: FnMut(u64)> ReclaimSender for Answers<F> {
+        fn ask(&self, conn: u64, _bytes: Bytes) {
+            (self.0.borrow_mut())(conn);
+        }
+        fn settled(&self, _satisfied: bool, _waited: Duration) {}
+        fn asker_gone(&self) -> bool {
+            false
+        }
+    }
+    let answers = |conn: u64| {
+        if conn == 2 {
+            slot.give_back(honest, &[returns.next().unwrap()]).unwrap();
+        }
+    };
+    let started = std::time::Instant::now();
+    slot.grant_many(needy, 3, &[Bytes::mib(4)], wait, &Answers(answers.into()))
+        .unwrap();
+    assert!(started.elapsed() < wait / 2, "{:?}", started.elapsed());
+    // No one else has idle memory: the liar is asked, and refused at once rather than waited on.
+    let more = || {
+        let asked = Asked::default();
+        let started = std::time::Instant::now();
+        let _ = slot.grant_many(needy, 3, &[Bytes::mib(48)], wait, &asked);
+        let asked = asked.0.borrow().clone();
+        (asked, started.elapsed())
+    };
+    let (asked, took) = more();
+    assert_eq!(asked, vec![1]);
+    assert!(took < wait / 2, "{took:?}");
+    // A return of nothing changes nothing; once it gives something back, it is waited on again.
+    slot.give_back(liar, &[]).unwrap();
+    assert!(more().1 < wait / 2);
+    slot.give_back(liar, &liar_grants[..1]).unwrap();
+    slot.report_usage(liar, Bytes::ZERO, Bytes::mib(20));
+    let (asked, took) = more();
+    assert_eq!(asked, vec![1]);
+    assert!(took >= wait, "{took:?}");
 }
