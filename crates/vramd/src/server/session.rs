@@ -69,7 +69,16 @@ pub fn run(daemon: Arc<Daemon>, conn_id: u64, peer: Arc<Peer>) {
         resume_more: Vec::new(),
         hello_seen: false,
     };
-    session.serve();
+    // A request whose handling panicked (a defect: no input is meant to) ends the connection as
+    // a crash would, its tenant's memory reclaimed, rather than leave the tenant booked with no
+    // one serving it.
+    let served = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| session.serve()));
+    if served.is_err() {
+        tracing::error!(
+            conn = conn_id,
+            "serving the connection panicked: it is closed and its tenant's memory reclaimed"
+        );
+    }
     session.finish();
 }
 
