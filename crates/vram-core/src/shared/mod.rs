@@ -174,12 +174,17 @@ impl Buffer {
     }
 
     fn info(&self, id: BufferId) -> BufferInfo {
+        self.info_with(id, self.acl.clone())
+    }
+
+    /// Its description with `acl` for its access list.
+    fn info_with(&self, id: BufferId, acl: Acl) -> BufferInfo {
         BufferInfo {
             id,
             name: self.name.clone(),
             size: self.size,
             owner: self.owner_name.clone(),
-            acl: self.acl.clone(),
+            acl,
             current: self.current,
             checksum: self
                 .current
@@ -352,6 +357,29 @@ impl SharedBuffers {
     /// Every buffer, deleted ones still holding memory included (for status).
     pub fn all(&self) -> Vec<BufferInfo> {
         self.buffers.iter().map(|(id, b)| b.info(*id)).collect()
+    }
+
+    /// [`SharedBuffers::all`] with at most `acl_budget` access-list entries in all (readers
+    /// first, in buffer order), each buffer beside the number of its entries left out: the
+    /// status report copies the books under the device's lock, and a report carries only so many
+    /// entries, so the copy costs what the report can show rather than every entry of every list.
+    pub fn all_capped(&self, mut acl_budget: usize) -> Vec<(BufferInfo, u32)> {
+        self.buffers
+            .iter()
+            .map(|(id, b)| {
+                let keep_readers = acl_budget.min(b.acl.readers.len());
+                let keep_writers = (acl_budget - keep_readers).min(b.acl.writers.len());
+                acl_budget -= keep_readers + keep_writers;
+                let left_out =
+                    b.acl.readers.len() + b.acl.writers.len() - keep_readers - keep_writers;
+                let acl = Acl {
+                    readers: b.acl.readers[..keep_readers].to_vec(),
+                    writers: b.acl.writers[..keep_writers].to_vec(),
+                };
+                let info = b.info_with(*id, acl);
+                (info, u32::try_from(left_out).unwrap_or(u32::MAX))
+            })
+            .collect()
     }
 
     pub fn info(&self, id: BufferId) -> Option<BufferInfo> {

@@ -477,3 +477,41 @@ fn an_access_list_names_what_a_name_can_be_each_once() {
     assert_eq!(info.acl.readers.len(), 2, "{:?}", info.acl);
     assert_eq!(info.acl.writers.len(), 1, "{:?}", info.acl);
 }
+
+/// The status copy of the books carries at most the access-list entries it is given, readers
+/// first, and counts the rest per buffer; everything else is as `all` has it.
+#[test]
+fn a_capped_copy_keeps_at_most_its_budget_of_acl_entries() {
+    let mut w = world();
+    let spec = BufferSpec {
+        name: "many".into(),
+        size: SIZE,
+        acl: Acl {
+            readers: (0..5).map(|i| Principal::Tenant(format!("r{i}"))).collect(),
+            writers: (0..3).map(|i| Principal::Tenant(format!("w{i}"))).collect(),
+        },
+    };
+    w.books.create(&w.broker, w.owner, spec).unwrap();
+    // `weights`: 1 reader, 1 writer; `many`: 5 and 3.
+    let full = w.books.all();
+    for budget in [0, 1, 2, 3, 6, 9, 10, 100] {
+        let capped = w.books.all_capped(budget);
+        assert_eq!(capped.len(), full.len());
+        let mut shown = 0;
+        for ((info, left_out), whole) in capped.iter().zip(&full) {
+            let n = info.acl.readers.len() + info.acl.writers.len();
+            let all_n = whole.acl.readers.len() + whole.acl.writers.len();
+            assert_eq!(n + *left_out as usize, all_n, "budget {budget}");
+            assert!(whole.acl.readers.starts_with(&info.acl.readers));
+            assert!(whole.acl.writers.starts_with(&info.acl.writers));
+            if !info.acl.writers.is_empty() {
+                assert_eq!(info.acl.readers.len(), whole.acl.readers.len());
+            }
+            let mut rest = info.clone();
+            rest.acl = whole.acl.clone();
+            assert_eq!(&rest, whole);
+            shown += n;
+        }
+        assert_eq!(shown, budget.min(10), "budget {budget}");
+    }
+}

@@ -185,6 +185,12 @@ impl Daemon {
 
     /// The whole daemon's state, as `vramd status` shows it.
     pub fn status(&self) -> StatusReport {
+        self.status_with(shared::STATUS_ACL_ENTRIES)
+    }
+
+    /// [`Daemon::status`] with at most `acl_entries` shared-buffer access-list entries per
+    /// device (0 for a reader that uses none: the metrics).
+    pub fn status_with(&self, acl_entries: usize) -> StatusReport {
         let mut devices = Vec::new();
         let mut tenants = Vec::new();
         for slot in &self.slots {
@@ -206,7 +212,7 @@ impl Daemon {
             },
             devices,
             tenants,
-            shared: shared::status(self),
+            shared: shared::status(self, acl_entries),
         }
     }
 

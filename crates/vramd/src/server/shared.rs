@@ -221,20 +221,26 @@ impl super::Server {
     }
 }
 
-/// The shared-buffer section of the status report.
-pub fn status(daemon: &Daemon) -> SharedStatus {
+/// The most access-list entries a status report copies, over every buffer of a device: more
+/// than one reply frame carries (`fit` cuts the report to one), and a bound on the copy made
+/// under the device's lock whatever the number of buffers and lists.
+pub const STATUS_ACL_ENTRIES: usize = 16 * 1024;
+
+/// The shared-buffer section of the status report, with at most `acl_entries` access-list
+/// entries per device (the rest counted as left out).
+pub fn status(daemon: &Daemon, acl_entries: usize) -> SharedStatus {
     let s = &daemon.shared;
     let buffers = daemon
         .slots
         .iter()
         .enumerate()
         .flat_map(|(gpu, slot)| {
-            slot.with_shared(|_, books| books.core.all())
+            slot.with_shared(|_, books| books.core.all_capped(acl_entries))
                 .into_iter()
-                .map(move |info| SharedBufferStatus {
+                .map(move |(info, acl_left_out)| SharedBufferStatus {
                     gpu: gpu as u32,
                     info,
-                    acl_left_out: 0,
+                    acl_left_out,
                 })
         })
         .collect();
