@@ -370,7 +370,8 @@ impl Plugin {
     /// plugin's that no prepared claim names (the plugin stopped between writing it and its
     /// checkpoint, or while removing it) is removed; a prepared claim's declaration the daemon
     /// lacks (it restarted) is made again; a declaration of this plugin's that no prepared claim
-    /// names (the plugin stopped between declaring and its checkpoint) is withdrawn.
+    /// names (the plugin stopped between declaring and its checkpoint) is withdrawn once no
+    /// tenant is connected as it.
     pub async fn reconcile(&self) -> Result<(), crate::daemon::DaemonError> {
         let cp = self.checkpoint.lock().await;
         let layout = self.layout.clone();
@@ -410,18 +411,33 @@ impl Plugin {
                 }
             }
         }
+        // Tenants connected now: a declaration no prepared claim names is not withdrawn under a
+        // tenant that uses it (a checkpoint lost while its pod runs); it goes once the tenant
+        // has. `None`: the report left tenants out, so none is withdrawn this round.
+        let status = self.daemon.status().await?;
+        let live: Option<std::collections::HashSet<String>> = (status.daemon.tenants_left_out == 0)
+            .then(|| status.tenants.into_iter().map(|t| t.name).collect());
         for d in declared {
             let Some(uid) = d.name.strip_prefix(TENANT_PREFIX) else {
                 continue;
             };
-            if cp.get(uid).is_none() {
-                match self.daemon.withdraw(&d.name).await {
-                    Ok((released, _)) => tracing::warn!(
-                        tenant = d.name, released = %released,
-                        "withdrew a declaration no prepared claim names"
-                    ),
-                    Err(e) => tracing::error!(tenant = d.name, "cannot withdraw: {e}"),
-                }
+            if cp.get(uid).is_some() {
+                continue;
+            }
+            if live.as_ref().is_none_or(|l| l.contains(&d.name)) {
+                tracing::warn!(
+                    tenant = d.name,
+                    "a declaration no prepared claim names has a connected tenant: kept until \
+                     the tenant is gone (or its claim is unprepared)"
+                );
+                continue;
+            }
+            match self.daemon.withdraw(&d.name).await {
+                Ok((released, _)) => tracing::warn!(
+                    tenant = d.name, released = %released,
+                    "withdrew a declaration no prepared claim names"
+                ),
+                Err(e) => tracing::error!(tenant = d.name, "cannot withdraw: {e}"),
             }
         }
         Ok(())

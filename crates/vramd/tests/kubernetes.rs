@@ -777,3 +777,42 @@ fn a_stalled_api_server_read_holds_up_no_other_claim() {
     assert!(took < Duration::from_secs(30), "{took:?}");
     assert!(node.cdi_specs().is_empty(), "{:?}", node.cdi_specs());
 }
+
+/// A declaration of the plugin's that no prepared claim names while a tenant is connected as it
+/// (the checkpoint lost while its pod runs) is not withdrawn under the pod: it goes once the
+/// tenant has.
+#[test]
+fn a_declaration_no_claim_names_is_withdrawn_only_once_its_tenant_is_gone() {
+    let daemon = Daemon::start("capacity = \"8 GiB\"\npriority_reserve = \"0\"\n");
+    let orphan = vram_proto::Declaration {
+        name: "k8s-ffffffff-0000-4000-8000-00000000000f".into(),
+        gpu: 0,
+        class: "normal".into(),
+        guarantee: Bytes::gib(1),
+        limit: None,
+        owners: vec![],
+    };
+    let observer = vram_client::Observer::connect(Some(&daemon.socket)).unwrap();
+    observer.declare(&orphan).unwrap();
+    let tenant = vram_client::Client::connect(
+        Some(&daemon.socket),
+        &vram_client::TenantOptions::named(&orphan.name),
+    )
+    .unwrap();
+    let node = Node::start(&daemon);
+    // Several resyncs (every 200 ms) pass: it stays.
+    assert!(wait_until(Duration::from_secs(10), || node
+        .log()
+        .contains("has a connected tenant: kept")));
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(observer.declarations().unwrap(), vec![orphan.clone()]);
+    drop(tenant);
+    assert!(
+        wait_until(Duration::from_secs(10), || observer
+            .declarations()
+            .unwrap()
+            .is_empty()),
+        "{}",
+        node.log()
+    );
+}
