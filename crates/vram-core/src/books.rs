@@ -75,8 +75,9 @@ pub struct Books {
 impl Books {
     /// The books over a span: `self` read before a driver reading, `later` after it. Memory made
     /// or charged in between may be in the reading, so each figure is the larger of the two
-    /// (every tenant of either, matched by id): memory the books made is never taken for outside
-    /// use. Memory released in between shows as surplus for one reading, which is only logged.
+    /// (every tenant of either, matched by id, with its later pid): memory the books made is never
+    /// taken for outside use. Memory released in between shows as surplus for one reading, which
+    /// is only logged.
     pub fn spanning(&self, later: &Books) -> Books {
         let mut tenants = self.tenants.clone();
         for t in &later.tenants {
@@ -84,6 +85,9 @@ impl Books {
                 Some(u) => {
                     u.held = u.held.max(t.held);
                     u.charged = u.charged.max(t.charged);
+                    // A program that joined its tenant in between is the tenant's process now,
+                    // and the reading lists it (`vramd run`'s own process has no context).
+                    u.pid = t.pid;
                 }
                 None => tenants.push(t.clone()),
             }
@@ -116,7 +120,10 @@ pub struct Reconciled {
     /// Used memory that neither the books nor any listed process account for (processes the
     /// driver cannot show, driver overhead), floored at 0.
     pub unattributed: Bytes,
-    /// `Σ outside_processes + unattributed`: memory the broker must not lend.
+    /// `Σ outside_processes + the daemon's own figure + unattributed`: memory the broker must
+    /// not lend. The daemon's own figure is its CUDA context (made once it reads shared buffers),
+    /// which no capacity measured before it left out; where the daemon's pid is a tenant's (a
+    /// daemon in process), the figure is that tenant's.
     pub outside_use: Bytes,
     /// The driver's figure for the daemon's own pid; 0 when not listed.
     pub daemon_own: Bytes,
@@ -127,13 +134,11 @@ pub struct Reconciled {
 }
 
 impl Reconciled {
-    /// Everything on the device the books do not account for: `outside_use`, the tenants'
-    /// memory beyond what they charged, and the daemon's own figure.
+    /// Everything on the device the books do not account for: `outside_use` (the daemon's own
+    /// figure in it) and the tenants' memory beyond what they charged.
     pub fn not_in_books(&self) -> Bytes {
         let tenants = sum(self.tenant_outside.iter().map(|(_, b)| *b));
-        self.outside_use
-            .saturating_add(tenants)
-            .saturating_add(self.daemon_own)
+        self.outside_use.saturating_add(tenants)
     }
 }
 
@@ -190,7 +195,7 @@ pub fn reconcile(books: &Books, reading: &DriverReading) -> Reconciled {
         .iter()
         .map(|p| p.bytes.unwrap_or_default()));
 
-    let daemon_accounted = if tenant_pids.contains(&books.daemon_pid) {
+    let daemon_outside = if tenant_pids.contains(&books.daemon_pid) {
         Bytes::ZERO
     } else {
         daemon_own
@@ -198,7 +203,7 @@ pub fn reconcile(books: &Books, reading: &DriverReading) -> Reconciled {
     let accounted = books
         .created
         .saturating_add(sum(tenants_accounted.values().copied()))
-        .saturating_add(daemon_accounted)
+        .saturating_add(daemon_outside)
         .saturating_add(outside_listed);
     let unattributed = reading
         .used
@@ -210,7 +215,9 @@ pub fn reconcile(books: &Books, reading: &DriverReading) -> Reconciled {
         tenant_outside,
         outside_processes,
         unattributed,
-        outside_use: outside_listed.saturating_add(unattributed),
+        outside_use: outside_listed
+            .saturating_add(daemon_outside)
+            .saturating_add(unattributed),
         daemon_own,
         surplus,
     }
@@ -379,6 +386,29 @@ mod tests {
     }
 
     #[test]
+    fn a_program_that_joins_while_the_driver_is_read_is_its_tenants() {
+        // `vramd run` (pid 10) is the tenant's process in the books before; the program it
+        // started (pid 20), with its context, joins before the books after.
+        let before = Books {
+            daemon_pid: DAEMON,
+            created: Bytes::ZERO,
+            tenants: vec![tenant(1, 10, Bytes::ZERO, Bytes::ZERO)],
+        };
+        let after = Books {
+            daemon_pid: DAEMON,
+            created: Bytes::ZERO,
+            tenants: vec![tenant(1, 20, Bytes::ZERO, Bytes::ZERO)],
+        };
+        let read = reading(
+            Bytes::mib(512),
+            vec![process(20, Some(Bytes::mib(512)), "python3")],
+        );
+        let r = reconcile(&before.spanning(&after), &read);
+        assert_eq!(r.tenant_outside, vec![(TenantId(1), Bytes::mib(512))]);
+        assert_eq!(r.outside_use, Bytes::ZERO, "{r:?}");
+    }
+
+    #[test]
     fn plain_process_is_outside_with_all_it_holds() {
         let books = Books {
             daemon_pid: DAEMON,
@@ -542,6 +572,10 @@ mod tests {
             }]
         );
         assert_eq!(r.unattributed, gib_f(0.5));
+        // The daemon's own context is on the device as much as another process's memory: not
+        // lent to anyone.
+        assert_eq!(r.outside_use, Bytes::gib(3));
+        assert_eq!(r.not_in_books(), Bytes::gib(3));
     }
 
     #[test]

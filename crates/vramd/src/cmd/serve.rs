@@ -81,8 +81,11 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let measured: Vec<Option<Bytes>> = devices
         .iter()
         .zip(held)
-        .map(|(d, held)| measured_memory(probe.as_deref(), d.as_ref(), held))
-        .collect();
+        .map(|(d, held)| {
+            let info = d.info();
+            measured_memory(probe.as_deref(), info.kind, &info.uuid, held, capacity)
+        })
+        .collect::<anyhow::Result<_>>()?;
     let caps: Vec<Bytes> = devices
         .iter()
         .zip(&measured)
@@ -409,15 +412,53 @@ fn open_probe(devices: &[Arc<dyn Device>]) -> Option<Arc<dyn DriverProbe>> {
     }
 }
 
-fn measured_memory(probe: Option<&dyn DriverProbe>, d: &dyn Device, held: Bytes) -> Option<Bytes> {
-    let probe = probe?;
-    if d.info().kind != BackendKind::Cuda {
-        return None;
+/// How many times the GPU's memory is read at start before the read is taken to fail.
+const MEASURE_TRIES: u32 = 5;
+
+/// The memory of GPU `uuid` as tenants can have it, read through `probe` (tried
+/// [`MEASURE_TRIES`] times, 200 ms apart); `None` where there is nothing to read (no probe, not
+/// a GPU). A GPU whose memory cannot be read is an error unless `capacity` is configured: the
+/// device's size would then be taken whole, the memory the driver sets aside for itself lent
+/// as if it were there.
+fn measured_memory(
+    probe: Option<&dyn DriverProbe>,
+    kind: BackendKind,
+    uuid: &str,
+    held: Bytes,
+    capacity: Option<Bytes>,
+) -> anyhow::Result<Option<Bytes>> {
+    let Some(probe) = probe else {
+        return Ok(None);
+    };
+    if kind != BackendKind::Cuda {
+        return Ok(None);
     }
-    probe
-        .total_memory(&d.info().uuid, held)
-        .inspect_err(|e| tracing::warn!(uuid = d.info().uuid, "cannot read the GPU's memory: {e}"))
-        .ok()
+    let mut tries = 0;
+    let error = loop {
+        match probe.total_memory(uuid, held) {
+            Ok(m) => return Ok(Some(m)),
+            Err(e) if tries + 1 >= MEASURE_TRIES => break e,
+            Err(_) => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    };
+    match capacity {
+        Some(cap) => {
+            tracing::warn!(
+                uuid, capacity = %cap,
+                "cannot read the GPU's memory ({error}): serving the configured capacity"
+            );
+            Ok(None)
+        }
+        None => bail!(
+            "cannot read GPU {uuid}'s memory through NVML ({error}; {MEASURE_TRIES} tries): \
+             without it the whole device would be lent, the memory the driver keeps for itself \
+             with it. Start again once NVML answers, or set `capacity` (or --capacity) to what \
+             tenants may have"
+        ),
+    }
 }
 
 /// The devices of the backend `selection` names (for `auto`, the first of
@@ -474,5 +515,55 @@ fn raise_fd_limit() {
         if let Err(e) = setrlimit(Resource::Nofile, lim) {
             tracing::warn!("cannot raise the open-file limit: {e}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::server::driver::{ProbeError, ScriptedProbe};
+    use vram_core::books::DriverReading;
+
+    #[test]
+    fn a_gpu_whose_memory_cannot_be_read_is_served_only_with_a_configured_capacity() {
+        let probe = ScriptedProbe::new();
+        let measure = |capacity| {
+            measured_memory(
+                Some(&probe),
+                BackendKind::Cuda,
+                "GPU-1",
+                Bytes::ZERO,
+                capacity,
+            )
+        };
+        probe.fail(
+            "GPU-1",
+            ProbeError::NotScripted {
+                uuid: "GPU-1".into(),
+            },
+        );
+        let e = measure(None).unwrap_err().to_string();
+        assert!(
+            e.contains("cannot read GPU GPU-1's memory") && e.contains("capacity"),
+            "{e}"
+        );
+        assert_eq!(probe.reads(), u64::from(MEASURE_TRIES));
+        assert_eq!(measure(Some(Bytes::gib(40))).unwrap(), None);
+        probe.set(
+            "GPU-1",
+            DriverReading {
+                total: Bytes::gib(80),
+                reserved: Bytes::gib(1),
+                used: Bytes::ZERO,
+                allowance: Bytes::ZERO,
+                processes: Vec::new(),
+            },
+        );
+        assert_eq!(measure(None).unwrap(), Some(Bytes::gib(79)));
+        // Nothing to read on the host backend, or without NVML.
+        let host = measured_memory(Some(&probe), BackendKind::Host, "h", Bytes::ZERO, None);
+        assert_eq!(host.unwrap(), None);
+        let none = measured_memory(None, BackendKind::Cuda, "GPU-1", Bytes::ZERO, None);
+        assert_eq!(none.unwrap(), None);
     }
 }

@@ -37,6 +37,9 @@ fn expire_leases(daemon: &Daemon) {
 
 fn run(daemon: &Daemon) {
     let mut last_expiry = Instant::now();
+    // A read that fails (a device fault, a reader context lost) fails again at once: logged at
+    // most once a minute, and a pass that read nothing waits a tick before the next.
+    let mut failures = crate::logging::Every::default();
     while !stopping(daemon) {
         expire_leases(daemon);
         let rate = daemon.shared.scrub_rate();
@@ -60,6 +63,7 @@ fn run(daemon: &Daemon) {
         }
         let mut schedule = Schedule::new(rate);
         let mut turned_off = false;
+        let mut read_any = false;
         for (slot, p) in targets {
             let Some(memory) = daemon.slots[slot].version_memory(p.buffer, p.version) else {
                 continue;
@@ -67,7 +71,9 @@ fn run(daemon: &Daemon) {
             let device = match daemon.slots[slot].reader() {
                 Ok(d) => d,
                 Err(e) => {
-                    tracing::warn!(gpu = slot, "scrub cannot read shared memory: {e}");
+                    if let Some(more) = failures.due() {
+                        tracing::warn!(gpu = slot, more, "scrub cannot read shared memory: {e}");
+                    }
                     continue;
                 }
             };
@@ -117,6 +123,7 @@ fn run(daemon: &Daemon) {
             }
             match read {
                 Ok(Some(actual)) => {
+                    read_any = true;
                     daemon.shared.scrub.versions.fetch_add(1, Ordering::Relaxed);
                     if actual != p.checksum {
                         report_mismatch(
@@ -125,12 +132,20 @@ fn run(daemon: &Daemon) {
                     }
                 }
                 Ok(None) => return,
-                Err(e) => tracing::warn!(
-                    buffer = p.buffer.0,
-                    version = p.version.0,
-                    "scrub cannot read a version: {e}"
-                ),
+                Err(e) => {
+                    if let Some(more) = failures.due() {
+                        tracing::warn!(
+                            buffer = p.buffer.0,
+                            version = p.version.0,
+                            more,
+                            "scrub cannot read a version: {e}"
+                        );
+                    }
+                }
             }
+        }
+        if !read_any {
+            std::thread::sleep(TICK);
         }
         if turned_off {
             continue;
