@@ -175,6 +175,74 @@ fn a_missing_program_is_an_error_and_signals_reach_the_program() {
     );
 }
 
+/// A program started under `nohup` (SIGHUP ignored) keeps ignoring it under `vramd run`: a
+/// signal `vramd run` caught would be the program's default again at its exec.
+#[test]
+fn a_signal_ignored_at_start_stays_ignored_in_the_program() {
+    let d = Daemon::start(CONFIG);
+    let lib = library().unwrap_or_else(|| VRAMD.into());
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(r#"trap "" HUP; exec "$0" run --socket "$1" -- sh -c 'kill -HUP $$; echo alive'"#)
+        .arg(VRAMD)
+        .arg(&d.socket)
+        .env("VRAMD_LIB", &lib)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert_eq!(
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).trim()
+        ),
+        (Some(0), "alive"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// SIGINT sent to `vramd run` by another process reaches the program, whether or not standard
+/// input is a terminal (only a terminal's own Ctrl-C, which the program gets itself, is not
+/// passed on).
+#[test]
+fn a_sigint_sent_by_a_process_reaches_the_program_under_a_terminal() {
+    use rustix::fs::{Mode, OFlags};
+    use rustix::pty::{grantpt, openpt, ptsname, unlockpt, OpenptFlags};
+
+    let d = Daemon::start(CONFIG);
+    let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY).unwrap();
+    grantpt(&master).unwrap();
+    unlockpt(&master).unwrap();
+    let name = ptsname(&master, Vec::new()).unwrap();
+    let slave = rustix::fs::open(
+        name.as_c_str(),
+        OFlags::RDWR | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .unwrap();
+    let mut child = Command::new(VRAMD)
+        .arg("run")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["--", "sh", "-c", "trap 'exit 5' INT; sleep 10 & wait"])
+        .env("VRAMD_LIB", library().unwrap_or_else(|| VRAMD.into()))
+        .stdin(Stdio::from(slave))
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let pid = rustix::process::Pid::from_child(&child);
+    rustix::process::kill_process(pid, rustix::process::Signal::INT).unwrap();
+    let ended = wait_until(Duration::from_secs(5), || {
+        child.try_wait().unwrap().is_some()
+    });
+    if !ended {
+        let _ = child.kill();
+    }
+    assert!(ended, "the program did not get the SIGINT");
+    assert_eq!(child.wait().unwrap().code(), Some(5));
+    drop(master);
+}
+
 /// A stand-in `torch`: just what `vramd_torch.install(mode="pool")` touches before CUDA starts.
 const FAKE_TORCH: &str = include_str!("fake_torch/torch/__init__.py");
 

@@ -13,15 +13,19 @@
 //! `sitecustomize` that installs vramd's allocator into PyTorch right after `torch` is imported,
 //! before any CUDA allocation (see the repository's `python/vramd_torch/`). The program's exit
 //! status is ours, and the daemon is told it (a normal end is logged as such, a signal as a crash);
-//! SIGTERM, SIGHUP and SIGQUIT sent to us are passed on, and SIGINT too unless it came from our
-//! terminal, which delivers it to the program itself.
+//! SIGTERM, SIGHUP, SIGQUIT and SIGINT sent to us by a process are passed on, but not those the
+//! kernel generated (a terminal's Ctrl-C, Ctrl-\ or hangup), which reach the program itself, in
+//! our process group; a signal we were started ignoring (`nohup`) is neither caught nor passed on,
+//! so that the program inherits the ignoring too.
 
 use std::ffi::{OsStr, OsString};
-use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 use anyhow::{bail, Context};
+use signal_hook::iterator::exfiltrator::WithOrigin;
+use signal_hook::iterator::SignalsInfo;
+use signal_hook::low_level::siginfo::Cause;
 use vram_core::Bytes;
 
 use super::registration::{Ask, Registration};
@@ -190,23 +194,30 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
         );
     }
 
-    // Installed before the program starts, so that no signal meant for it is lost.
+    // Installed before the program starts, so that no signal meant for it is lost. A signal
+    // caught here would be the program's default at its exec, so one we ignore is left alone.
+    let ignored = ignored_signals();
+    let forwarded: Vec<i32> = FORWARDED
+        .into_iter()
+        .filter(|s| !ignored.contains(s))
+        .collect();
     let mut signals =
-        signal_hook::iterator::Signals::new(FORWARDED).context("cannot install signal handlers")?;
+        SignalsInfo::<WithOrigin>::new(&forwarded).context("cannot install signal handlers")?;
     let mut child = cmd
         .spawn()
         .with_context(|| format!("cannot start `{}`", Path::new(&args.command[0]).display()))?;
     let pid = rustix::process::Pid::from_child(&child);
     let handle = signals.handle();
-    let terminal = std::io::stdin().is_terminal();
     let forwarder = std::thread::Builder::new()
         .name("vramd-run-signals".into())
         .spawn(move || {
-            for sig in signals.forever() {
-                if sig == signal_hook::consts::SIGINT && terminal {
+            for origin in signals.forever() {
+                // The kernel's own (a terminal's) went to our whole process group: the program
+                // has it already.
+                if origin.cause == Cause::Kernel {
                     continue;
                 }
-                if let Some(s) = rustix::process::Signal::from_named_raw(sig) {
+                if let Some(s) = rustix::process::Signal::from_named_raw(origin.signal) {
                     let _ = rustix::process::kill_process(pid, s);
                 }
             }
@@ -217,6 +228,18 @@ pub fn run(args: Args) -> anyhow::Result<ExitCode> {
     drop(python);
     registration.exited(ended(status));
     Ok(exit_code(status))
+}
+
+/// The signals this process was started ignoring (`SigIgn` in /proc/self/status); none where
+/// that cannot be read.
+fn ignored_signals() -> Vec<i32> {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let mask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("SigIgn:"))
+        .and_then(|hex| u64::from_str_radix(hex.trim(), 16).ok())
+        .unwrap_or(0);
+    (1..=64).filter(|s| mask & (1u64 << (s - 1)) != 0).collect()
 }
 
 /// `VRAMD_LIB`, else libvram.so next to this executable.
