@@ -243,6 +243,37 @@ fn a_sigint_sent_by_a_process_reaches_the_program_under_a_terminal() {
     drop(master);
 }
 
+/// A daemon that stops answering while the program runs does not hold up `vramd run`'s exit: the
+/// program's end is told to it in passing.
+#[test]
+fn a_daemon_that_stopped_answering_does_not_hold_up_the_exit() {
+    let d = Daemon::start(CONFIG);
+    let mut child = Command::new(VRAMD)
+        .arg("run")
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["--", "sleep", "1"])
+        .env("VRAMD_LIB", library().unwrap_or_else(|| VRAMD.into()))
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let daemon = rustix::process::Pid::from_raw(d.pid() as i32).unwrap();
+    assert!(wait_until(Duration::from_secs(5), || !d
+        .status()
+        .tenants
+        .is_empty()));
+    rustix::process::kill_process(daemon, rustix::process::Signal::STOP).unwrap();
+    let ended = wait_until(Duration::from_secs(15), || {
+        child.try_wait().unwrap().is_some()
+    });
+    rustix::process::kill_process(daemon, rustix::process::Signal::CONT).unwrap();
+    if !ended {
+        let _ = child.kill();
+    }
+    assert!(ended, "vramd run waited on the stopped daemon");
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+}
+
 /// A stand-in `torch`: just what `vramd_torch.install(mode="pool")` touches before CUDA starts.
 const FAKE_TORCH: &str = include_str!("fake_torch/torch/__init__.py");
 

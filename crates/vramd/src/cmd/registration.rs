@@ -38,6 +38,11 @@ impl Registration {
                 socket.display()
             )
         })?;
+        // A daemon that accepted but does not answer (stopped, wedged) is an error, not a wait
+        // without end before the program even starts.
+        stream
+            .set_read_timeout(Some(ANSWER_WITHIN))
+            .context("cannot set a timeout on the daemon's socket")?;
         let conn = Conn::new(stream);
         let hello = Hello {
             role: Role::Tenant {
@@ -78,11 +83,21 @@ impl Registration {
 
     /// Tells the daemon how the program ended, then closes the registration.
     pub fn exited(self, status: ExitStatus) {
-        // The daemon may have restarted meanwhile; the program's end is then its own news.
+        // The daemon may have restarted meanwhile; the program's end is then its own news. Told
+        // in passing: a daemon that does not answer soon does not hold up the exit status.
+        let _ = self
+            .conn
+            .stream()
+            .set_read_timeout(Some(EXIT_ANSWER_WITHIN));
         let _ = call(&self.conn, 3, &Request::Exited(status));
         let _ = self.conn.stream().shutdown(std::net::Shutdown::Both);
     }
 }
+
+/// How long the daemon may take to answer the registration's requests.
+const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long the program's end waits for the daemon to take note of it.
+const EXIT_ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
 
 fn call(conn: &Conn, id: u64, request: &Request) -> anyhow::Result<Reply> {
     conn.send(id, request, &[])

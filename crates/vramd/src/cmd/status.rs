@@ -32,10 +32,17 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         report.devices.retain(|d| d.index == g);
         report.tenants.retain(|t| t.gpu == g);
     }
-    if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+    let text = if args.json {
+        serde_json::to_string_pretty(&report)? + "\n"
     } else {
-        print!("{}", render(&report));
+        render(&report)
+    };
+    // A reader that stops early (`vramd status | head`) is no error of ours.
+    match std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            return Err(anyhow::Error::new(e).context("cannot write the status"));
+        }
+        _ => {}
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

@@ -27,12 +27,20 @@ pub struct Args {
     pub interval: f64,
 }
 
+/// The longest `--interval`.
+const MAX_INTERVAL: Duration = Duration::from_secs(86_400);
+
 pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     let socket = args.socket.path();
     let interval = Duration::try_from_secs_f64(args.interval)
         .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| anyhow::anyhow!("--interval must be a positive number of seconds"))?;
+        .filter(|d| !d.is_zero() && *d <= MAX_INTERVAL)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--interval must be a positive number of seconds, at most {} (a day)",
+                MAX_INTERVAL.as_secs()
+            )
+        })?;
     // Fail on the plain terminal, before the screen is taken over.
     let observer = Observer::connect(Some(&socket))?;
     use std::io::IsTerminal;
