@@ -17,11 +17,17 @@ pub trait HandleSource: Send {
     /// Handles of exactly these sizes, each with a ticket to give it back with: all or none.
     fn take(&mut self, sizes: &[Bytes]) -> Result<Vec<(Handle, u64)>, Refused>;
     /// Gives handles back, in one request (they are unmapped and dropped by then). The source
-    /// may take them back later; [`HandleSource::settle`] waits until it has.
+    /// may take them back later; [`HandleSource::settler`]'s wait lasts until it has.
     fn give(&mut self, tickets: &[u64]);
-    /// Returns once everything given back is back with the source.
-    fn settle(&mut self) {}
+    /// A wait that returns once everything given back so far is back with the source: run by the
+    /// allocator after it lets go of its lock, since it may take a round trip to a daemon.
+    fn settler(&self) -> Settler {
+        Box::new(|| {})
+    }
 }
+
+/// See [`HandleSource::settler`].
+pub type Settler = Box<dyn FnOnce() + Send>;
 
 /// The connection a [`DaemonSource`] takes its handles through. A process that ends its tenant
 /// and becomes another one (libvram.so's `vram_disconnect` and `vram_connect`) keeps its
@@ -100,13 +106,16 @@ impl HandleSource for DaemonSource {
     }
 
     /// A round trip: the daemon answers it only after the returns sent before it.
-    fn settle(&mut self) {
-        let Some(client) = self.slot.get() else {
-            return;
-        };
-        if let Err(e) = client.ping() {
-            tracing::warn!("waiting for returns to land failed: {e}");
-        }
+    fn settler(&self) -> Settler {
+        let client = self.slot.get();
+        Box::new(move || {
+            let Some(client) = client else {
+                return;
+            };
+            if let Err(e) = client.ping() {
+                tracing::warn!("waiting for returns to land failed: {e}");
+            }
+        })
     }
 }
 
@@ -224,10 +233,10 @@ impl<S: HandleSource> MappedBacking<S> {
         }
     }
 
-    /// Returns once every handle given back is back with the source (see
-    /// [`HandleSource::settle`]).
-    pub fn settle(&mut self) {
-        self.timed(Call::Release, |b| b.source.settle());
+    /// A wait until every handle given back is back with the source (see
+    /// [`HandleSource::settler`]).
+    pub fn settler(&self) -> Settler {
+        self.source.settler()
     }
 
     /// The first address of the reservation: a block at offset `o` is at `base + o`.

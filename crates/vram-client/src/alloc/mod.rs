@@ -493,9 +493,14 @@ impl<S: HandleSource> CachingAllocator<S> {
     /// [`HandleSource::give`]).
     pub fn trim(&self) -> Bytes {
         self.flush_caches();
-        let mut core = self.core();
-        let trimmed = core.trim(self.events.as_ref());
-        core.backing_mut().settle();
+        let (trimmed, settle) = {
+            let mut core = self.core();
+            let trimmed = core.trim(self.events.as_ref());
+            (trimmed, core.backing().settler())
+        };
+        // Outside the lock: the round trip may wait on a daemon that is restarting, while the
+        // program's other threads allocate and free.
+        settle();
         trimmed
     }
 

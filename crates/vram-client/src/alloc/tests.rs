@@ -541,3 +541,67 @@ fn a_synchronous_allocation_waits_for_the_default_streams_frees() {
     }
     assert_eq!(cuda_handle(SYNCHRONOUS), Some(0));
 }
+
+/// A source whose settling waits until the test lets it go, as a round trip to a daemon that is
+/// restarting would.
+struct SlowToSettle {
+    inner: LocalSource,
+    go: Arc<std::sync::Mutex<Option<std::sync::mpsc::Receiver<()>>>>,
+}
+
+impl HandleSource for SlowToSettle {
+    fn take(
+        &mut self,
+        sizes: &[Bytes],
+    ) -> Result<Vec<(vram_device::Handle, u64)>, vram_core::alloc::Refused> {
+        self.inner.take(sizes)
+    }
+
+    fn give(&mut self, tickets: &[u64]) {
+        self.inner.give(tickets)
+    }
+
+    fn settler(&self) -> backing::Settler {
+        let go = self.go.lock().unwrap().take();
+        Box::new(move || {
+            if let Some(go) = go {
+                let _ = go.recv();
+            }
+        })
+    }
+}
+
+/// A trim waiting for its returns to land holds up no other thread's allocations and frees.
+#[test]
+fn a_trim_waiting_for_its_returns_holds_up_no_allocation() {
+    let dev: Arc<dyn ByteAccess> = Arc::new(HostDevice::new(Bytes::gib(1), Bytes::mib(2)).unwrap());
+    let (release, go) = std::sync::mpsc::channel();
+    let source = SlowToSettle {
+        inner: LocalSource::new(dev.clone()),
+        go: Arc::new(std::sync::Mutex::new(Some(go))),
+    };
+    let config = AllocConfig::default();
+    let backing = MappedBacking::new(dev.clone(), config.va_bytes, source).unwrap();
+    let a = &CachingAllocator::new(config, backing, Box::new(HostEvents));
+    let s = StreamId(0);
+    let p = a.alloc(Bytes::mib(8), s).unwrap();
+    a.free(p, s).unwrap();
+    std::thread::scope(|scope| {
+        let trimming = scope.spawn(|| a.trim());
+        // The trim gives the free handle back, then waits in its settler.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let (done, answered) = std::sync::mpsc::channel();
+        scope.spawn(move || {
+            let q = a.alloc(Bytes::mib(4), s).unwrap();
+            a.free(q, s).unwrap();
+            done.send(()).unwrap();
+        });
+        let answered = answered.recv_timeout(std::time::Duration::from_secs(5));
+        release.send(()).unwrap();
+        assert!(
+            answered.is_ok(),
+            "an allocation waited for the trim's settling"
+        );
+        assert!(trimming.join().unwrap() >= Bytes::mib(8));
+    });
+}
