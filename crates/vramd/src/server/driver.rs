@@ -64,7 +64,7 @@ pub fn normalise_uuid(uuid: &str) -> String {
 
 /// The driver's view through NVML. Calls made per reading: `nvmlDeviceGetMemoryInfo_v2`
 /// (total, reserved, used; `used` excludes `reserved`), `nvmlDeviceGetComputeRunningProcesses_v3`
-/// and `nvmlDeviceGetGraphicsRunningProcesses_v3` (merged by pid). Devices are found by
+/// and `nvmlDeviceGetGraphicsRunningProcesses_v3` (merged by pid), then the memory info again. Devices are found by
 /// enumerating (`nvmlDeviceGetCount_v2`, `nvmlDeviceGetHandleByIndex_v2`, `nvmlDeviceGetUUID`)
 /// once per unknown UUID; the index found is kept.
 ///
@@ -198,10 +198,17 @@ impl NvmlProbe {
                     other => other,
                 },
             )?;
+        // Used memory read again after the lists, the smaller taken: a process that ended in
+        // between would otherwise be in `used` and in no list, outside use of nobody's for one
+        // reading. (One that started in between shows as surplus, which is only logged.)
+        let used_after = device
+            .memory_info()
+            .map_err(|e| call_error("nvmlDeviceGetMemoryInfo_v2", uuid, e))?
+            .used;
         Ok(DriverReading {
             total: Bytes(memory.total),
             reserved: Bytes(memory.reserved),
-            used: Bytes(memory.used),
+            used: Bytes(memory.used.min(used_after)),
             allowance: Bytes::ZERO,
             processes: merge(compute.iter().chain(&graphics))
                 .into_iter()
