@@ -206,20 +206,8 @@ fn a_signal_ignored_at_start_stays_ignored_in_the_program() {
 /// passed on).
 #[test]
 fn a_sigint_sent_by_a_process_reaches_the_program_under_a_terminal() {
-    use rustix::fs::{Mode, OFlags};
-    use rustix::pty::{grantpt, openpt, ptsname, unlockpt, OpenptFlags};
-
     let d = Daemon::start(CONFIG);
-    let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY).unwrap();
-    grantpt(&master).unwrap();
-    unlockpt(&master).unwrap();
-    let name = ptsname(&master, Vec::new()).unwrap();
-    let slave = rustix::fs::open(
-        name.as_c_str(),
-        OFlags::RDWR | OFlags::NOCTTY,
-        Mode::empty(),
-    )
-    .unwrap();
+    let (master, slave) = common::pty();
     let mut child = Command::new(VRAMD)
         .arg("run")
         .arg("--socket")

@@ -10,8 +10,6 @@ use std::sync::mpsc::{self, Receiver};
 use std::time::{Duration, Instant};
 
 use common::{Daemon, VRAMD};
-use rustix::fs::{Mode, OFlags};
-use rustix::pty::{grantpt, openpt, ptsname, unlockpt, OpenptFlags};
 use rustix::termios::{tcsetwinsize, Winsize};
 
 const ROWS: u16 = 30;
@@ -27,16 +25,7 @@ struct Screen {
 
 impl Screen {
     fn spawn(args: &[&std::ffi::OsStr]) -> Screen {
-        let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY).unwrap();
-        grantpt(&master).unwrap();
-        unlockpt(&master).unwrap();
-        let name = ptsname(&master, Vec::new()).unwrap();
-        let slave = rustix::fs::open(
-            name.as_c_str(),
-            OFlags::RDWR | OFlags::NOCTTY,
-            Mode::empty(),
-        )
-        .unwrap();
+        let (master, slave) = common::pty();
         let size = Winsize {
             ws_row: ROWS,
             ws_col: COLS,

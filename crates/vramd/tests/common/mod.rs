@@ -256,6 +256,25 @@ pub fn wait_until(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
     }
 }
 
+/// A fresh pseudo-terminal: its master and its slave side, neither this process's controlling
+/// terminal.
+pub fn pty() -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
+    use rustix::fs::{Mode, OFlags};
+    use rustix::pty::{grantpt, openpt, ptsname, unlockpt, OpenptFlags};
+
+    let master = openpt(OpenptFlags::RDWR | OpenptFlags::NOCTTY).unwrap();
+    grantpt(&master).unwrap();
+    unlockpt(&master).unwrap();
+    let name = ptsname(&master, Vec::new()).unwrap();
+    let slave = rustix::fs::open(
+        name.as_c_str(),
+        OFlags::RDWR | OFlags::NOCTTY,
+        Mode::empty(),
+    )
+    .unwrap();
+    (master, slave)
+}
+
 /// libvram.so next to the vramd binary, built here if `cargo test` has not built it.
 pub fn library() -> Option<PathBuf> {
     static BUILT: std::sync::Mutex<()> = std::sync::Mutex::new(());
