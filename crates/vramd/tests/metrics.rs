@@ -471,3 +471,47 @@ fn a_half_sent_request_holds_neither_scrapes_nor_the_stop() {
     d.stop();
     drop(half);
 }
+
+/// A tenant's answer to a reclaim ask it was never sent counts for nothing: the reclaim series
+/// are the daemon's asks and what their answers say, not whatever a tenant sends.
+#[test]
+fn an_answer_to_no_reclaim_ask_is_not_counted() {
+    use vram_proto::{Conn, Hello, Reply, Request, Role};
+
+    let d = Daemon::start(CONFIG);
+    let addr = metrics_addr(&d);
+    let conn = Conn::new(std::os::unix::net::UnixStream::connect(&d.socket).unwrap());
+    let hello = Hello {
+        role: Role::Tenant {
+            name: "boaster".into(),
+            class: None,
+            guarantee: None,
+            limit: None,
+        },
+        gpu: None,
+        client: "metrics test".into(),
+        resume: None,
+    };
+    conn.send(1, &Request::Hello(hello), &[]).unwrap();
+    assert!(matches!(
+        conn.recv::<Reply>().unwrap().msg,
+        Reply::Welcome(_)
+    ));
+    for (id, ask) in [(2, 7), (3, 7), (4, 0)] {
+        let done = Request::ReclaimDone {
+            ask,
+            returned: Bytes(u64::MAX),
+        };
+        conn.send(id, &done, &[]).unwrap();
+        assert_eq!(conn.recv::<Reply>().unwrap().msg, Reply::Ack);
+    }
+    let m = scrape(addr);
+    let reclaim: Vec<_> = m
+        .iter()
+        .filter(|(k, _)| k.contains("reclaim_answers") || k.contains("reclaim_returned"))
+        .collect();
+    assert!(!reclaim.is_empty(), "{m:#?}");
+    assert!(reclaim.iter().all(|(_, v)| **v == 0.0), "{reclaim:?}");
+    drop(conn);
+    d.stop();
+}

@@ -157,6 +157,7 @@ impl Daemon {
         let unread = settings.connections.unread_timeout();
         match peer.offer(&request, unread) {
             Offer::Sent => {
+                peer.asked(ask);
                 tracing::info!(ask, conn, %bytes, deadline_ms, "asking a tenant to give back idle memory");
                 if let Some(m) = self.metrics() {
                     m.reclaim_asked();

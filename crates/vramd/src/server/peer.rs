@@ -23,7 +23,13 @@ pub struct Peer {
     closed: AtomicBool,
     /// Requests of this peer served on threads of their own, in progress.
     slow: AtomicUsize,
+    /// The reclaim asks sent to it and not answered yet, oldest first (at most [`MAX_ASKS`]):
+    /// an answer counts only for one of these, once.
+    asks: Mutex<std::collections::VecDeque<u64>>,
 }
+
+/// The most unanswered reclaim asks a peer's record keeps (the oldest forgotten first).
+const MAX_ASKS: usize = 64;
 
 #[derive(Debug, Clone, Copy)]
 struct Unwritable {
@@ -86,6 +92,28 @@ impl Peer {
             unwritable: Mutex::new(None),
             closed: AtomicBool::new(false),
             slow: AtomicUsize::new(0),
+            asks: Mutex::new(std::collections::VecDeque::new()),
+        }
+    }
+
+    /// Reclaim ask `ask` was sent to this peer.
+    pub fn asked(&self, ask: u64) {
+        let mut asks = self.asks.lock().unwrap_or_else(|p| p.into_inner());
+        if asks.len() == MAX_ASKS {
+            asks.pop_front();
+        }
+        asks.push_back(ask);
+    }
+
+    /// Whether `ask` was sent to this peer and not answered before (it is answered now).
+    pub fn answers(&self, ask: u64) -> bool {
+        let mut asks = self.asks.lock().unwrap_or_else(|p| p.into_inner());
+        match asks.iter().position(|&a| a == ask) {
+            Some(i) => {
+                asks.remove(i);
+                true
+            }
+            None => false,
         }
     }
 

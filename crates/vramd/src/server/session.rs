@@ -216,7 +216,12 @@ impl Session {
             Request::Withdraw { name } => super::admin::withdraw(&self.daemon, self.uid, &name),
             Request::Declarations => super::admin::list(&self.daemon, self.uid),
             Request::ResumeMore { grants } => self.resume_more(grants),
-            Request::ReclaimDone { ask, returned } => self.registered().map(|_| {
+            Request::ReclaimDone { ask, returned } => self.registered().map(|(slot, _)| {
+                // The tenant's word: counted once per ask it was sent, and at most the device.
+                if !self.peer.answers(ask) {
+                    return Reply::Ack;
+                }
+                let returned = returned.min(self.daemon.slots[slot].capacity());
                 if let Some(more) = self.reports.due() {
                     let name = self.tenant.as_ref().map_or("", |t| t.name.as_str());
                     tracing::info!(tenant = name, ask, %returned, more, "reclaim answered");

@@ -1419,6 +1419,11 @@ impl Slot {
         }
     }
 
+    /// What the device may lend in all.
+    pub fn capacity(&self) -> Bytes {
+        self.lock().broker.capacity()
+    }
+
     pub fn status(&self) -> (DeviceStatus, Vec<TenantStatus>) {
         let s = self.lock();
         let snap = s.broker.snapshot();
