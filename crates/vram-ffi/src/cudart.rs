@@ -43,6 +43,7 @@ type MallocAsyncFn = unsafe extern "C" fn(*mut *mut c_void, usize, *mut c_void) 
 type FreeAsyncFn = unsafe extern "C" fn(*mut c_void, *mut c_void) -> c_int;
 type SyncFn = unsafe extern "C" fn() -> c_int;
 type GetDeviceFn = unsafe extern "C" fn(*mut c_int) -> c_int;
+type StreamGetDeviceFn = unsafe extern "C" fn(*mut c_void, *mut c_int) -> c_int;
 
 /// One of the CUDA runtime's own functions, found the first time it can be: after libvram.so in
 /// the lookup order (a runtime the program or a library loaded globally links), else in a runtime
@@ -80,8 +81,10 @@ static MALLOC_ASYNC: RuntimeFn = RuntimeFn::new(c"cudaMallocAsync");
 static FREE_ASYNC: RuntimeFn = RuntimeFn::new(c"cudaFreeAsync");
 static SYNCHRONIZE: RuntimeFn = RuntimeFn::new(c"cudaDeviceSynchronize");
 static GET_DEVICE: RuntimeFn = RuntimeFn::new(c"cudaGetDevice");
+/// CUDA 12.8 and later; before, a stream's device is taken to be the current one.
+static STREAM_GET_DEVICE: RuntimeFn = RuntimeFn::new(c"cudaStreamGetDevice");
 
-// SAFETY (each of the six below): the pointer is the CUDA runtime's function of that name, whose
+// SAFETY (each of the seven below): the pointer is the CUDA runtime's function of that name, whose
 // C signature is the one transmuted to (cuda_runtime_api.h).
 fn runtime_malloc() -> Option<MallocFn> {
     // SAFETY: see above.
@@ -111,6 +114,12 @@ fn runtime_synchronize() -> Option<SyncFn> {
     SYNCHRONIZE
         .get()
         .map(|p| unsafe { std::mem::transmute::<*mut c_void, SyncFn>(p) })
+}
+fn runtime_stream_get_device() -> Option<StreamGetDeviceFn> {
+    // SAFETY: see above.
+    STREAM_GET_DEVICE
+        .get()
+        .map(|p| unsafe { std::mem::transmute::<*mut c_void, StreamGetDeviceFn>(p) })
 }
 fn runtime_get_device() -> Option<GetDeviceFn> {
     // SAFETY: see above.
@@ -186,6 +195,20 @@ fn current_device() -> Option<c_int> {
     (unsafe { get(&mut device) } == CUDA_SUCCESS).then_some(device)
 }
 
+/// The device of `stream` (the runtime's `cudaStreamGetDevice`), else the current one: a
+/// stream-ordered allocation is the stream's device's, whichever device is current.
+fn stream_device(stream: *mut c_void) -> Option<c_int> {
+    if let Some(get) = runtime_stream_get_device() {
+        let mut device = -1;
+        // SAFETY: the runtime's cudaStreamGetDevice with the caller's stream and a valid out
+        // pointer; a stream the runtime does not know is an error answer, not a fault.
+        if unsafe { get(stream, &mut device) } == CUDA_SUCCESS {
+            return Some(device);
+        }
+    }
+    current_device()
+}
+
 /// What the interposed `cudaMalloc` did with a request.
 enum Served {
     Done(u64),
@@ -194,14 +217,21 @@ enum Served {
     Refused,
 }
 
-/// Serves `size` bytes for `stream` in pool mode; `Pass` outside it and for another GPU.
-fn serve(hook: Hook, what: &str, size: usize, stream: StreamId) -> Served {
+/// Serves `size` bytes for `stream` in pool mode, on `device` (where the runtime says); `Pass`
+/// outside pool mode and for another GPU.
+fn serve(
+    hook: Hook,
+    what: &str,
+    size: usize,
+    stream: StreamId,
+    device: impl FnOnce() -> Option<c_int>,
+) -> Served {
     if !pool_mode() {
         return Served::Pass;
     }
     let served = guarded(Served::Refused, || {
         let t = tenant_or_log()?;
-        if let Some(device) = current_device() {
+        if let Some(device) = device() {
             if !crate::is_tenant_ordinal(t, device) {
                 warn_other_gpu(device, t.gpu);
                 return Ok(Served::Pass);
@@ -248,7 +278,13 @@ pub unsafe extern "C" fn cudaMalloc(dev_ptr: *mut *mut c_void, size: usize) -> c
     if dev_ptr.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    match serve(Hook::CudaMalloc, "cudaMalloc", size, SYNCHRONOUS) {
+    match serve(
+        Hook::CudaMalloc,
+        "cudaMalloc",
+        size,
+        SYNCHRONOUS,
+        current_device,
+    ) {
         Served::Done(ptr) => {
             // SAFETY: the caller passes a pointer valid for one write (checked non-null).
             unsafe { *dev_ptr = ptr as *mut c_void };
@@ -277,7 +313,9 @@ pub unsafe extern "C" fn cudaMallocAsync(
         return CUDA_ERROR_INVALID_VALUE;
     }
     let sid = vram_client::alloc::stream_of(stream as u64, false);
-    match serve(Hook::CudaMallocAsync, "cudaMallocAsync", size, sid) {
+    match serve(Hook::CudaMallocAsync, "cudaMallocAsync", size, sid, || {
+        stream_device(stream)
+    }) {
         Served::Done(ptr) => {
             // SAFETY: the caller passes a pointer valid for one write (checked non-null).
             unsafe { *dev_ptr = ptr as *mut c_void };

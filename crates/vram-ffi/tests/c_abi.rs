@@ -163,6 +163,31 @@ fn a_runtime_loaded_locally_gets_the_calls_libvram_passes_on() {
     );
 }
 
+/// Pool mode's `cudaMallocAsync` serves the memory of the stream's device (the runtime's
+/// `cudaStreamGetDevice`), not the current device's: a stream on another GPU than the tenant's
+/// gets the runtime's own memory.
+#[test]
+fn pool_mode_serves_a_stream_ordered_allocation_on_its_streams_device() {
+    let out = tempfile::tempdir().unwrap();
+    cprog::build_shared("fake_cudart", "libcudart.so.13", out.path());
+    let exe = build("stream_device", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(8));
+    let run = Command::new(&exe)
+        .env("LD_LIBRARY_PATH", out.path())
+        .env("VRAMD_SOCKET", &daemon.socket)
+        .env("VRAMD_TENANT", "c-streams")
+        .env("VRAMD_LIMIT", "256MiB")
+        .env("VRAMD_TORCH_MODE", "pool")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    assert!(
+        run.status.success() && stdout.contains("stream_device: ok"),
+        "{stdout}{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+}
+
 #[test]
 fn allocator_settings_come_from_vramd_alloc_and_a_bad_one_is_a_clear_error() {
     let out = tempfile::tempdir().unwrap();
