@@ -72,6 +72,29 @@ struct Kept {
 }
 
 impl State {
+    /// Whom to ask for idle memory so that `tenant` could take `size` (see [`Slot::reserve`]):
+    /// the asks waited on, and those sent without waiting (to tenants that gave nothing back
+    /// lately: still asked, so that one that does not read its socket is disconnected in time).
+    /// A tenant waiting on a reclaim itself, of the asker's priority or above, is in neither.
+    fn reclaim_asks(&self, tenant: TenantId, size: Bytes) -> (Vec<ReclaimAsk>, Vec<ReclaimAsk>) {
+        let mine = self.broker.tenant(tenant).map_or(0, |t| t.priority);
+        let waiting = |other: TenantId| {
+            self.waiters.contains_key(&other)
+                && self.broker.tenant(other).is_none_or(|t| t.priority >= mine)
+        };
+        let silent = |other: TenantId| {
+            self.unfruitful
+                .get(&other)
+                .is_some_and(|since| since.elapsed() < UNFRUITFUL_PAUSE)
+        };
+        let plan = self
+            .broker
+            .reclaim_plan(tenant, size, &|o| waiting(o) || silent(o));
+        let mut unwaited = self.broker.reclaim_plan(tenant, size, &waiting);
+        unwaited.retain(|ask| silent(ask.tenant));
+        (plan, unwaited)
+    }
+
     /// The name and uid of tenant `id`, under which handles it gives back and still reaches are
     /// kept: taken with the grants, while the tenant is surely in the books, since another
     /// connection of the tenant may disconnect it before the handles are found reached.
@@ -995,30 +1018,7 @@ impl Slot {
     ) -> Result<(), ErrorReply> {
         let mut s = self.lock();
         if s.broker.check_grant(tenant, size).is_err() {
-            // Asked and waited on; asked only (see `unfruitful`): still asked, so that one that
-            // does not read its socket is disconnected in time, but waited on by no one.
-            let (plan, unwaited) = {
-                let State {
-                    broker,
-                    waiters,
-                    unfruitful,
-                    ..
-                } = &*s;
-                let mine = broker.tenant(tenant).map_or(0, |t| t.priority);
-                let waiting = |other: TenantId| {
-                    waiters.contains_key(&other)
-                        && broker.tenant(other).is_none_or(|t| t.priority >= mine)
-                };
-                let silent = |other: TenantId| {
-                    unfruitful
-                        .get(&other)
-                        .is_some_and(|since| since.elapsed() < UNFRUITFUL_PAUSE)
-                };
-                let plan = broker.reclaim_plan(tenant, size, &|o| waiting(o) || silent(o));
-                let mut unwaited = broker.reclaim_plan(tenant, size, &waiting);
-                unwaited.retain(|ask| silent(ask.tenant));
-                (plan, unwaited)
-            };
+            let (plan, unwaited) = s.reclaim_asks(tenant, size);
             let unwaited = conns_of(&s, &unwaited);
             if plan.is_empty() && !unwaited.is_empty() {
                 drop(s);
