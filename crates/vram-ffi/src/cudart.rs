@@ -49,18 +49,27 @@ type StreamGetDeviceFn = unsafe extern "C" fn(*mut c_void, *mut c_int) -> c_int;
 /// the lookup order (a runtime the program or a library loaded globally links), else in a runtime
 /// the process loaded with `RTLD_LOCAL` (a Python extension's dependency, a library's `dlopen`),
 /// which `RTLD_NEXT` does not search. A program that calls the runtime through libvram.so's
-/// `cudaMalloc` has loaded it somewhere, so one of the two finds it; a name not found is looked
-/// for again at the next call, since the runtime may be loaded later.
+/// `cudaMalloc` has loaded it somewhere, so one of the two finds it. A name not found is looked
+/// for again at the next call while no runtime function has been found (the runtime may be loaded
+/// later); once one has, a name still missing is taken to be absent from that runtime (an older
+/// one), and not looked for again.
 struct RuntimeFn {
     name: &'static CStr,
+    /// The function; null while not found.
     found: AtomicPtr<c_void>,
+    /// Known to be missing from the loaded runtime.
+    absent: AtomicBool,
 }
+
+/// Whether some runtime function has been found: the runtime is loaded.
+static RUNTIME_FOUND: AtomicBool = AtomicBool::new(false);
 
 impl RuntimeFn {
     const fn new(name: &'static CStr) -> RuntimeFn {
         RuntimeFn {
             name,
             found: AtomicPtr::new(std::ptr::null_mut()),
+            absent: AtomicBool::new(false),
         }
     }
 
@@ -69,9 +78,22 @@ impl RuntimeFn {
         if !p.is_null() {
             return Some(p);
         }
-        let p = find_runtime_symbol(self.name)?;
-        self.found.store(p, Ordering::Release);
-        Some(p)
+        if self.absent.load(Ordering::Relaxed) {
+            return None;
+        }
+        match find_runtime_symbol(self.name) {
+            Some(p) => {
+                self.found.store(p, Ordering::Release);
+                RUNTIME_FOUND.store(true, Ordering::Release);
+                Some(p)
+            }
+            None => {
+                if RUNTIME_FOUND.load(Ordering::Acquire) {
+                    self.absent.store(true, Ordering::Relaxed);
+                }
+                None
+            }
+        }
     }
 }
 
