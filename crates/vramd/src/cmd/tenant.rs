@@ -217,19 +217,38 @@ impl Tenant {
     fn take_one(&self, size: Bytes, n: u64) -> Result<(), ClientError> {
         let grant = self.client.grant(size)?;
         let dev = self.client.device();
-        let res = dev.reserve(grant.size())?;
-        dev.map(&res, Bytes::ZERO, &grant.handle, Access::ReadWrite)?;
+        // A grant this tenant could not map is given back, not kept unused until it exits.
+        let mapped = dev.reserve(grant.size()).and_then(|res| {
+            dev.map(&res, Bytes::ZERO, &grant.handle, Access::ReadWrite)?;
+            Ok(res)
+        });
+        let res = match mapped {
+            Ok(res) => res,
+            Err(e) => {
+                let _ = self.client.give_back(vec![grant]);
+                return Err(e.into());
+            }
+        };
         let h = Held {
             seed: self.seed.wrapping_mul(1_000_003).wrapping_add(n),
             grant,
             res,
             cached: false,
         };
-        if !is_clean(dev.as_ref(), &h).map_err(|e| ClientError::Lost(e.to_string()))? {
-            self.dirty
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let checked = is_clean(dev.as_ref(), &h).and_then(|clean| {
+            if !clean {
+                self.dirty
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            write_pattern(dev.as_ref(), &h)
+        });
+        if let Err(e) = checked {
+            // Unmapped first, so that the daemon finds it reached by no one.
+            let Held { grant, res, .. } = h;
+            drop(res);
+            let _ = self.client.give_back(vec![grant]);
+            return Err(ClientError::Lost(e.to_string()));
         }
-        write_pattern(dev.as_ref(), &h).map_err(|e| ClientError::Lost(e.to_string()))?;
         self.held.lock().expect("held").push(h);
         Ok(())
     }
