@@ -240,16 +240,21 @@ fn a_daemon_that_stopped_answering_does_not_hold_up_the_exit() {
         .arg("run")
         .arg("--socket")
         .arg(&d.socket)
-        .args(["--", "sleep", "1"])
+        .args(["--", "sh", "-c", "echo started; sleep 1"])
         .env("VRAMD_LIB", library().unwrap_or_else(|| VRAMD.into()))
         .stdin(Stdio::null())
+        .stdout(Stdio::piped())
         .spawn()
         .unwrap();
+    // The program runs once the registration is done: only its end is told the daemon now.
+    let mut started = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut started,
+    )
+    .unwrap();
+    assert_eq!(started.trim(), "started");
     let daemon = rustix::process::Pid::from_raw(d.pid() as i32).unwrap();
-    assert!(wait_until(Duration::from_secs(5), || !d
-        .status()
-        .tenants
-        .is_empty()));
     rustix::process::kill_process(daemon, rustix::process::Signal::STOP).unwrap();
     let ended = wait_until(Duration::from_secs(15), || {
         child.try_wait().unwrap().is_some()

@@ -7,6 +7,7 @@
 
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use vram_core::Bytes;
@@ -38,11 +39,6 @@ impl Registration {
                 socket.display()
             )
         })?;
-        // A daemon that accepted but does not answer (stopped, wedged) is an error, not a wait
-        // without end before the program even starts.
-        stream
-            .set_read_timeout(Some(ANSWER_WITHIN))
-            .context("cannot set a timeout on the daemon's socket")?;
         let conn = Conn::new(stream);
         let hello = Hello {
             role: Role::Tenant {
@@ -55,12 +51,12 @@ impl Registration {
             client: format!("vramd run {}", env!("CARGO_PKG_VERSION")),
             resume: None,
         };
-        let welcome = match call(&conn, 1, &Request::Hello(hello))? {
+        let welcome = match call(&conn, 1, &Request::Hello(hello), ANSWER_WITHIN)? {
             Reply::Welcome(w) => w,
             Reply::Error(e) => bail!("vramd refused tenant `{}`: {}", ask.name, e.message),
             other => bail!("vramd answered the registration with {other:?}"),
         };
-        let token = match call(&conn, 2, &Request::Invite)? {
+        let token = match call(&conn, 2, &Request::Invite, ANSWER_WITHIN)? {
             Reply::Invitation { token } => token,
             Reply::Error(e) => bail!("vramd refused an invitation: {}", e.message),
             other => bail!("vramd answered the invitation with {other:?}"),
@@ -85,27 +81,30 @@ impl Registration {
     pub fn exited(self, status: ExitStatus) {
         // The daemon may have restarted meanwhile; the program's end is then its own news. Told
         // in passing: a daemon that does not answer soon does not hold up the exit status.
-        let _ = self
-            .conn
-            .stream()
-            .set_read_timeout(Some(EXIT_ANSWER_WITHIN));
-        let _ = call(&self.conn, 3, &Request::Exited(status));
+        let _ = call(&self.conn, 3, &Request::Exited(status), EXIT_ANSWER_WITHIN);
         let _ = self.conn.stream().shutdown(std::net::Shutdown::Both);
     }
 }
 
 /// How long the daemon may take to answer the registration's requests.
-const ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(30);
+const ANSWER_WITHIN: Duration = Duration::from_secs(30);
 /// How long the program's end waits for the daemon to take note of it.
-const EXIT_ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(5);
+const EXIT_ANSWER_WITHIN: Duration = Duration::from_secs(5);
 
-fn call(conn: &Conn, id: u64, request: &Request) -> anyhow::Result<Reply> {
+/// Sends `request` and waits for its answer: a daemon that accepted but does not answer within
+/// `within` (stopped, wedged) is an error, not a wait without end.
+fn call(conn: &Conn, id: u64, request: &Request, within: Duration) -> anyhow::Result<Reply> {
     conn.send(id, request, &[])
         .context("cannot talk to vramd")?;
+    let deadline = Instant::now() + within;
     loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            bail!("vramd did not answer within {} s", within.as_secs());
+        }
         let r = conn
-            .recv::<Reply>()
-            .context("vramd closed the connection")?;
+            .recv_within::<Reply>(Some(left))
+            .context("vramd did not answer, or closed the connection")?;
         if r.id == id {
             return Ok(r.msg);
         }
