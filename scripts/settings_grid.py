@@ -36,6 +36,8 @@ def cells(rows):
     goal = min(0.03, one.get("pytorch_fragmentation", {}).get("expandable", 1.0))
     frag = [r["fragmentation"] for r in rows.values()]
     drv = [r["modelled_driver_time_share"] for r in rows.values()]
+    if None in drv:
+        sys.exit(f"{one['trace']}: its events carry no times, so its driver time cannot be judged")
     f = [one["fragmentation"], statistics.mean(frag), max(frag)]
     d = [one["modelled_driver_time_share"], statistics.mean(drv), max(drv)]
     misses = sum(c > goal + 1e-12 for c in f) + sum(c > 0.01 for c in d)

@@ -29,6 +29,7 @@ import argparse
 import collections
 import gzip
 import pickle
+import sys
 
 MIB = 1 << 20
 
@@ -44,15 +45,22 @@ def load(path):
         return PlainOnly(f).load()
 
 
-def replayable(snapshot, window_only):
-    """The (action, addr, size) pairs to replay: allocs and their completed frees, after the
-    allocations of the blocks live when the history began (unless window_only)."""
-    events = snapshot["device_traces"][0]
+def devices(snapshot):
+    """The devices whose history records an allocation or a free, as vramd replay reads them:
+    each a trace of its own."""
+    return [d for d, events in enumerate(snapshot["device_traces"])
+            if any(e["action"] in ("alloc", "free_completed") for e in events)]
+
+
+def replayable(snapshot, device, window_only):
+    """The (action, addr, size) pairs to replay on `device`: allocs and their completed frees,
+    after the allocations of the blocks live when the history began (unless window_only)."""
+    events = snapshot["device_traces"][device]
     before = {}
     if not window_only:
         named = {e["addr"] for e in events if e["action"] in ("alloc", "free_requested", "free_completed")}
         for seg in snapshot.get("segments", []):
-            if seg.get("device", 0) != 0:
+            if seg.get("device", 0) != device:
                 continue
             addr = seg["address"]
             for b in seg.get("blocks", []):
@@ -104,8 +112,17 @@ def climb_growths(events, granule, frag):
 
 def analyse(path, granule, top, window_only, climb_frags):
     snapshot = load(path)
-    events, n_before, before_bytes = replayable(snapshot, window_only)
-    times = [e["time_us"] for e in snapshot["device_traces"][0]]
+    found = devices(snapshot)
+    if not found:
+        sys.exit(f"{path}: no device's history records an allocation or a free")
+    for device in found:
+        name = path.rsplit("/", 1)[-1] + (f":cuda{device}" if len(found) > 1 else "")
+        analyse_device(name, snapshot, device, granule, top, window_only, climb_frags)
+
+
+def analyse_device(name, snapshot, device, granule, top, window_only, climb_frags):
+    events, n_before, before_bytes = replayable(snapshot, device, window_only)
+    times = [e["time_us"] for e in snapshot["device_traces"][device] if "time_us" in e]
     wall_us = max(times) - min(times) if times else 0
     requested = 0
     peak = (0, 0)
@@ -124,7 +141,6 @@ def analyse(path, granule, top, window_only, climb_frags):
     large = sum(-(-s // granule) * granule for s in sizes if s >= MIB)
     small = sum(s for s in sizes if s < MIB)
     bound = large + -(-small // granule) * granule
-    name = path.rsplit("/", 1)[-1]
     if n_before:
         print(f"{name}: {n_before} blocks ({before_bytes / MIB:.1f} MiB) live before the history, allocated first")
     print(f"{name}: peak live {peak[0] / MIB:.1f} MiB at event {peak[1]}; "

@@ -157,7 +157,7 @@ fn a_file_that_is_not_a_snapshot_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("notes.txt");
     std::fs::write(&bad, "not a pickle").unwrap();
-    replay_fails(&[&bad], None, "notes.txt is not a readable snapshot");
+    replay_fails(&[&bad], None, "notes.txt: not a PyTorch memory snapshot");
 }
 
 /// Processes whose command line names a replay's own daemon socket under `tmp`.
@@ -191,7 +191,7 @@ fn a_replay_through_a_daemon_that_fails_part_way_leaves_no_daemon_behind() {
     replay_fails(
         &[Path::new("--through-daemon"), &good, &bad],
         Some(&tmp),
-        "bad.pickle.gz is not a readable snapshot",
+        "bad.pickle.gz: not a PyTorch memory snapshot",
     );
     let left = replay_daemons(&tmp);
     assert!(left.is_empty(), "daemons left running: {left:?}");
@@ -419,4 +419,45 @@ fn pytorch_figures_come_from_the_readme_beside_the_trace_and_scales_are_summed_u
     let table = common::vramd_stdout(&["replay", "--compare", "default", path]);
     let row = table.lines().find(|l| l.starts_with("small ")).unwrap();
     assert!(row.trim_end().ends_with('-'), "{table}");
+}
+
+/// A snapshot of a process that used two GPUs replays each device's history as a trace of its
+/// own; one whose events carry no times has figures but no shares of time (`null`, not 0); one
+/// whose histories record no allocation is refused rather than replayed as an idle workload.
+#[test]
+fn each_device_is_a_trace_and_a_history_without_times_has_no_shares() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = r#"
+import pickle, sys
+def allocs(n, size, timed):
+    return [dict({"action": "alloc", "addr": (i + 1) << 30, "size": size, "stream": 0},
+                 **({"time_us": 10 * i} if timed else {})) for i in range(n)]
+with open(sys.argv[1] + "/two.pickle", "wb") as f:
+    pickle.dump({"segments": [], "device_traces": [allocs(3, 8 << 20, True),
+                                                   allocs(5, 4 << 20, False)]}, f)
+with open(sys.argv[1] + "/idle.pickle", "wb") as f:
+    pickle.dump({"segments": [], "device_traces": [[], []]}, f)
+"#;
+    let st = Command::new("python3")
+        .args(["-c", script, dir.path().to_str().unwrap()])
+        .status()
+        .expect("python3 runs");
+    assert!(st.success());
+    let two = dir.path().join("two.pickle");
+    let out = replay_json(&[two.to_str().unwrap()]);
+    let names: Vec<&str> = out.iter().map(|o| o["trace"].as_str().unwrap()).collect();
+    assert_eq!(names, ["two:cuda0", "two:cuda1"]);
+    assert_eq!(out[0]["peak_requested"], 24u64 << 20);
+    assert_eq!(out[1]["peak_requested"], 20u64 << 20);
+    assert!(out[0]["modelled_driver_time_share"].as_f64().unwrap() > 0.0);
+    for key in [
+        "modelled_driver_time_share",
+        "design_table_driver_time_share",
+        "measured_allocator_time_share",
+        "measured_driver_time_share",
+    ] {
+        assert!(out[1][key].is_null(), "{key}: {}", out[1][key]);
+    }
+    let idle = dir.path().join("idle.pickle");
+    replay_fails(&[idle], None, "record no allocation or free");
 }

@@ -46,12 +46,13 @@ pub struct ReplayResult {
     pub returns: u64,
     pub mapped_bytes: u64,
     pub wall_us: u64,
-    /// Driver time under `cost_model`, and its share of the trace's wall time.
+    /// Driver time under `cost_model`, and its share of the trace's wall time (none, `null` in
+    /// JSON, for a trace whose events carry no times).
     pub cost_model: &'static str,
     pub modelled_driver_us: f64,
-    pub modelled_driver_time_share: f64,
+    pub modelled_driver_time_share: Option<f64>,
     /// The same share under docs/design.md's cost table as written (set-access per MiB).
-    pub design_table_driver_time_share: f64,
+    pub design_table_driver_time_share: Option<f64>,
     /// Where the memory held lay when it was at its highest.
     pub held_at_peak: HeldAtPeak,
 }

@@ -3,8 +3,10 @@
 //!
 //! Input is bytes, so this module does no I/O. The pickle is decoded strictly: any class or other
 //! global reference (`GLOBAL`, `STACK_GLOBAL`, `REDUCE` on anything but the builtin containers
-//! serde-pickle knows, such as `set`) is an error, never a call. Only `device_traces[0]` is read:
-//! its `alloc` events paired by address with `free_completed`.
+//! serde-pickle knows, such as `set`) is an error, never a call. Each device's history
+//! (`device_traces[i]`) is a trace of its own: its `alloc` events paired by address with
+//! `free_completed`. A process that ran on one GPU has events on that one alone, whichever its
+//! index ([`parse_snapshot`]); [`parse_devices`] gives every device whose history has any.
 //!
 //! A history is a ring buffer: a long run's snapshot begins in the middle, while blocks allocated
 //! before it (a model's weights) are live. The snapshot says which: a free whose alloc the history
@@ -47,11 +49,12 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// `us` as a share of the trace's wall time (0 for a trace without duration).
-    pub fn share_of_wall(&self, us: f64) -> f64 {
+    /// `us` as a share of the trace's wall time; none for a trace without duration (a history
+    /// recorded without event times, or of one instant).
+    pub fn share_of_wall(&self, us: f64) -> Option<f64> {
         match self.wall_us() {
-            0 => 0.0,
-            wall => us / wall as f64,
+            0 => None,
+            wall => Some(us / wall as f64),
         }
     }
 
@@ -108,10 +111,22 @@ pub enum TraceError {
     Gzip(#[source] std::io::Error),
     #[error("not a PyTorch memory snapshot pickle (classes are refused): {0}")]
     Pickle(#[from] serde_pickle::Error),
-    #[error("the snapshot has no device_traces[0]")]
-    NoDeviceTrace,
-    #[error("event {index}: alloc at {addr:#x}, which is already allocated")]
-    DoubleAlloc { index: usize, addr: u64 },
+    #[error(
+        "the snapshot's device histories ({devices} of them) record no allocation or free (was \
+         torch.cuda.memory._record_memory_history() on before the program allocated?)"
+    )]
+    NoEvents { devices: usize },
+    #[error(
+        "the snapshot records allocations on devices {devices:?}, each a trace of its own \
+         (read them with parse_devices)"
+    )]
+    SeveralDevices { devices: Vec<usize> },
+    #[error("device {device}, event {index}: alloc at {addr:#x}, which is already allocated")]
+    DoubleAlloc {
+        device: usize,
+        index: usize,
+        addr: u64,
+    },
 }
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
@@ -164,8 +179,30 @@ struct RawEvent {
     time_us: u64,
 }
 
-/// Reads a snapshot, gzipped or not (told apart by the gzip magic number).
+/// One device's trace in a snapshot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceTrace {
+    /// The device's index in the snapshot (`device_traces[device]`, as CUDA numbered it there).
+    pub device: usize,
+    pub trace: Trace,
+}
+
+/// Reads a snapshot (gzipped or not, told apart by the gzip magic number) whose history records
+/// one device's allocations: the trace of that device, whichever its index.
 pub fn parse_snapshot(bytes: &[u8]) -> Result<Trace, TraceError> {
+    let mut devices = parse_devices(bytes)?;
+    match devices.len() {
+        1 => Ok(devices.remove(0).trace),
+        _ => Err(TraceError::SeveralDevices {
+            devices: devices.iter().map(|d| d.device).collect(),
+        }),
+    }
+}
+
+/// Reads a snapshot: a trace for each device whose history records an allocation or a free, in
+/// device order (a device with none is left out; a snapshot with none at all is an error, so an
+/// empty history is never replayed as a workload that allocated nothing).
+pub fn parse_devices(bytes: &[u8]) -> Result<Vec<DeviceTrace>, TraceError> {
     let inflated;
     let pickle = if bytes.starts_with(&GZIP_MAGIC) {
         let mut out = Vec::new();
@@ -178,19 +215,38 @@ pub fn parse_snapshot(bytes: &[u8]) -> Result<Trace, TraceError> {
         bytes
     };
     let snapshot: Snapshot = serde_pickle::from_slice(pickle, serde_pickle::DeOptions::new())?;
-    let raw = snapshot
-        .device_traces
-        .into_iter()
-        .next()
-        .ok_or(TraceError::NoDeviceTrace)?;
-    let before = before_history(&snapshot.segments, &raw);
-    pair(before, &raw)
+    let mut traces = Vec::new();
+    for (device, raw) in snapshot.device_traces.iter().enumerate() {
+        if !raw.iter().any(|e| e.is_alloc() || e.is_free()) {
+            continue;
+        }
+        let before = before_history(&snapshot.segments, device, raw);
+        let trace = pair(before, device, raw)?;
+        traces.push(DeviceTrace { device, trace });
+    }
+    if traces.is_empty() {
+        return Err(TraceError::NoEvents {
+            devices: snapshot.device_traces.len(),
+        });
+    }
+    Ok(traces)
 }
 
-/// The blocks live when the history began, as allocations in address order at its first
-/// timestamp: blocks still allocated on device 0 at an address no event names, and blocks freed
-/// without an alloc in the history.
-fn before_history(segments: &[RawSegment], raw: &[RawEvent]) -> Vec<Event> {
+impl RawEvent {
+    fn is_alloc(&self) -> bool {
+        self.action == "alloc"
+    }
+
+    /// A free whose work has finished (the allocator may reuse the block).
+    fn is_free(&self) -> bool {
+        self.action == "free_completed"
+    }
+}
+
+/// The blocks live on `device` when its history began, as allocations in address order at the
+/// history's first timestamp: blocks still allocated on it at an address no event names, and
+/// blocks freed without an alloc in the history.
+fn before_history(segments: &[RawSegment], device: usize, raw: &[RawEvent]) -> Vec<Event> {
     let named: HashSet<u64> = raw
         .iter()
         .filter(|e| {
@@ -202,7 +258,7 @@ fn before_history(segments: &[RawSegment], raw: &[RawEvent]) -> Vec<Event> {
         .map(|e| e.addr)
         .collect();
     let mut before: Vec<Event> = Vec::new();
-    for seg in segments.iter().filter(|s| s.device == 0) {
+    for seg in segments.iter().filter(|s| s.device == device as u64) {
         let mut addr = seg.address;
         for b in &seg.blocks {
             if b.state.starts_with("active") && !named.contains(&addr) {
@@ -221,7 +277,7 @@ fn before_history(segments: &[RawSegment], raw: &[RawEvent]) -> Vec<Event> {
     before.sort_by_key(|e| e.addr);
     let start = raw
         .iter()
-        .find(|e| matches!(e.action.as_str(), "alloc" | "free_completed"))
+        .find(|e| e.is_alloc() || e.is_free())
         .map_or(0, |e| e.time_us);
     for e in &mut before {
         e.time_us = start;
@@ -251,9 +307,9 @@ fn unpaired_frees(raw: &[RawEvent]) -> Vec<Event> {
         .collect()
 }
 
-/// The trace of `raw`'s allocs paired with their completed frees, after `before`: allocations of
-/// blocks live when the history began.
-fn pair(before: Vec<Event>, raw: &[RawEvent]) -> Result<Trace, TraceError> {
+/// The trace of `raw` (`device`'s history) allocs paired with their completed frees, after
+/// `before`: allocations of blocks live when the history began.
+fn pair(before: Vec<Event>, device: usize, raw: &[RawEvent]) -> Result<Trace, TraceError> {
     let mut live: HashMap<u64, u64> = before.iter().map(|e| (e.addr, e.size)).collect();
     let mut trace = Trace {
         before_history: before.len(),
@@ -265,6 +321,7 @@ fn pair(before: Vec<Event>, raw: &[RawEvent]) -> Result<Trace, TraceError> {
             "alloc" => {
                 if live.insert(e.addr, e.size).is_some() {
                     return Err(TraceError::DoubleAlloc {
+                        device,
                         index,
                         addr: e.addr,
                     });

@@ -112,3 +112,54 @@ fn segments_of_another_shape_do_not_stop_the_events() {
     assert_eq!(t.events.len(), 4);
     assert_eq!(t.before_history_bytes(), 64);
 }
+
+/// A snapshot whose history records device 1 alone (device 0's is empty): an alloc and its
+/// free, and a block still allocated on device 1 that no event names (0x4000, 1000 bytes, stream
+/// 3); device 0's `segments` hold a block too, which belongs to no trace.
+const DEVICE_ONE_HEX: &str = "80049520010000000000007d94288c087365676d656e7473945d94287d94288c06646576696365944b008c0761646472657373944d00808c0673747265616d944b008c06626c6f636b73945d947d94288c0473697a65944d00108c0e7265717565737465645f73697a65944b0a8c057374617465948c106163746976655f616c6c6f6361746564947561757d942868044b0168054d004068064b0368075d947d9428680a4d0010680b4de803680c680d756175658c0d6465766963655f747261636573945d94285d945d94287d94288c06616374696f6e948c05616c6c6f63948c0461646472944d0020680a4b6468064b078c0774696d655f7573944b0a757d942868168c0e667265655f636f6d706c657465649468184d0020680a4b6468064b0768194b0c756565752e";
+
+/// Device 0 allocates 50 bytes at 0x2000, device 1 100 bytes at the same address.
+const TWO_DEVICES_HEX: &str = "80049584000000000000007d94288c087365676d656e7473945d948c0d6465766963655f747261636573945d94285d947d94288c06616374696f6e948c05616c6c6f63948c0461646472944d00208c0473697a65944b328c0673747265616d944b008c0774696d655f7573944b0375615d947d94286807680868094d0020680a4b64680b4b07680c4b0a756165752e";
+
+/// Segments with blocks, but histories with no allocation or free (a `segment_alloc` only).
+const NO_EVENTS_HEX: &str = "80049501010000000000007d94288c087365676d656e7473945d94287d94288c06646576696365944b008c0761646472657373944d00808c0673747265616d944b008c06626c6f636b73945d947d94288c0473697a65944d00108c0e7265717565737465645f73697a65944b0a8c057374617465948c106163746976655f616c6c6f6361746564947561757d942868044b0168054d004068064b0368075d947d9428680a4d0010680b4de803680c680d756175658c0d6465766963655f747261636573945d94285d945d947d94288c06616374696f6e948c0d7365676d656e745f616c6c6f63948c0461646472944b00680a4a0000200068064b008c0774696d655f7573944b01756165752e";
+
+#[test]
+fn the_trace_is_the_device_whose_history_allocates_whichever_its_index() {
+    use Action::{Alloc, Free};
+    let t = parse_snapshot(&unhex(DEVICE_ONE_HEX)).unwrap();
+    assert_eq!(
+        t.events,
+        vec![
+            ev(Alloc, 0x4000, 1000, 3, 10),
+            ev(Alloc, 0x2000, 100, 7, 10),
+            ev(Free, 0x2000, 100, 7, 12),
+        ]
+    );
+    assert_eq!(t.before_history, 1);
+    let devices = parse_devices(&unhex(DEVICE_ONE_HEX)).unwrap();
+    assert_eq!(devices.len(), 1);
+    assert_eq!(devices[0].device, 1);
+}
+
+#[test]
+fn each_device_that_allocates_is_a_trace_of_its_own() {
+    let devices = parse_devices(&unhex(TWO_DEVICES_HEX)).unwrap();
+    let sizes: Vec<(usize, Vec<u64>)> = devices
+        .iter()
+        .map(|d| (d.device, d.trace.events.iter().map(|e| e.size).collect()))
+        .collect();
+    assert_eq!(sizes, vec![(0, vec![50]), (1, vec![100])]);
+    let err = parse_snapshot(&unhex(TWO_DEVICES_HEX)).unwrap_err();
+    assert!(
+        matches!(&err, TraceError::SeveralDevices { devices } if devices == &[0, 1]),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_history_without_allocations_is_an_error_not_an_empty_workload() {
+    let err = parse_devices(&unhex(NO_EVENTS_HEX)).unwrap_err();
+    assert!(matches!(err, TraceError::NoEvents { devices: 2 }), "{err}");
+    assert!(err.to_string().contains("_record_memory_history"), "{err}");
+}

@@ -16,7 +16,7 @@ use vram_client::alloc::{
 use vram_client::{Client, TenantOptions};
 use vram_core::alloc::{AllocConfig, BackingCounts, StreamId};
 use vram_core::replay::{CostModel, HeldAtPeak, ReplayResult};
-use vram_core::trace::{parse_snapshot, Action, Trace};
+use vram_core::trace::{parse_devices, Action, DeviceTrace, Trace};
 use vram_core::Bytes;
 use vram_device::{BackendKind, Device};
 use vram_proto::PoolTakes;
@@ -97,11 +97,12 @@ pub struct Outcome {
     pub backend: BackendKind,
     /// Wall time spent inside the allocator's calls (driver calls included), measured.
     pub measured_allocator_us: f64,
-    pub measured_allocator_time_share: f64,
+    /// Its share of the trace's wall time (none for a trace whose events carry no times).
+    pub measured_allocator_time_share: Option<f64>,
     /// Of that, the wall time spent in the backing's calls (creating, mapping with access,
     /// unmapping and releasing handles: on `--backend cuda` the driver calls), measured.
     pub measured_driver_us: f64,
-    pub measured_driver_time_share: f64,
+    pub measured_driver_time_share: Option<f64>,
     /// That time by kind of call.
     pub measured_calls_us: CallsUs,
     /// How long one take of a handle lasted (from a daemon: the round trip and the import;
@@ -174,12 +175,9 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     for path in &args.traces {
         let bytes =
             std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-        let mut trace = parse_snapshot(&bytes)
-            .with_context(|| format!("{} is not a readable snapshot", path.display()))?;
-        if args.window_only {
-            trace = trace.window_only();
-        }
-        let name = path
+        let devices =
+            parse_devices(&bytes).with_context(|| format!("cannot replay {}", path.display()))?;
+        let file_name = path
             .file_name()
             .map(|n| {
                 n.to_string_lossy()
@@ -188,32 +186,42 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
                     .to_string()
             })
             .unwrap_or_default();
-        let pytorch = path
-            .parent()
-            .map(|dir| pytorch_figures::for_trace(dir, &name))
-            .unwrap_or_default();
-        // The trace as recorded, then at each scale (one scaled copy at a time).
-        for factor in std::iter::once(None).chain(args.scale.iter().copied().map(Some)) {
-            let scaled;
-            let (name, trace) = match factor {
-                None => (name.clone(), &trace),
-                Some(f) => {
-                    scaled = trace.scaled(f);
-                    (format!("{name}@{f}"), &scaled)
-                }
+        // PyTorch's figures beside a trace are the recorded process's: one device's.
+        let pytorch = match devices.len() {
+            1 => path
+                .parent()
+                .map(|dir| pytorch_figures::for_trace(dir, &file_name))
+                .unwrap_or_default(),
+            _ => PytorchFigures::default(),
+        };
+        let several = devices.len() > 1;
+        for DeviceTrace { device, trace } in devices {
+            let trace = if args.window_only {
+                trace.window_only()
+            } else {
+                trace
             };
-            let pace = Pace(args.realtime);
-            let mut o = match &socket {
-                Some(socket) => replay_through(&name, trace, socket, &config, pace)?,
-                None => replay(&name, trace, args.backend, &config, pace)?,
+            if trace.wall_us() == 0 {
+                tracing::warn!(
+                    trace = %path.display(),
+                    device,
+                    "the snapshot records no event times: shares of its time are not known"
+                );
+            }
+            let name = if several {
+                format!("{file_name}:cuda{device}")
+            } else {
+                file_name.clone()
             };
-            if factor.is_none() {
-                o.pytorch_fragmentation = pytorch;
-            }
-            if args.json {
-                println!("{}", serde_json::to_string(&o)?);
-            }
-            outcomes.push(o);
+            replay_scales(
+                &args,
+                &name,
+                &trace,
+                pytorch,
+                socket.as_deref(),
+                &config,
+                &mut outcomes,
+            )?;
         }
     }
     if let Some(d) = own {
@@ -226,6 +234,42 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
         }
     }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Replays `trace` as recorded, then at each of `--scale`'s factors (one scaled copy at a time),
+/// adding an outcome for each (printed at once with `--json`).
+fn replay_scales(
+    args: &Args,
+    name: &str,
+    trace: &Trace,
+    pytorch: PytorchFigures,
+    socket: Option<&Path>,
+    config: &AllocConfig,
+    outcomes: &mut Vec<Outcome>,
+) -> anyhow::Result<()> {
+    for factor in std::iter::once(None).chain(args.scale.iter().copied().map(Some)) {
+        let scaled;
+        let (name, trace) = match factor {
+            None => (name.to_string(), trace),
+            Some(f) => {
+                scaled = trace.scaled(f);
+                (format!("{name}@{f}"), &scaled)
+            }
+        };
+        let pace = Pace(args.realtime);
+        let mut o = match socket {
+            Some(socket) => replay_through(&name, trace, socket, config, pace)?,
+            None => replay(&name, trace, args.backend, config, pace)?,
+        };
+        if factor.is_none() {
+            o.pytorch_fragmentation = pytorch;
+        }
+        if args.json {
+            println!("{}", serde_json::to_string(&o)?);
+        }
+        outcomes.push(o);
+    }
+    Ok(())
 }
 
 /// Starts a daemon serving the replay's backend from a temporary directory.
@@ -540,23 +584,36 @@ fn scale_summary(outcomes: &[Outcome]) -> String {
             .collect();
         let n = runs.len() as f64;
         let frag: Vec<f64> = runs.iter().map(|r| r.fragmentation * 100.0).collect();
-        let driver: Vec<f64> = runs
+        let driver: Option<Vec<f64>> = runs
             .iter()
-            .map(|r| r.modelled_driver_time_share * 100.0)
+            .map(|r| r.modelled_driver_time_share.map(|s| s * 100.0))
             .collect();
         let worst = |v: &[f64]| v.iter().copied().fold(f64::MIN, f64::max);
+        let (driver_mean, driver_worst) = match driver {
+            Some(d) => (
+                percent(Some(d.iter().sum::<f64>() / n), 12),
+                percent(Some(worst(&d)), 13),
+            ),
+            None => (percent(None, 12), percent(None, 13)),
+        };
         let _ = writeln!(
             out,
-            "{:<24} {:>7} {:>9.2}% {:>10.2}% {:>11.2}% {:>12.2}%",
+            "{:<24} {:>7} {:>9.2}% {:>10.2}% {driver_mean} {driver_worst}",
             name,
             runs.len(),
             frag.iter().sum::<f64>() / n,
             worst(&frag),
-            driver.iter().sum::<f64>() / n,
-            worst(&driver)
         );
     }
     out
+}
+
+/// A share as a percentage right-aligned in `width` columns, `%` included; `-` where unknown.
+fn percent(share: Option<f64>, width: usize) -> String {
+    match share {
+        Some(s) => format!("{:>w$.2}%", s * 100.0, w = width - 1),
+        None => format!("{:>width$}", "-"),
+    }
 }
 
 fn table(outcomes: &[Outcome], compare: &[Compare]) -> String {
@@ -588,7 +645,7 @@ fn table(outcomes: &[Outcome], compare: &[Compare]) -> String {
     for o in outcomes {
         let r = &o.result;
         let mut line = format!(
-            "{:<24} {:>8} {:>12} {:>12} {:>6.2}% {:>7} {:>6} {:>7} {:>7} {:>8.2}% {:>8.2}% {:>8.2}% {:>8.2}%",
+            "{:<24} {:>8} {:>12} {:>12} {:>6.2}% {:>7} {:>6} {:>7} {:>7} {} {} {} {}",
             r.trace,
             r.events,
             Bytes(r.peak_requested).to_string(),
@@ -598,20 +655,17 @@ fn table(outcomes: &[Outcome], compare: &[Compare]) -> String {
             r.maps,
             r.unmaps,
             r.returns,
-            r.modelled_driver_time_share * 100.0,
-            r.design_table_driver_time_share * 100.0,
-            o.measured_allocator_time_share * 100.0,
-            o.measured_driver_time_share * 100.0
+            percent(r.modelled_driver_time_share, 9),
+            percent(r.design_table_driver_time_share, 9),
+            percent(o.measured_allocator_time_share, 9),
+            percent(o.measured_driver_time_share, 9),
         );
         for c in compare {
             let (figure, width) = match c {
                 Compare::Default => (o.pytorch_fragmentation.default, 12),
                 Compare::Expandable => (o.pytorch_fragmentation.expandable, 15),
             };
-            line += &match figure {
-                Some(f) => format!("{:>w$.2}%", f * 100.0, w = width - 1),
-                None => format!("{:>width$}", "-"),
-            };
+            line += &percent(figure, width);
         }
         let _ = writeln!(out, "{line}");
     }
