@@ -58,10 +58,12 @@ impl Trace {
         }
     }
 
-    /// Microseconds from the first event to the last.
+    /// Microseconds from the earliest event to the latest (events recorded by several threads
+    /// need not be in time order).
     pub fn wall_us(&self) -> u64 {
-        match (self.events.first(), self.events.last()) {
-            (Some(a), Some(b)) => b.time_us.saturating_sub(a.time_us),
+        let times = self.events.iter().map(|e| e.time_us);
+        match (times.clone().min(), times.max()) {
+            (Some(first), Some(last)) => last - first,
             _ => 0,
         }
     }

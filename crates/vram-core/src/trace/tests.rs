@@ -163,3 +163,19 @@ fn a_history_without_allocations_is_an_error_not_an_empty_workload() {
     assert!(matches!(err, TraceError::NoEvents { devices: 2 }), "{err}");
     assert!(err.to_string().contains("_record_memory_history"), "{err}");
 }
+
+#[test]
+fn the_wall_time_spans_the_earliest_event_to_the_latest_in_any_order() {
+    let t = Trace {
+        events: vec![
+            ev(Action::Alloc, 1, 8, 0, 50),
+            ev(Action::Alloc, 2, 8, 0, 30),
+            ev(Action::Free, 1, 8, 0, 90),
+            ev(Action::Free, 2, 8, 0, 70),
+        ],
+        ..Trace::default()
+    };
+    assert_eq!(t.wall_us(), 60);
+    assert_eq!(t.share_of_wall(6.0), Some(0.1));
+    assert_eq!(Trace::default().share_of_wall(6.0), None);
+}
