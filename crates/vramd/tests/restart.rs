@@ -458,3 +458,39 @@ fn a_tenant_the_new_configuration_refuses_stays_booked_until_it_ends() {
     assert_eq!(d.status().devices[0].held, Bytes::mib(512));
     x.exit();
 }
+
+/// A restart that finds no state file (lost, or set aside) adopts nobody; a tenant of the daemon
+/// before then reconnects with the grant ids it holds. The new daemon's ids are not those: a
+/// tenant that connected first and took memory holds other ids, and the reconnecting tenant's
+/// claims are all booked (with ids counted from 1 again, its claim of the other's id was dropped
+/// unbooked, its memory lent twice).
+#[test]
+fn without_a_state_file_a_reconnecting_tenants_ids_are_not_the_new_daemons() {
+    let mut d = Restartable::new(CONFIG);
+    let mut a = Tenant::spawn(d.socket(), "a", &[]);
+    assert_eq!(a.next()["event"], "welcome");
+    assert_eq!(a.cmd("take 128MiB")["taken"], Bytes::mib(128).get());
+    // Held still while the daemon is away, so that another tenant takes memory first.
+    a.signal(rustix::process::Signal::STOP);
+    d.stop(rustix::process::Signal::KILL);
+    let mut state = d.socket().as_os_str().to_owned();
+    state.push(".state");
+    std::fs::remove_file(&state).unwrap();
+    d.start();
+    let mut b = Tenant::spawn(d.socket(), "b", &[]);
+    assert_eq!(b.next()["event"], "welcome");
+    assert_eq!(b.cmd("take 64MiB")["taken"], Bytes::mib(64).get());
+    a.resume();
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            held_by(&d.status(), "a") == Some(Bytes::mib(128))
+        }),
+        "{:?}\n{}",
+        d.status(),
+        d.log()
+    );
+    assert_eq!(held_by(&d.status(), "b"), Some(Bytes::mib(64)));
+    assert_eq!(a.cmd("verify")["bad"], 0);
+    a.exit();
+    b.exit();
+}

@@ -237,6 +237,12 @@ impl SharedBuffers {
         SharedBuffers::default()
     }
 
+    /// Buffer ids given from now on are above `next`: a client of an earlier daemon still holding
+    /// an id of its buffers must not reach one of this daemon's by it.
+    pub fn start_ids_at(&mut self, next: u64) {
+        self.next_id = self.next_id.max(next.saturating_sub(1));
+    }
+
     /// Creates an empty buffer owned by `owner`. No memory is taken until a version is written.
     pub fn create(
         &mut self,

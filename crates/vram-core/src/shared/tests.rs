@@ -515,3 +515,28 @@ fn a_capped_copy_keeps_at_most_its_budget_of_acl_entries() {
         assert_eq!(shown, budget.min(10), "budget {budget}");
     }
 }
+
+#[test]
+fn buffer_ids_start_where_told_so_an_earlier_daemons_ids_name_nothing() {
+    let mut w = world();
+    assert_eq!(w.id, BufferId(1));
+    w.books.start_ids_at(1 << 40);
+    let spec = BufferSpec {
+        name: "bias".into(),
+        size: SIZE,
+        acl: Acl::default(),
+    };
+    let id = w.books.create(&w.broker, w.owner, spec).unwrap().id;
+    assert_eq!(id, BufferId(1 << 40));
+    // Told a lower start later, ids still only grow.
+    w.books.start_ids_at(5);
+    let spec = BufferSpec {
+        name: "head".into(),
+        size: SIZE,
+        acl: Acl::default(),
+    };
+    assert_eq!(
+        w.books.create(&w.broker, w.owner, spec).unwrap().id,
+        BufferId((1 << 40) + 1)
+    );
+}

@@ -96,6 +96,11 @@ impl std::fmt::Debug for NvmlProbe {
 /// tenants map memory.
 pub const DRIVER_HEADROOM: u64 = 1024;
 
+/// Memory in use at start that no process accounts for is logged as a warning beyond 1/32 of the
+/// device: the driver's own is far less (12 MiB on an idle H200, docs/benchmarks.md), so more is
+/// likely memory of tenants the daemon cannot know of (an earlier daemon's, its state file lost).
+const UNLISTED_WARNING: u64 = 32;
+
 /// Tries of a process list whose length changed between NVML's count and its fill.
 const LIST_TRIES: usize = 3;
 
@@ -177,6 +182,16 @@ impl NvmlProbe {
             .saturating_sub(held)
             .saturating_add(headroom);
         lock(&self.overhead).insert(normalise_uuid(uuid), allowance);
+        let unlisted = r.used.saturating_sub(listed).saturating_sub(held);
+        if unlisted > Bytes(r.total.get() / UNLISTED_WARNING) {
+            tracing::warn!(
+                uuid, used = %r.used, by_processes = %listed, held_by_tenants_before = %held,
+                unlisted = %unlisted,
+                "memory in use that no process accounts for is taken for the driver's own and \
+                 not served; if tenants of an earlier daemon whose state file is gone still hold \
+                 it, it stays unserved until the daemon restarts after they end"
+            );
+        }
         Ok(r.total.saturating_sub(r.reserved).saturating_sub(allowance))
     }
 

@@ -819,10 +819,11 @@ impl Slot {
         (s.next_grant, tenants, dirty)
     }
 
-    /// Grant ids start at `next` (above any a daemon before gave).
-    pub fn start_grants_at(&self, next: u64) {
+    /// Grant ids and shared-buffer ids start at `next` (above any a daemon before gave).
+    pub fn start_ids_at(&self, next: u64) {
         let mut s = self.lock();
         s.next_grant = s.next_grant.max(next);
+        s.shared.core.start_ids_at(next);
     }
 
     /// Grants handles of `sizes` (each rounded up to the granularity) to `tenant`'s connection
@@ -1535,6 +1536,11 @@ fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
     let mut known = s.adopted.values().filter(|(t, _)| *t == id).count();
     let (mut ignored, mut unbooked, mut first_refusal) = (0usize, 0usize, None);
     for (g, size) in &r.grants {
+        if s.grants.get(g).is_some_and(|(owner, _)| *owner != id) {
+            // Another tenant's grant: not this one's to claim.
+            ignored += 1;
+            continue;
+        }
         if s.adopted.contains_key(g) || s.grants.contains_key(g) || s.take_back_kept(id, *g) {
             continue;
         }
@@ -1564,8 +1570,8 @@ fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
     if ignored > 0 {
         tracing::warn!(
             grants = ignored,
-            "grants the tenant claims are ignored: not whole granules, or more than its limit \
-             could hold"
+            "grants the tenant claims are ignored: another tenant's, not whole granules, or \
+             more than its limit could hold"
         );
     }
     let charged = s.broker.tenant(id).map_or(Bytes::ZERO, |t| t.charged);

@@ -143,6 +143,13 @@ pub fn held_by_live_tenants(socket: &Path, uuids: &[String]) -> Vec<Bytes> {
     held
 }
 
+/// The time now in nanoseconds since the Unix epoch (0 for a clock before it).
+fn nanos_since_epoch() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+}
+
 /// The start time of process `pid` (clock ticks since boot, field 22 of `/proc/PID/stat`), or
 /// `None` if there is no such process (or it is a zombie: it holds no memory any more).
 pub fn process_start_time(pid: u32) -> Option<u64> {
@@ -181,14 +188,26 @@ impl Keeper {
     /// writes the file anew.
     pub(super) fn adopt(daemon: &super::Daemon, socket: &Path) -> Keeper {
         let path = path_for(socket);
-        if let Some(saved) = load(&path) {
+        let saved = load(&path);
+        // Grant ids start at this start's time in nanoseconds, and well above any id the daemon
+        // before saved (on any device: they may be numbered otherwise now, and it may have given
+        // more in the moments its file lacks). A daemon gives fewer than one id a nanosecond, so
+        // a tenant of an earlier daemon whose file is gone, reconnecting with the ids it holds,
+        // cannot name a grant of this one (unless the clock was set back since). Shared-buffer
+        // ids likewise: buffers do not outlive their daemon, and a reader still holding an
+        // earlier one's id must find nothing by it, not a buffer created since.
+        let next = saved
+            .iter()
+            .flat_map(|s| s.next_grant.iter().copied())
+            .max()
+            .unwrap_or(1)
+            .saturating_add(1 << 24)
+            .max(nanos_since_epoch());
+        for slot in &daemon.slots {
+            slot.start_ids_at(next);
+        }
+        if let Some(saved) = saved {
             let mut adopted = 0;
-            // Well above any id the daemon before gave on any device in the moments its file
-            // lacks (devices may be numbered otherwise now).
-            let next = saved.next_grant.iter().copied().max().unwrap_or(1);
-            for slot in &daemon.slots {
-                slot.start_grants_at(next.saturating_add(1 << 24));
-            }
             let uuids: Vec<String> = daemon.slots.iter().map(|s| s.desc().uuid).collect();
             for t in &saved.tenants {
                 let Some(slot) = slot_of(t, &uuids).map(|i| &daemon.slots[i]) else {
