@@ -353,6 +353,22 @@ fn a_byte_flipped_behind_the_daemons_back_is_found_by_the_scrub() {
         assert_eq!(told[0].found_by, "scrub");
         assert_ne!(told[0].expected, told[0].actual);
     }
+    // Found again at every pass (counted), logged once; and no reader pins it any more.
+    assert!(wait_until(Duration::from_secs(2), || {
+        d.status().shared.scrub.mismatches >= 3
+    }));
+    assert_eq!(
+        d.log().matches("shared buffer corrupted").count(),
+        1,
+        "{}",
+        d.log()
+    );
+    let late = tenant(&d, "late-reader");
+    let e = late.open_shared("scrubbed").unwrap().pin().unwrap_err();
+    assert!(
+        e.to_string().contains("no longer matches its checksum"),
+        "{e}"
+    );
     drop(their_pin);
     drop(pinned);
     drop(draft);

@@ -74,6 +74,11 @@ pub enum SharedError {
     },
     #[error("shared buffer `{0}` has no published version yet")]
     NothingPublished(String),
+    #[error(
+        "shared buffer `{buffer}`: its current version {version} no longer matches its checksum \
+         (found by the scrub or a verify); none is pinned until the writer publishes another"
+    )]
+    Corrupt { buffer: String, version: Version },
     #[error("shared buffer `{buffer}`: this tenant holds no pin on version {version}")]
     NotPinned { buffer: String, version: Version },
     #[error("shared buffer `{buffer}`: version {version} is not held (freed, or never published)")]
@@ -125,6 +130,7 @@ impl SharedError {
             SharedError::StaleBase { .. } => "stale_base",
             SharedError::NoDraft { .. } => "no_draft",
             SharedError::NothingPublished(_) => "nothing_published",
+            SharedError::Corrupt { .. } => "corrupt",
             SharedError::NotPinned { .. } => "not_pinned",
             SharedError::NoSuchVersion { .. } => "no_such_version",
             SharedError::TooMany { .. } => "too_many",

@@ -472,9 +472,6 @@ impl SharedBuffers {
         tell
     }
 
-    /// `who`'s connection is gone: its pins and leases go, and the buffers it owned are deleted
-    /// with every version (their memory was counted against it, which the broker forgets now).
-    /// Call before [`Broker::disconnect`].
     /// Whether `who` owns a buffer, pins a version or holds a lease: what [`Self::disconnect`]
     /// would take from it.
     pub fn holds_anything(&self, who: TenantId) -> bool {
@@ -485,6 +482,9 @@ impl SharedBuffers {
         })
     }
 
+    /// `who`'s connection is gone: its pins and leases go, and the buffers it owned are deleted
+    /// with every version (their memory was counted against it, which the broker forgets now).
+    /// Call before [`Broker::disconnect`].
     pub fn disconnect(&mut self, broker: &mut Broker, who: TenantId) -> Vec<Freed> {
         let mut freed = Vec::new();
         let ids: Vec<BufferId> = self.buffers.keys().copied().collect();

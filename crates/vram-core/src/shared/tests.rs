@@ -540,3 +540,25 @@ fn buffer_ids_start_where_told_so_an_earlier_daemons_ids_name_nothing() {
         BufferId((1 << 40) + 1)
     );
 }
+
+#[test]
+fn a_version_found_corrupt_is_not_pinned_until_another_is_published() {
+    let mut w = world();
+    w.books
+        .acquire(&mut w.broker, w.owner, w.id, 1000, 0)
+        .unwrap();
+    let v1 = w.write_publish(w.owner, 1);
+    let reader = w.readers[0];
+    assert_eq!(w.books.pin(&w.broker, reader, w.id).unwrap().0, v1);
+    // The first finding tells the owner and the reader that pinned it; the next, nobody.
+    assert_eq!(w.books.mark_corrupt(w.id, v1), vec![w.owner, reader]);
+    assert!(w.books.mark_corrupt(w.id, v1).is_empty());
+    let e = w.books.pin(&w.broker, w.readers[1], w.id).unwrap_err();
+    assert!(
+        matches!(e, SharedError::Corrupt { version, .. } if version == v1),
+        "{e}"
+    );
+    assert_eq!(e.reason(), "corrupt");
+    let v2 = w.write_publish(w.owner, 2);
+    assert_eq!(w.books.pin(&w.broker, w.readers[1], w.id).unwrap().0, v2);
+}

@@ -118,7 +118,8 @@ impl SharedBuffers {
         Ok(freed)
     }
 
-    /// Pins the current published version for `who`; returns it and its checksum.
+    /// Pins the current published version for `who`; returns it and its checksum. A version found
+    /// corrupt is not pinned: its readers were told, and a reader coming later must be too.
     pub fn pin(
         &mut self,
         broker: &Broker,
@@ -131,6 +132,12 @@ impl SharedBuffers {
             return Err(SharedError::NothingPublished(b.name.clone()));
         };
         let s = b.versions.get_mut(&v).expect("current is held");
+        if s.corrupt {
+            return Err(SharedError::Corrupt {
+                buffer: b.name.clone(),
+                version: v,
+            });
+        }
         *s.pins.entry(who).or_default() += 1;
         Ok((v, s.checksum.expect("published")))
     }

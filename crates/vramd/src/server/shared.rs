@@ -720,8 +720,9 @@ pub fn checksum_memory(
     Ok(Some(sum.finish()))
 }
 
-/// A mismatch: an event, a counter, the version marked corrupt in the books, and (the first
-/// time) a message to the buffer's owner and the readers that pinned the version.
+/// A mismatch: a counter, the version marked corrupt in the books, and the first time an event
+/// and a message to the buffer's owner and the readers that pinned the version (the scrub finds
+/// it again at every pass, and a reader may verify it in a loop: those count, unlogged).
 pub(super) fn report_mismatch(
     daemon: &Daemon,
     slot: usize,
@@ -736,6 +737,15 @@ pub(super) fn report_mismatch(
         let name = books.core.info(buffer).map(|i| i.name).unwrap_or_default();
         (name, tell)
     });
+    daemon
+        .shared
+        .scrub
+        .mismatches
+        .fetch_add(1, Ordering::Relaxed);
+    // Found before (the owner is told the first time, so nobody to tell means not the first).
+    if tell.is_empty() {
+        return;
+    }
     let message = vram_proto::Reply::Shared(SharedReply::Corrupted(vram_proto::Corruption {
         buffer,
         name: name.clone(),
@@ -758,11 +768,6 @@ pub(super) fn report_mismatch(
         .iter()
         .filter(|p| matches!(p.offer(&message, unread), super::peer::Offer::Sent))
         .count();
-    daemon
-        .shared
-        .scrub
-        .mismatches
-        .fetch_add(1, Ordering::Relaxed);
     tracing::error!(
         buffer = name,
         gpu = slot,
@@ -798,6 +803,7 @@ fn shared_error(e: &SharedError) -> ErrorReply {
         _ if e.is_conflict() => ErrorCode::Conflict,
         SharedError::NoSuchBuffer(_) | SharedError::NoSuchVersion { .. } => ErrorCode::NotFound,
         SharedError::Forbidden { .. } => ErrorCode::Forbidden,
+        SharedError::Corrupt { .. } => ErrorCode::Refused,
         SharedError::Memory { .. } | SharedError::TooMany { .. } => ErrorCode::Refused,
         _ => ErrorCode::BadRequest,
     };
