@@ -230,12 +230,14 @@ pub enum PolicyError {
     CapacityChanged { serving: Bytes, asked: Bytes },
     #[error(
         "the new guarantees do not fit what is held now: connected tenants' guarantees or \
-         holdings ({connected}) and declared tenants' guarantees not connected ({offline}) need \
-         more than the capacity {capacity}"
+         holdings ({connected}), declared tenants' guarantees not connected ({offline}) and memory \
+         outside the tenants' (other processes', and kept by tenants not connected: {outside}) \
+         need more than the capacity {capacity}"
     )]
     DoesNotFitNow {
         connected: Bytes,
         offline: Bytes,
+        outside: Bytes,
         capacity: Bytes,
     },
 }
@@ -467,10 +469,19 @@ impl super::Broker {
             .iter()
             .filter(|(name, _)| !self.by_name.contains_key(*name))
             .fold(Bytes::ZERO, |sum, (_, d)| sum.saturating_add(d.guarantee));
-        if connected.saturating_add(offline) > new.capacity {
+        // Memory no declaration can move: other processes' (a driver reading) and what tenants
+        // not connected still reach.
+        let outside = self
+            .outside_use
+            .saturating_add(self.kept_offline.values().copied().sum());
+        let needed = connected.saturating_add(offline).saturating_add(outside);
+        // A revision that needs no more than is committed now is put in force even while outside
+        // use breaks the sum (a reload of other settings must not wait for other processes).
+        if needed > new.capacity && needed > self.committed() {
             return Err(PolicyError::DoesNotFitNow {
                 connected,
                 offline,
+                outside,
                 capacity: new.capacity,
             });
         }
@@ -672,5 +683,29 @@ mod tests {
         l.tenants.get_mut("trainer").unwrap().limit = Some(Bytes::gib(3));
         b.replace_policy(l).unwrap();
         assert_eq!(b.tenant(trainer).unwrap().limit, Bytes::gib(3));
+    }
+
+    /// Memory of other processes counts against a new declaration: 3 GiB held by tenants and 4
+    /// GiB by another process leave no room on 8 GiB for a 2 GiB guarantee. A revision that
+    /// needs no more than before is put in force though outside use breaks the sum.
+    #[test]
+    fn a_declaration_must_fit_beside_other_processes_memory() {
+        let mut b = Broker::new(policy(Bytes::gib(8))).unwrap();
+        let t = b.connect(req("worker", "low", None)).unwrap();
+        b.grant(t, Bytes::gib(3)).unwrap();
+        b.set_outside_use(Bytes::gib(4));
+        let mut p = b.policy().clone();
+        p.tenants
+            .insert("late".into(), declared("normal", Bytes::gib(2), None));
+        let e = b.replace_policy(p).unwrap_err();
+        assert!(
+            matches!(e, PolicyError::DoesNotFitNow { outside, .. } if outside == Bytes::gib(4)),
+            "{e}"
+        );
+        b.set_outside_use(Bytes::gib(6));
+        let mut q = b.policy().clone();
+        q.classes.get_mut("low").unwrap().priority = 5;
+        b.replace_policy(q).unwrap();
+        assert_eq!(b.tenant(t).unwrap().priority, 5);
     }
 }
