@@ -494,3 +494,62 @@ fn without_a_state_file_a_reconnecting_tenants_ids_are_not_the_new_daemons() {
     a.exit();
     b.exit();
 }
+
+/// Tenants declared at run time (a node agent's `Declare`) are in force again after a restart,
+/// before the daemon before's tenants are adopted: one connected under a declaration of a class
+/// the configuration admits no one to keeps its class and carries on, and one not connected yet
+/// keeps its reservation.
+#[test]
+fn run_time_declarations_survive_a_restart() {
+    let mut d = Restartable::new(CONFIG);
+    let declaration = |name: &str, guarantee: Bytes| vram_proto::Declaration {
+        name: name.into(),
+        gpu: 0,
+        class: "high".into(),
+        guarantee,
+        limit: Some(Bytes::gib(4)),
+        owners: vec![],
+    };
+    let admin = Observer::connect(Some(d.socket())).unwrap();
+    assert!(admin.declare(&declaration("job", Bytes::gib(1))).unwrap());
+    assert!(admin
+        .declare(&declaration("waiting", Bytes::gib(2)))
+        .unwrap());
+    drop(admin);
+    let mut job = Tenant::spawn(d.socket(), "job", &[]);
+    assert_eq!(job.next()["event"], "welcome");
+    assert_eq!(job.cmd("take 256MiB")["taken"], Bytes::mib(256).get());
+    // The state file is rewritten within 100 ms of a change.
+    std::thread::sleep(Duration::from_millis(300));
+    d.stop(rustix::process::Signal::KILL);
+    d.start();
+    let admin = Observer::connect(Some(d.socket())).unwrap();
+    let mut names: Vec<String> = admin
+        .declarations()
+        .unwrap()
+        .into_iter()
+        .map(|d| d.name)
+        .collect();
+    names.sort();
+    assert_eq!(names, ["job", "waiting"], "{}", d.log());
+    assert!(
+        wait_until(Duration::from_secs(10), || {
+            held_by(&d.status(), "job") == Some(Bytes::mib(256))
+        }),
+        "{:?}\n{}",
+        d.status(),
+        d.log()
+    );
+    let st = d.status();
+    let t = st.tenants.iter().find(|t| t.name == "job").unwrap();
+    assert_eq!((t.class.as_str(), t.guarantee), ("high", Bytes::gib(1)));
+    // The waiting claim's 2 GiB, and what of the job's guarantee it does not hold, are reserved.
+    assert_eq!(
+        st.devices[0].reserved,
+        Bytes::gib(2) + Bytes::mib(768),
+        "{st:?}"
+    );
+    let took = job.cmd("take 256MiB");
+    assert_eq!(took["taken"], Bytes::mib(256).get(), "{took}\n{}", d.log());
+    job.exit();
+}

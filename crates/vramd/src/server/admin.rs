@@ -6,8 +6,9 @@
 //! `[tenants.NAME]` of the configuration: its guarantee is reserved whether or not it is
 //! connected, its settings override what a connecting process asks for, and only its owners may
 //! connect as it. A reload keeps every runtime declaration (the configuration's policy plus
-//! these). They do not outlive the daemon: whoever declared them declares them again when the
-//! daemon has restarted (the plugin does, from its checkpoint).
+//! these), and so does a restart: they are saved in the state file (`state.rs`) and put in force
+//! again before any tenant is adopted, so that a tenant connected under one keeps its class and
+//! a claim not yet connected its reservation while the daemon was away.
 
 use std::collections::BTreeMap;
 use std::sync::{Mutex, MutexGuard};
@@ -114,6 +115,28 @@ fn check_admin(daemon: &Daemon, uid: u32, call: &str) -> Result<(), ErrorReply> 
 /// `Declare`: the declaration put in force on its device, or refused with nothing changed.
 pub(super) fn declare(daemon: &Daemon, uid: u32, d: Declaration) -> Result<Reply, ErrorReply> {
     check_admin(daemon, uid, "Declare")?;
+    put_in_force(daemon, uid, d)
+}
+
+/// A declaration the daemon before had in force (from its state file), put in force again as
+/// its admin call did; one that does not fit now is logged and left out.
+pub(super) fn restore(daemon: &Daemon, d: Declaration) {
+    let name = d.name.clone();
+    match put_in_force(daemon, 0, d) {
+        Ok(_) => tracing::info!(
+            tenant = name,
+            "run-time declaration of the daemon before restored"
+        ),
+        Err(e) => tracing::warn!(
+            tenant = name,
+            "run-time declaration of the daemon before not restored: {}",
+            e.message
+        ),
+    }
+}
+
+/// [`declare`] once the caller may (`uid`, an admin's, is only logged).
+fn put_in_force(daemon: &Daemon, uid: u32, d: Declaration) -> Result<Reply, ErrorReply> {
     let gpu = d.gpu as usize;
     let Some(slot) = daemon.slots.get(gpu) else {
         return Err(error(

@@ -417,6 +417,11 @@ impl Slot {
         r
     }
 
+    /// The device's UUID (no lock taken).
+    pub fn uuid(&self) -> String {
+        self.device.info().uuid.clone()
+    }
+
     pub fn desc(&self) -> DeviceDesc {
         let info = self.device.info();
         DeviceDesc {

@@ -34,6 +34,18 @@ pub struct Saved {
     /// The next grant id per device: a new daemon starts above it, so no id is given twice.
     pub next_grant: Vec<u64>,
     pub tenants: Vec<SavedTenant>,
+    /// The tenants declared at run time (admin `Declare`), put in force again before tenants are
+    /// adopted.
+    #[serde(default)]
+    pub declarations: Vec<SavedDeclaration>,
+}
+
+/// A run-time declaration and the UUID of its device, which finds the device again if the daemon
+/// numbers its devices otherwise after the restart.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedDeclaration {
+    pub uuid: String,
+    pub declaration: vram_proto::Declaration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -62,12 +74,17 @@ pub struct SavedTenant {
 }
 
 impl Saved {
-    pub fn new(next_grant: Vec<u64>, tenants: Vec<SavedTenant>) -> Saved {
+    pub fn new(
+        next_grant: Vec<u64>,
+        tenants: Vec<SavedTenant>,
+        declarations: Vec<SavedDeclaration>,
+    ) -> Saved {
         Saved {
             format: FORMAT,
             daemon_pid: std::process::id(),
             next_grant,
             tenants,
+            declarations,
         }
     }
 }
@@ -181,6 +198,8 @@ pub(super) struct Keeper {
     /// The last write failed: the next round writes again, changed or not (the books it failed
     /// to save may not change again for a long time).
     unsaved: std::sync::atomic::AtomicBool,
+    /// The run-time declarations the file was last written with: a change is written too.
+    declarations: std::sync::Mutex<Vec<SavedDeclaration>>,
 }
 
 impl Keeper {
@@ -209,6 +228,25 @@ impl Keeper {
         if let Some(saved) = saved {
             let mut adopted = 0;
             let uuids: Vec<String> = daemon.slots.iter().map(|s| s.desc().uuid).collect();
+            // Declarations first: an adopted tenant is admitted under them as it was before.
+            for d in &saved.declarations {
+                let Some(gpu) = uuids.iter().position(|u| *u == d.uuid) else {
+                    tracing::warn!(
+                        tenant = d.declaration.name,
+                        uuid = d.uuid,
+                        "run-time declaration not restored: no such device now"
+                    );
+                    continue;
+                };
+                let gpu = u32::try_from(gpu).expect("device index fits u32");
+                super::admin::restore(
+                    daemon,
+                    vram_proto::Declaration {
+                        gpu,
+                        ..d.declaration.clone()
+                    },
+                );
+            }
             for t in &saved.tenants {
                 let Some(slot) = slot_of(t, &uuids).map(|i| &daemon.slots[i]) else {
                     tracing::warn!(
@@ -242,6 +280,7 @@ impl Keeper {
             path,
             done: std::sync::Mutex::new(false),
             unsaved: std::sync::atomic::AtomicBool::new(false),
+            declarations: std::sync::Mutex::new(Vec::new()),
         };
         keeper.write(daemon, true);
         keeper
@@ -263,6 +302,27 @@ impl Keeper {
         use std::sync::atomic::Ordering::Relaxed;
         let unsaved = self.unsaved.load(Relaxed);
         let mut changed = force || unsaved;
+        // Copied out before any slot's lock is taken (the declarations' lock comes first).
+        let declarations: Vec<SavedDeclaration> = daemon
+            .declared
+            .lock()
+            .values()
+            .map(|d| SavedDeclaration {
+                uuid: daemon
+                    .slots
+                    .get(d.gpu as usize)
+                    .map(|s| s.uuid())
+                    .unwrap_or_default(),
+                declaration: d.clone(),
+            })
+            .collect();
+        {
+            let mut last = self.declarations.lock().unwrap_or_else(|p| p.into_inner());
+            if *last != declarations {
+                *last = declarations.clone();
+                changed = true;
+            }
+        }
         for slot in &daemon.slots {
             let (n, t, dirty) = slot.saved();
             next.push(n);
@@ -270,7 +330,7 @@ impl Keeper {
             changed |= dirty;
         }
         if changed {
-            match save(&self.path, &Saved::new(next, tenants)) {
+            match save(&self.path, &Saved::new(next, tenants, declarations)) {
                 Ok(()) if unsaved => {
                     self.unsaved.store(false, Relaxed);
                     tracing::info!(path = %self.path.display(), "the daemon's state is saved again");
@@ -351,6 +411,7 @@ mod tests {
             daemon_pid: 1,
             next_grant: vec![10, 10],
             tenants: vec![tenant(0, "GPU-a", 64), tenant(1, "GPU-b", 128)],
+            declarations: Vec::new(),
         };
         std::fs::write(path_for(&socket), serde_json::to_vec(&saved).unwrap()).unwrap();
         // GPU-a is gone and GPU-b is the daemon's device 0 now.
@@ -417,6 +478,17 @@ mod tests {
                 grants: vec![(GrantId(3), Bytes::mib(2))],
                 charged: Bytes::mib(64),
                 invitation: Some("00ff".into()),
+            }],
+            vec![SavedDeclaration {
+                uuid: "host-0".into(),
+                declaration: vram_proto::Declaration {
+                    name: "k8s-claim".into(),
+                    gpu: 0,
+                    class: "high".into(),
+                    guarantee: Bytes::gib(2),
+                    limit: None,
+                    owners: vec![1000],
+                },
             }],
         );
         save(&path, &saved).unwrap();
