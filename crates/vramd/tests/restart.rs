@@ -553,3 +553,36 @@ fn run_time_declarations_survive_a_restart() {
     assert_eq!(took["taken"], Bytes::mib(256).get(), "{took}\n{}", d.log());
     job.exit();
 }
+
+/// A tenant of the daemon before on a device this start does not see (a GPU off the bus) is not
+/// adopted, but stays in the state file while its process lives, for a start that sees the
+/// device again; once its process ends, it goes.
+#[test]
+fn a_tenant_on_a_device_gone_for_now_stays_in_the_state_file_while_it_lives() {
+    let mut d = Restartable::new(CONFIG);
+    let mut a = Tenant::spawn(d.socket(), "elsewhere", &[]);
+    assert_eq!(a.next()["event"], "welcome");
+    assert_eq!(a.cmd("take 64MiB")["taken"], Bytes::mib(64).get());
+    std::thread::sleep(Duration::from_millis(300));
+    a.signal(rustix::process::Signal::STOP);
+    d.stop(rustix::process::Signal::KILL);
+    let mut path = d.socket().as_os_str().to_owned();
+    path.push(".state");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("\"host-0\""), "{text}");
+    std::fs::write(&path, text.replace("\"host-0\"", "\"GPU-gone\"")).unwrap();
+    d.start();
+    assert!(d.log().contains("no such device now"), "{}", d.log());
+    assert!(d.status().tenants.is_empty());
+    let named = |path: &std::ffi::OsStr| {
+        std::fs::read_to_string(path)
+            .unwrap()
+            .contains("\"elsewhere\"")
+    };
+    assert!(named(&path), "dropped from the state file while it lives");
+    a.kill();
+    assert!(
+        wait_until(Duration::from_secs(5), || !named(&path)),
+        "still in the state file after its process ended"
+    );
+}

@@ -330,7 +330,15 @@ impl Session {
             Role::Join { token } => return self.join(&token, &hello.client),
             Role::Observer => return Ok(Reply::Ack),
         };
-        let slot = hello.gpu.unwrap_or(0) as usize;
+        // A reconnecting tenant names the device by the number the daemon before gave it; the
+        // device it was adopted on (found by UUID) is the one, though the numbering changed.
+        let awaited = hello.resume.as_ref().and_then(|_| {
+            let slots = &self.daemon.slots;
+            slots
+                .iter()
+                .position(|s| s.awaits(&name, self.pid, self.uid))
+        });
+        let slot = awaited.unwrap_or(hello.gpu.unwrap_or(0) as usize);
         let Some(s) = self.daemon.slots.get(slot) else {
             return Err(ErrorReply {
                 code: ErrorCode::Admission,

@@ -417,6 +417,16 @@ impl Slot {
         r
     }
 
+    /// Whether the tenant `name` was adopted here from the daemon before and waits for its process
+    /// `pid` (of `uid`) to reconnect.
+    pub fn awaits(&self, name: &str, pid: u32, uid: u32) -> bool {
+        let s = self.lock();
+        s.broker
+            .id_of(name)
+            .and_then(|id| s.pending.get(&id))
+            .is_some_and(|p| p.pid == pid && p.uid == uid)
+    }
+
     /// The device's UUID (no lock taken).
     pub fn uuid(&self) -> String {
         self.device.info().uuid.clone()

@@ -660,3 +660,27 @@ fn a_tenant_that_gave_nothing_back_holds_up_no_later_grant() {
     assert_eq!(asked, vec![1]);
     assert!(took >= wait, "{took:?}");
 }
+
+/// A device awaits the adopted tenant's own process only (its reconnect is routed there by
+/// name and process, whatever device number it names), and no longer once it is back.
+#[test]
+fn a_device_awaits_its_adopted_tenants_process_until_it_reconnects() {
+    let slot = slot(Bytes::mib(64));
+    let me = std::process::id();
+    slot.adopt(&saved(
+        "back",
+        Bytes::mib(64),
+        vec![(GrantId(7), Bytes::mib(32))],
+    ))
+    .unwrap();
+    assert!(slot.awaits("back", me, uid()));
+    assert!(!slot.awaits("back", me + 1, uid()));
+    assert!(!slot.awaits("back", me, uid() + 1));
+    assert!(!slot.awaits("other", me, uid()));
+    let resume = Resume {
+        grants: vec![(GrantId(7), Bytes::mib(32))],
+        charged: Bytes::ZERO,
+    };
+    connect_resuming(&slot, "back", 1, Some(&resume));
+    assert!(!slot.awaits("back", me, uid()));
+}

@@ -200,6 +200,9 @@ pub(super) struct Keeper {
     unsaved: std::sync::atomic::AtomicBool,
     /// The run-time declarations the file was last written with: a change is written too.
     declarations: std::sync::Mutex<Vec<SavedDeclaration>>,
+    /// Tenants of the daemon before on a device this daemon does not have: written again while
+    /// their process lives.
+    unplaced: std::sync::Mutex<Vec<SavedTenant>>,
 }
 
 impl Keeper {
@@ -208,6 +211,7 @@ impl Keeper {
     pub(super) fn adopt(daemon: &super::Daemon, socket: &Path) -> Keeper {
         let path = path_for(socket);
         let saved = load(&path);
+        let mut unplaced = Vec::new();
         // Grant ids start at this start's time in nanoseconds, and well above any id the daemon
         // before saved (on any device: they may be numbered otherwise now, and it may have given
         // more in the moments its file lacks). A daemon gives fewer than one id a nanosecond, so
@@ -249,12 +253,19 @@ impl Keeper {
             }
             for t in &saved.tenants {
                 let Some(slot) = slot_of(t, &uuids).map(|i| &daemon.slots[i]) else {
+                    // Kept in the file while its process lives: a later start that sees the
+                    // device again (a GPU back on the bus) adopts it there.
+                    let lives = still_running(t.pid, t.start_time);
                     tracing::warn!(
                         tenant = t.name,
                         gpu = t.gpu,
                         uuid = t.uuid,
+                        kept_in_state_file = lives,
                         "not adopted: no such device now"
                     );
+                    if lives {
+                        unplaced.push(t.clone());
+                    }
                     continue;
                 };
                 let held: Bytes = t.grants.iter().map(|g| g.1).sum();
@@ -281,6 +292,7 @@ impl Keeper {
             done: std::sync::Mutex::new(false),
             unsaved: std::sync::atomic::AtomicBool::new(false),
             declarations: std::sync::Mutex::new(Vec::new()),
+            unplaced: std::sync::Mutex::new(unplaced),
         };
         keeper.write(daemon, true);
         keeper
@@ -328,6 +340,13 @@ impl Keeper {
             next.push(n);
             tenants.extend(t);
             changed |= dirty;
+        }
+        {
+            let mut unplaced = self.unplaced.lock().unwrap_or_else(|p| p.into_inner());
+            let before = unplaced.len();
+            unplaced.retain(|t| still_running(t.pid, t.start_time));
+            changed |= unplaced.len() != before;
+            tenants.extend(unplaced.iter().cloned());
         }
         if changed {
             match save(&self.path, &Saved::new(next, tenants, declarations)) {
