@@ -126,7 +126,15 @@ mod lease {
 
     /// Takes a write lease on `fd` and gives it up at once: `Ok(true)` if it was granted (no other
     /// open of the file exists), `Ok(false)` if another open refused it.
+    ///
+    /// An open of the file by anyone while the lease is held breaks it, and the kernel signals
+    /// the break to the lease holder with SIGIO, whose default action ends the process: a tenant
+    /// reopening a file it reaches in a loop could end the daemon. So the first lease makes this
+    /// process ignore SIGIO, unless something in it handles SIGIO already (the break is then
+    /// its handler's to take; nothing of vramd's does).
     pub fn try_write_lease(fd: &OwnedFd) -> std::io::Result<bool> {
+        static IGNORE_BREAKS: std::sync::Once = std::sync::Once::new();
+        IGNORE_BREAKS.call_once(ignore_sigio_unless_handled);
         // SAFETY: `fd` is an open descriptor borrowed for the call; F_SETLEASE takes an integer
         // argument and touches no memory of ours.
         let taken = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETLEASE, libc::F_WRLCK) };
@@ -145,6 +153,22 @@ mod lease {
             return Err(std::io::Error::last_os_error());
         }
         Ok(true)
+    }
+
+    /// Sets SIGIO's disposition to ignore where it is the default (ending the process).
+    fn ignore_sigio_unless_handled() {
+        // SAFETY: an all-zero `sigaction` is a valid value of the plain C struct; it is only
+        // written by the call below.
+        let mut current: libc::sigaction = unsafe { std::mem::zeroed() };
+        // SAFETY: a null new action only reads SIGIO's disposition into `current`, which lives
+        // for the call.
+        let read = unsafe { libc::sigaction(libc::SIGIO, std::ptr::null(), &mut current) };
+        if read != 0 || current.sa_sigaction != libc::SIG_DFL {
+            return;
+        }
+        // SAFETY: SIG_IGN installs no handler, so no code of ours runs in a signal's context;
+        // a disposition is process-wide, which is meant (every thread may hold a lease).
+        unsafe { libc::signal(libc::SIGIO, libc::SIG_IGN) };
     }
 }
 
@@ -447,6 +471,50 @@ mod tests {
         assert_eq!(dev.reached_elsewhere(&h), Some(true), "a read-only open");
         drop(ro);
         assert_eq!(dev.reached_elsewhere(&h), Some(false));
+    }
+
+    /// Asking whether a handle is reached takes a lease, which another open breaks: the kernel
+    /// signals the break to the lease holder (SIGIO, whose default action ends the process). A
+    /// tenant that keeps an `O_PATH` reference (which takes no open, so the lease is granted)
+    /// and reopens it in a loop must not end the daemon.
+    #[test]
+    fn a_lease_broken_by_another_open_does_not_end_the_process() {
+        use std::os::fd::AsRawFd;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let dev = device(Bytes::gib(1));
+        let h = dev.create(G).unwrap();
+        let fd = dev.export(&h).unwrap();
+        let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+        let kept = rustix::fs::open(
+            &path,
+            OFlags::PATH | OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )
+        .unwrap();
+        drop(fd);
+        let stop = std::sync::Arc::new(AtomicBool::new(false));
+        let spinner = {
+            let stop = stop.clone();
+            let path = format!("/proc/self/fd/{}", kept.as_raw_fd());
+            std::thread::spawn(move || {
+                let flags = OFlags::RDONLY | OFlags::NONBLOCK | OFlags::CLOEXEC;
+                while !stop.load(Ordering::Relaxed) {
+                    drop(rustix::fs::open(&path, flags, rustix::fs::Mode::empty()));
+                }
+            })
+        };
+        let (mut granted, mut refused) = (0, 0);
+        let start = std::time::Instant::now();
+        while start.elapsed() < std::time::Duration::from_secs(1) {
+            match dev.reached_elsewhere(&h) {
+                Some(false) => granted += 1,
+                _ => refused += 1,
+            }
+        }
+        eprintln!("{granted} leases granted, {refused} refused");
+        stop.store(true, Ordering::Relaxed);
+        spinner.join().unwrap();
+        assert!(granted > 0, "no lease was ever granted");
     }
 
     #[test]
