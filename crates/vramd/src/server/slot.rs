@@ -891,9 +891,11 @@ impl Slot {
             }
         };
         let mut s = self.lock();
-        if s.broker.tenant(tenant).is_none() {
+        if s.broker.tenant(tenant).is_none() || !s.conn_of.contains_key(&tenant) {
             // The tenant ended while the handles were made (withdrawn, or the connection that
-            // registered it closed): its books are gone with it, and so is this memory.
+            // registered it closed; `disconnect` takes it out of `conn_of` first and out of the
+            // broker after its handles are let go): its books go with it, and so does this
+            // memory.
             drop(s);
             drop(readies);
             return Err(ErrorReply {
@@ -1640,6 +1642,15 @@ enum Booking {
 /// See [`Slot::memory_side`]; under the slot's lock, so that a booking and a program's join
 /// exclude each other.
 fn memory_side(s: &State, tenant: TenantId, conn: u64) -> Result<(), ErrorReply> {
+    if !s.conn_of.contains_key(&tenant) {
+        // Being disconnected (its handles are let go before the broker forgets it): nothing
+        // more may be booked to it.
+        return Err(ErrorReply {
+            code: ErrorCode::NotRegistered,
+            reason: None,
+            message: "the tenant is ending: its registration's connection closed".into(),
+        });
+    }
     match (
         s.members.get(&tenant),
         s.conn_of.get(&tenant),
