@@ -140,6 +140,18 @@ impl Policy {
             .unwrap_or(self.capacity)
     }
 
+    /// Whether only the uids and groups a class lists may ask for it: a class above the default
+    /// class (the rule `Broker::connect` enforces for tenants not declared).
+    pub fn class_is_restricted(&self, class: &str) -> bool {
+        let default = self
+            .classes
+            .get(Self::DEFAULT_CLASS)
+            .map_or(0, |c| c.priority);
+        self.classes
+            .get(class)
+            .is_some_and(|c| c.priority > default)
+    }
+
     /// The built-in classes: `high` (priority 100), `normal` (50, the default) and `low` (10).
     pub fn default_classes() -> BTreeMap<String, Class> {
         [("high", 100), ("normal", 50), ("low", 10)]

@@ -27,7 +27,7 @@ use serde::{Deserialize, Serialize};
 pub use checksum::{checksum, Checksummer};
 pub use error::SharedError;
 
-use crate::broker::{name_problem, Broker, Tenant, TenantId};
+use crate::broker::{name_problem, Broker, DeclaredTenant, Policy, Tenant, TenantId};
 use crate::Bytes;
 
 /// A buffer's id, unique for the daemon's lifetime (a deleted name may be reused by a new buffer).
@@ -45,6 +45,13 @@ impl std::fmt::Display for Version {
 }
 
 /// Who an access rule names.
+///
+/// A tenant's name and class are what its process asked for, so an entry admits a process of
+/// another uid than the buffer owner's only where the operator bound the name or class to uids:
+/// `Tenant(name)` a tenant declared with owners or groups, `Class(name)` a class above the
+/// default class (whose `users` and `groups` alone may ask for it) held by a tenant not declared
+/// without owners. An undeclared name is anyone's to take while its tenant is away, and a class
+/// at or below the default anyone's to ask for: such entries admit the owner's uid only.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Principal {
     Tenant(String),
@@ -53,10 +60,19 @@ pub enum Principal {
 }
 
 impl Principal {
-    fn matches(&self, t: &Tenant) -> bool {
+    /// Whether `t` is who this entry names, on a buffer whose owner runs as `owner_uid`.
+    fn matches(&self, t: &Tenant, owner_uid: u32, policy: &Policy) -> bool {
+        let declared = policy.tenants.get(&t.name);
+        let same_uid = t.uid == owner_uid;
         match self {
-            Principal::Tenant(n) => *n == t.name,
-            Principal::Class(c) => *c == t.class,
+            Principal::Tenant(n) => {
+                *n == t.name && (same_uid || declared.is_some_and(DeclaredTenant::has_owners))
+            }
+            Principal::Class(c) => {
+                let bound = policy.class_is_restricted(c)
+                    && declared.is_none_or(DeclaredTenant::has_owners);
+                *c == t.class && (same_uid || bound)
+            }
             Principal::Anyone => true,
         }
     }
@@ -148,6 +164,9 @@ struct Buffer {
     size: Bytes,
     owner: TenantId,
     owner_name: String,
+    /// The owner's uid, as the kernel gave it: access-list entries naming unbound names admit it
+    /// only ([`Principal`]).
+    owner_uid: u32,
     acl: Acl,
     current: Option<Version>,
     versions: BTreeMap<Version, VersionState>,
@@ -158,12 +177,13 @@ struct Buffer {
 }
 
 impl Buffer {
-    fn can_read(&self, id: TenantId, t: &Tenant) -> bool {
-        self.can_write(id, t) || self.acl.readers.iter().any(|p| p.matches(t))
+    fn can_read(&self, id: TenantId, t: &Tenant, policy: &Policy) -> bool {
+        self.can_write(id, t, policy)
+            || (self.acl.readers.iter()).any(|p| p.matches(t, self.owner_uid, policy))
     }
 
-    fn can_write(&self, id: TenantId, t: &Tenant) -> bool {
-        id == self.owner || self.acl.writers.iter().any(|p| p.matches(t))
+    fn can_write(&self, id: TenantId, t: &Tenant, policy: &Policy) -> bool {
+        id == self.owner || (self.acl.writers.iter()).any(|p| p.matches(t, self.owner_uid, policy))
     }
 
     /// Whether `v` may go: not current, not pinned, not the live draft.
@@ -317,6 +337,7 @@ impl SharedBuffers {
             size: spec.size,
             owner,
             owner_name: t.name.clone(),
+            owner_uid: t.uid,
             acl: spec.acl,
             current: None,
             versions: BTreeMap::new(),
@@ -355,7 +376,7 @@ impl SharedBuffers {
         };
         self.buffers
             .iter()
-            .filter(|(_, b)| !b.deleted && b.can_read(who, t))
+            .filter(|(_, b)| !b.deleted && b.can_read(who, t, broker.policy()))
             .map(|(id, b)| b.info(*id))
             .collect()
     }
@@ -560,8 +581,8 @@ impl SharedBuffers {
         let b = self.live(id)?;
         let t = tenant(broker, who)?;
         let allowed = match what {
-            "write" => b.can_write(who, t),
-            _ => b.can_read(who, t),
+            "write" => b.can_write(who, t, broker.policy()),
+            _ => b.can_read(who, t, broker.policy()),
         };
         if allowed {
             Ok(())

@@ -562,3 +562,93 @@ fn a_version_found_corrupt_is_not_pinned_until_another_is_published() {
     let v2 = w.write_publish(w.owner, 2);
     assert_eq!(w.books.pin(&w.broker, w.readers[1], w.id).unwrap().0, v2);
 }
+
+fn connect_as(b: &mut Broker, name: &str, class: &str, uid: u32) -> TenantId {
+    b.connect(TenantRequest {
+        name: name.into(),
+        class: Some(class.into()),
+        guarantee: None,
+        limit: None,
+        pid: 1,
+        uid,
+        gids: Vec::new(),
+    })
+    .unwrap()
+}
+
+/// Names and classes a process asks for are bound to uids only where the operator bound them:
+/// an access list naming an undeclared tenant, or a class anyone may ask for, admits the owner's
+/// uid only; a tenant declared with owners, or a class above the default (for tenants not
+/// declared without owners), admits whoever holds it.
+#[test]
+fn access_lists_admit_other_uids_only_by_names_and_classes_bound_to_uids() {
+    let mut p = Policy::with_capacity(Bytes::gib(64));
+    p.priority_reserve = Bytes::ZERO;
+    p.classes.get_mut("high").unwrap().users = vec![2000];
+    p.tenants.insert(
+        "infer".into(),
+        crate::broker::DeclaredTenant {
+            class: "normal".into(),
+            guarantee: Bytes::ZERO,
+            limit: None,
+            owners: vec![2000],
+            groups: Vec::new(),
+        },
+    );
+    p.tenants.insert(
+        "open-door".into(),
+        crate::broker::DeclaredTenant {
+            class: "high".into(),
+            guarantee: Bytes::ZERO,
+            limit: None,
+            owners: Vec::new(),
+            groups: Vec::new(),
+        },
+    );
+    let mut broker = Broker::new(p).unwrap();
+    let owner = connect_as(&mut broker, "trainer", "normal", 1000);
+    let mut books = SharedBuffers::new();
+    let acl = Acl {
+        readers: vec![
+            Principal::Tenant("infer".into()),
+            Principal::Tenant("ingest".into()),
+            Principal::Class("low".into()),
+            Principal::Class("high".into()),
+        ],
+        writers: Vec::new(),
+    };
+    let spec = BufferSpec {
+        name: "weights".into(),
+        size: SIZE,
+        acl,
+    };
+    let id = books.create(&broker, owner, spec).unwrap().id;
+    let may_read = |broker: &Broker, books: &SharedBuffers, t: TenantId| {
+        books.check(broker, t, id, "read").is_ok()
+    };
+    let cases = [
+        // A declared name with owners: its owner's process, whatever its uid.
+        ("infer", "normal", 2000, true),
+        // An undeclared name: the owner's uid only.
+        ("ingest", "normal", 1000, true),
+        ("ingest", "normal", 3000, false),
+        // A class anyone may ask for: the owner's uid only.
+        ("batch", "low", 1000, true),
+        ("batch2", "low", 3000, false),
+        // A class above the default: whoever holds it (only its users may ask for it).
+        ("serve", "high", 2000, true),
+        // ... but not through a declaration without owners, which any uid may connect as.
+        ("open-door", "high", 3000, false),
+    ];
+    for (name, class, uid, expected) in cases {
+        let t = connect_as(&mut broker, name, class, uid);
+        assert_eq!(
+            may_read(&broker, &books, t),
+            expected,
+            "{name} (class {class}, uid {uid})"
+        );
+        let listed = books.list(&broker, t).len() == 1;
+        assert_eq!(listed, expected, "{name} lists it");
+        broker.disconnect(t);
+    }
+}
