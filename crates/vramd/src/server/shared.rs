@@ -589,10 +589,10 @@ impl Op<'_> {
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
         let checksum = checksum_memory(device.as_ref(), memory.handle(), self.read_piece(), |_| {
-            !self.peer.is_closed()
+            self.still_wanted(buffer, version)
         })
         .map_err(|e| device_error(format!("cannot read version {version} to checksum it: {e}")))?
-        .ok_or_else(|| gone(version))?;
+        .ok_or_else(|| self.stopped(buffer, version))?;
         if let Some(given) = given.filter(|g| *g != checksum) {
             return Err(ErrorReply {
                 code: ErrorCode::BadRequest,
@@ -613,6 +613,24 @@ impl Op<'_> {
         Ok((SharedReply::Published { version, checksum }, None))
     }
 
+    /// Whether a read of `version` (to checksum it) goes on: its connection is open and the books
+    /// still keep it. A version the books let go (a new draft in its place, its buffer deleted)
+    /// counts as free memory there: the read lets go of it too, not only once it is done.
+    fn still_wanted(&self, buffer: BufferId, version: Version) -> bool {
+        !self.peer.is_closed() && self.daemon.slots[self.slot].keeps_version(buffer, version)
+    }
+
+    /// The answer to a read of `version` that [`Self::still_wanted`] stopped.
+    fn stopped(&self, buffer: BufferId, version: Version) -> ErrorReply {
+        if self.peer.is_closed() {
+            return gone(version);
+        }
+        shared_error(&SharedError::NoSuchVersion {
+            buffer: format!("#{}", buffer.0),
+            version,
+        })
+    }
+
     fn verify(&self, buffer: BufferId, version: Version) -> Answer {
         let t = self.tenant;
         let expected = self.books(|b, c, _| {
@@ -624,10 +642,10 @@ impl Op<'_> {
             .reader()
             .map_err(|e| device_error(format!("cannot read shared memory: {e}")))?;
         let actual = checksum_memory(device.as_ref(), memory.handle(), self.read_piece(), |_| {
-            !self.peer.is_closed()
+            self.still_wanted(buffer, version)
         })
         .map_err(|e| device_error(format!("cannot read version {version}: {e}")))?
-        .ok_or_else(|| gone(version))?;
+        .ok_or_else(|| self.stopped(buffer, version))?;
         if actual != expected {
             report_mismatch(
                 self.daemon,
