@@ -62,6 +62,11 @@ pub enum ConfigError {
          uid)"
     )]
     AllowedUidsEmpty,
+    #[error(
+        "admin_uids {uids:?} are not in allowed_uids: they could not connect to make admin calls \
+         (add them to allowed_uids)"
+    )]
+    AdminNotAllowed { uids: Vec<u32> },
     #[error("socket_mode `{mode}` is {reason}")]
     SocketMode { mode: String, reason: &'static str },
     #[error(
@@ -116,6 +121,16 @@ impl Config {
         }
         if self.allowed_uids.as_ref().is_some_and(Vec::is_empty) {
             out.push(ConfigError::AllowedUidsEmpty);
+        }
+        if let (Some(allowed), Some(admins)) = (&self.allowed_uids, &self.admin_uids) {
+            let shut_out: Vec<u32> = admins
+                .iter()
+                .copied()
+                .filter(|u| !allowed.contains(u))
+                .collect();
+            if !shut_out.is_empty() {
+                out.push(ConfigError::AdminNotAllowed { uids: shut_out });
+            }
         }
         if let Some(ms) = self
             .reclaim_timeout_ms
@@ -228,9 +243,21 @@ impl Config {
                 let why = "the tenant could hold nothing";
                 (format!("[tenants.{n}] limit"), t.limit, why)
             }))
+            .chain(self.tenants.iter().map(|(n, t)| {
+                let why = "it would reserve less than one granule";
+                (format!("[tenants.{n}] guarantee"), Some(t.guarantee), why)
+            }))
             .chain(self.classes.iter().map(|(n, c)| {
                 let why = "a tenant of the class that asks for no limit could hold nothing";
                 (format!("[classes.{n}] default_limit"), c.default_limit, why)
+            }))
+            .chain(self.classes.iter().map(|(n, c)| {
+                let why = "it would reserve less than one granule for each tenant of the class";
+                (
+                    format!("[classes.{n}] default_guarantee"),
+                    Some(c.default_guarantee),
+                    why,
+                )
             }))
             .chain(self.users.iter().map(|(n, u)| {
                 let why = "the uid's tenants could hold nothing";
@@ -318,6 +345,29 @@ mod tests {
         for (got, want) in p.iter().zip(want) {
             assert!(got.starts_with(want), "`{got}` is not `{want}…`");
         }
+    }
+
+    /// A guarantee written without a unit (8 meaning 8 GiB) is 8 bytes: refused with the unit it
+    /// lacks, as limits are; admin uids that may not connect are named.
+    #[test]
+    fn guarantees_without_a_unit_and_admins_who_cannot_connect_are_refused() {
+        let p = problems(
+            "allowed_uids = [0, 1000]\nadmin_uids = [0, 2000]\n[tenants.a]\nguarantee = 8\n\
+             [classes.batch]\npriority = 20\ndefault_guarantee = 1024\n",
+        );
+        assert_eq!(p.len(), 3, "{p:#?}");
+        assert!(
+            p[0].starts_with("admin_uids [2000] are not in allowed_uids"),
+            "{}",
+            p[0]
+        );
+        assert!(p[1].starts_with("[tenants.a] guarantee = 8 B"), "{}", p[1]);
+        assert!(p[1].contains("GiB"), "{}", p[1]);
+        assert!(
+            p[2].starts_with("[classes.batch] default_guarantee = 1 KiB"),
+            "{}",
+            p[2]
+        );
     }
 
     /// A scrub rate or priority reserve written without a unit is bytes: refused, with the unit
