@@ -51,6 +51,25 @@ pub fn eprint_line(message: &str) {
     let _ = Line.write(format!("{message}\n").as_bytes());
 }
 
+/// A peer's text as a log line shows it: whole up to `max` bytes, else its start and its length
+/// (a peer's strings can be as long as a frame, and a connection loop would write each whole).
+#[derive(Debug, Clone, Copy)]
+pub struct Clipped<'a>(pub &'a str, pub usize);
+
+impl std::fmt::Display for Clipped<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Clipped(s, max) = *self;
+        if s.len() <= max {
+            return f.write_str(s);
+        }
+        let mut end = max;
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        write!(f, "{}... ({} bytes)", &s[..end], s.len())
+    }
+}
+
 /// An error and its causes on one line, `what: why: why`, each said once: an error here often
 /// says its source in its own message as well (thiserror's `{source}`), which `{:#}` would repeat.
 #[derive(Debug, Clone, Copy)]
@@ -132,5 +151,18 @@ mod chain_tests {
         assert_eq!(Chain(&e).to_string(), "saving x: outer: disk full");
         let plain = anyhow::anyhow!("inner").context("middle").context("top");
         assert_eq!(Chain(&plain).to_string(), "top: middle: inner");
+    }
+}
+
+#[cfg(test)]
+mod clipped_tests {
+    use super::Clipped;
+
+    #[test]
+    fn long_text_is_cut_on_a_character_boundary_with_its_length() {
+        assert_eq!(Clipped("vramd-client 0.1", 256).to_string(), "vramd-client 0.1");
+        let long = "é".repeat(300);
+        let shown = Clipped(&long, 9).to_string();
+        assert_eq!(shown, "éééé... (600 bytes)");
     }
 }

@@ -15,8 +15,12 @@ use super::exit::Ended;
 use super::peer::Peer;
 use super::slot::ReclaimSender;
 use super::Daemon;
-use crate::logging::Every;
+use crate::logging::{Clipped, Every};
 use crate::metrics::TenantLabels;
+
+/// The most bytes of a peer's text (its client name, a refusal quoting its request) a log line
+/// shows.
+const SHOWN: usize = 256;
 
 /// A registered tenant on this connection.
 struct Registered {
@@ -366,13 +370,13 @@ impl Session {
                     pid = self.pid,
                     more,
                     "tenant refused at connect: {}",
-                    e.message
+                    Clipped(&e.message, SHOWN)
                 );
             }
         })?;
         tracing::info!(
             tenant = t.name, class = t.class, guarantee = %t.guarantee, limit = %t.limit,
-            pid = self.pid, gpu = slot, client = hello.client, "tenant connected"
+            pid = self.pid, gpu = slot, client = %Clipped(&hello.client, SHOWN), "tenant connected"
         );
         Ok(self.registered_as(slot, id, t, false))
     }
@@ -396,14 +400,19 @@ impl Session {
         let joined = s.join(token, self.pid, self.uid, self.conn_id);
         let (id, t) = joined.inspect_err(|e| {
             if let Some(more) = self.warnings.due() {
-                tracing::warn!(pid = self.pid, more, "join refused: {}", e.message);
+                tracing::warn!(
+                    pid = self.pid,
+                    more,
+                    "join refused: {}",
+                    Clipped(&e.message, SHOWN)
+                );
             }
         })?;
         tracing::info!(
             tenant = t.name,
             pid = self.pid,
             gpu = slot,
-            client,
+            client = %Clipped(client, SHOWN),
             "tenant's program joined"
         );
         Ok(self.registered_as(slot, id, t, true))

@@ -568,14 +568,17 @@ impl Slot {
                 p.pid
             )));
         }
-        if let Some(t) = s.broker.tenant(tenant) {
-            if t.held > Bytes::ZERO || t.charged > Bytes::ZERO {
-                return Err(refuse(format!(
-                    "no invitation: the tenant holds {} and has charged {}; invitations are for a \
-                     tenant that holds nothing yet",
-                    t.held, t.charged
-                )));
-            }
+        let Some(t) = s.broker.tenant(tenant) else {
+            // Its registration ended (a joined program's connection outlives it): an invitation
+            // to a tenant that no longer exists would never be taken or removed.
+            return Err(refuse("no invitation: the tenant has ended".into()));
+        };
+        if t.held > Bytes::ZERO || t.charged > Bytes::ZERO {
+            return Err(refuse(format!(
+                "no invitation: the tenant holds {} and has charged {}; invitations are for a \
+                 tenant that holds nothing yet",
+                t.held, t.charged
+            )));
         }
         if s.shared.core.holds_anything(tenant) {
             return Err(refuse(

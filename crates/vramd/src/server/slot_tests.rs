@@ -684,3 +684,15 @@ fn a_device_awaits_its_adopted_tenants_process_until_it_reconnects() {
     connect_resuming(&slot, "back", 1, Some(&resume));
     assert!(!slot.awaits("back", me, uid()));
 }
+
+/// A tenant whose registration ended gets no invitation (its joined program's connection may
+/// outlive it and ask): one would never be taken, nor ever removed.
+#[test]
+fn an_ended_tenant_gets_no_invitation() {
+    let slot = slot(Bytes::mib(64));
+    let job = connect(&slot, "job", 1);
+    slot.disconnect(job);
+    let e = slot.invite(job, uid()).unwrap_err();
+    assert!(e.message.contains("the tenant has ended"), "{e:?}");
+    assert!(slot.saved().1.is_empty());
+}
