@@ -160,7 +160,10 @@ mod clipped_tests {
 
     #[test]
     fn long_text_is_cut_on_a_character_boundary_with_its_length() {
-        assert_eq!(Clipped("vramd-client 0.1", 256).to_string(), "vramd-client 0.1");
+        assert_eq!(
+            Clipped("vramd-client 0.1", 256).to_string(),
+            "vramd-client 0.1"
+        );
         let long = "é".repeat(300);
         let shown = Clipped(&long, 9).to_string();
         assert_eq!(shown, "éééé... (600 bytes)");

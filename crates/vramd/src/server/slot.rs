@@ -1565,7 +1565,7 @@ fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
             continue;
         }
         let whole = *size > Bytes::ZERO && size.get() % granularity.get().max(1) == 0;
-        if !whole || known >= most {
+        if !whole || *size > limit || known >= most || unbooked >= MAX_UNBOOKED_CLAIMS {
             ignored += 1;
             continue;
         }
@@ -1575,6 +1575,8 @@ fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
                 s.adopted.insert(*g, (id, *size));
             }
             Err(e) => {
+                // Known as the tenant's (a return naming it with others takes them all back),
+                // booked at nothing.
                 unbooked += 1;
                 first_refusal.get_or_insert(e);
                 s.adopted.insert(*g, (id, Bytes::ZERO));
@@ -1590,8 +1592,9 @@ fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
     if ignored > 0 {
         tracing::warn!(
             grants = ignored,
-            "grants the tenant claims are ignored: another tenant's, not whole granules, or \
-             more than its limit could hold"
+            "grants the tenant claims are ignored: another tenant's, not whole granules, larger \
+             than its limit, more than its limit could hold, or past {MAX_UNBOOKED_CLAIMS} \
+             refused"
         );
     }
     let charged = s.broker.tenant(id).map_or(Bytes::ZERO, |t| t.charged);
@@ -1603,6 +1606,11 @@ fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
         }
     }
 }
+
+/// The most claims of a reconnecting tenant that are refused (no room for them now) yet kept
+/// as its, at nothing: what they cost is the daemon's (entries in its tables and its state
+/// file), so a tenant claiming grants it never had cannot make it keep more.
+const MAX_UNBOOKED_CLAIMS: usize = 1024;
 
 /// How long a closing connection's handles that another process still reaches are asked about
 /// again before they are booked as kept: enough for an exiting process to close its descriptors.
