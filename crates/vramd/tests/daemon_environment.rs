@@ -208,6 +208,21 @@ fn sighup_reloads_what_can_change_and_keeps_the_old_config_on_a_bad_file() {
     assert!(d.log().contains("4 GiB"), "{}", d.log());
     assert_eq!(welcome_limit(&d, "b3"), Bytes::mib(32).get());
     assert_eq!(d.status().devices[0].reserved, Bytes::mib(256));
+
+    // A capacity (which applies at the next start) below the declared guarantees: the next
+    // start would be refused, so the reload is.
+    std::fs::write(
+        &config,
+        RELOAD_V2.replace("capacity = \"2 GiB\"", "capacity = \"128 MiB\""),
+    )
+    .unwrap();
+    sighup(&d);
+    assert!(logged(&d, "configuration reload refused", 3), "{}", d.log());
+    assert!(
+        d.log().contains("would not start again with this file"),
+        "{}",
+        d.log()
+    );
     d.stop();
 }
 

@@ -308,6 +308,25 @@ impl Reloader {
             let text: Vec<String> = problems.iter().map(ToString::to_string).collect();
             bail!("invalid configuration: {}", text.join("; "));
         }
+        // A lower `capacity` only applies at the next start: a file that would then be refused
+        // is refused now, not left to fail the restart.
+        let at_restart: Vec<CheckedDevice> = self
+            .devices
+            .iter()
+            .map(|d| CheckedDevice {
+                capacity: d.capacity.map(|c| new.capacity.map_or(c, |n| n.min(c))),
+                granularity: d.granularity,
+            })
+            .collect();
+        let later = new.problems(&at_restart);
+        if !later.is_empty() {
+            let text: Vec<String> = later.iter().map(ToString::to_string).collect();
+            bail!(
+                "the daemon would not start again with this file (its capacity applies at the \
+                 next start): {}",
+                text.join("; ")
+            );
+        }
         let fixed = self.started.fixed_changes(&new);
         if !fixed.is_empty() {
             tracing::warn!(
