@@ -368,10 +368,15 @@ fn the_state_is_saved_once_it_can_be_though_nothing_changed_since() {
     let mut state = d.socket().as_os_str().to_owned();
     state.push(".state");
     let state = std::path::PathBuf::from(state);
-    // The daemon writes a temporary file beside the state and renames it: a folder in its place
-    // makes every write fail.
-    let blocker = state.with_extension("state.tmp");
-    std::fs::create_dir(&blocker).unwrap();
+    // The daemon writes a temporary file beside the state and renames it over the state: a
+    // folder (not empty) in the state's place makes every write fail. (The daemon may write the
+    // file again between its removal and the folder's creation: tried until the folder is made.)
+    let blocker = state.clone();
+    assert!(wait_until(Duration::from_secs(5), || {
+        let _ = std::fs::remove_file(&blocker);
+        std::fs::create_dir(&blocker).is_ok()
+    }));
+    std::fs::write(blocker.join("keep"), "").unwrap();
     let mut a = Tenant::spawn(d.socket(), "a", &[]);
     assert_eq!(a.next()["event"], "welcome");
     assert_eq!(a.cmd("take 128MiB")["taken"], Bytes::mib(128).get());
@@ -382,7 +387,7 @@ fn the_state_is_saved_once_it_can_be_though_nothing_changed_since() {
         "{}",
         d.log()
     );
-    std::fs::remove_dir(&blocker).unwrap();
+    std::fs::remove_dir_all(&blocker).unwrap();
     let names_a = || {
         std::fs::read(&state)
             .ok()

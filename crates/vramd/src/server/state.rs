@@ -11,7 +11,6 @@
 //! the difference of those last moments is settled then (`Slot::resume`).
 
 use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -97,38 +96,37 @@ pub fn path_for(socket: &Path) -> PathBuf {
 }
 
 /// Writes `saved` to `path` whole: a reader finds the old file or the new one, never a part.
+/// The new one is written to a file of a fresh name beside it (created, never opened if it
+/// exists: no link planted there is followed), mode 0600, then renamed over it.
 pub fn save(path: &Path, saved: &Saved) -> anyhow::Result<()> {
-    let tmp = path.with_extension("state.tmp");
+    let dir = path.parent().unwrap_or(Path::new("."));
     let text = serde_json::to_vec(saved)?;
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
+    let mut f = tempfile::Builder::new()
+        .prefix(".vramd-state-")
+        .tempfile_in(dir)
+        .with_context(|| format!("cannot write a state file in {}", dir.display()))?;
     f.write_all(&text)
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    drop(f);
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot replace {}", path.display()))?;
+        .with_context(|| format!("cannot write {}", f.path().display()))?;
+    f.persist(path)
+        .with_context(|| format!("cannot replace {}", path.display()))?;
     Ok(())
 }
 
 /// The state a stopped daemon left, if any. A file that cannot be read or is of another format
 /// is renamed aside (`.unreadable`) with the reason, so that it is neither lost nor read again.
 pub fn load(path: &Path) -> Option<Saved> {
-    let bytes = match std::fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
-        Err(e) => {
+    let problem = match read_own(path) {
+        Ok(None) => return None,
+        Err(e) if e.kind() != std::io::ErrorKind::PermissionDenied => {
             tracing::warn!(path = %path.display(), "cannot read the state file: {e}");
             return None;
         }
-    };
-    let problem = match serde_json::from_slice::<Saved>(&bytes) {
-        Ok(s) if s.format == FORMAT => return Some(s),
-        Ok(s) => format!("format {} (this daemon reads {FORMAT})", s.format),
         Err(e) => e.to_string(),
+        Ok(Some(bytes)) => match serde_json::from_slice::<Saved>(&bytes) {
+            Ok(s) if s.format == FORMAT => return Some(s),
+            Ok(s) => format!("format {} (this daemon reads {FORMAT})", s.format),
+            Err(e) => e.to_string(),
+        },
     };
     let aside = path.with_extension("state.unreadable");
     tracing::warn!(
@@ -139,13 +137,48 @@ pub fn load(path: &Path) -> Option<Saved> {
     None
 }
 
+/// The state file's bytes (`None` where there is none), if the file is the daemon's own: a
+/// regular file (not a link) of its uid that no one else may write. Its content is trusted (it
+/// books memory to tenants and names the processes to adopt), so a file another user could
+/// have written is refused (`PermissionDenied`, with the reason).
+fn read_own(path: &Path) -> std::io::Result<Option<Vec<u8>>> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = match std::fs::symlink_metadata(path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        other => other?,
+    };
+    let me = rustix::process::geteuid().as_raw();
+    let refuse = |why: String| {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            why,
+        ))
+    };
+    if !meta.file_type().is_file() {
+        return refuse("not a regular file".into());
+    }
+    if meta.uid() != me {
+        return refuse(format!(
+            "owned by uid {}, not the daemon's {me}",
+            meta.uid()
+        ));
+    }
+    if meta.mode() & 0o022 != 0 {
+        return refuse(format!(
+            "mode {:o}: others may write it",
+            meta.mode() & 0o777
+        ));
+    }
+    std::fs::read(path).map(Some)
+}
+
 /// What the tenants of a daemon before, still running, hold on each of the devices whose UUIDs
 /// are `uuids` (in that order), by the state file beside `socket`; a tenant finds its device as
 /// adoption finds it, by UUID though the numbering changed (read only: adoption happens when the
 /// server starts).
 pub fn held_by_live_tenants(socket: &Path, uuids: &[String]) -> Vec<Bytes> {
     let mut held = vec![Bytes::ZERO; uuids.len()];
-    let Ok(bytes) = std::fs::read(path_for(socket)) else {
+    let Ok(Some(bytes)) = read_own(&path_for(socket)) else {
         return held;
     };
     let Ok(saved) = serde_json::from_slice::<Saved>(&bytes) else {
@@ -516,6 +549,33 @@ mod tests {
         assert_eq!(load(&path), None);
         assert!(!path.exists());
         assert!(dir.path().join("vramd.sock.state.unreadable").exists());
+    }
+
+    /// The file is trusted only as the daemon's own: one others may write, or a link, is set
+    /// aside unread; writing it never follows a link planted beside it.
+    #[test]
+    fn a_state_file_others_could_write_is_not_read() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vramd.sock.state");
+        let saved = Saved::new(vec![7], Vec::new(), Vec::new());
+        save(&path, &saved).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        assert_eq!(load(&path), None);
+        assert!(dir.path().join("vramd.sock.state.unreadable").exists());
+
+        let elsewhere = dir.path().join("elsewhere");
+        save(&elsewhere, &saved).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
+        assert_eq!(load(&path), None, "a link is not followed");
+        // Saving replaces a link in the state's place; the file it pointed to is left as it was.
+        std::os::unix::fs::symlink(&elsewhere, &path).unwrap();
+        let before = std::fs::read(&elsewhere).unwrap();
+        save(&path, &Saved::new(vec![8], Vec::new(), Vec::new())).unwrap();
+        assert_eq!(std::fs::read(&elsewhere).unwrap(), before);
+        assert_eq!(load(&path).map(|s| s.next_grant), Some(vec![8]));
     }
 
     #[test]
