@@ -566,7 +566,9 @@ fn describe_declared(old: &Policy, new: &Policy) -> Vec<String> {
     }
     for name in old.tenants.keys().filter(|n| !new.tenants.contains_key(*n)) {
         out.push(format!(
-            "declared tenant `{name}` removed (if connected, it keeps its guarantee until it goes)"
+            "declared tenant `{name}` removed (a connected one keeps its guarantee until it goes, \
+             unless its class is one only listed users may ask for and its uid is not listed: \
+             then it is disconnected, named below)"
         ));
     }
     out
