@@ -2,9 +2,11 @@
 //! `cudaMallocAsync` / `cudaFreeAsync`) as a process that preloads libvram.so sees them (`vramd
 //! run` sets `LD_PRELOAD`). With `VRAMD_TORCH_MODE=pool`, PyTorch's own caching allocator, and
 //! any other library that takes device memory through the CUDA runtime, gets its segments from
-//! vramd here: PyTorch works exactly as without vramd (its statistics, snapshots, graphs,
+//! vramd here: PyTorch's own allocator stays in charge (its statistics, snapshots, graphs,
 //! `record_stream`, `torch.compile`), while the tenant's limit, priority, crash reclaim and
-//! elastic sharing apply to every byte.
+//! elastic sharing apply to every byte. The memory is the driver's virtual memory (handles mapped
+//! into a reserved range), which CUDA's legacy IPC calls (`cudaIpcGetMemHandle`) do not take:
+//! they are documented for memory made by `cudaMalloc` itself.
 //!
 //! Calls not served here go on to the CUDA runtime's own functions: a free of memory vramd did
 //! not hand out, `cudaFree(NULL)` (which programs use to create the context), an allocation on
