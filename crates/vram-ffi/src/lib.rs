@@ -116,6 +116,14 @@ fn set_error(msg: String) {
     let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = Some(c));
 }
 
+/// Whether this process, not a tenant yet, would become one by taking the run's invitation
+/// (`VRAMD_JOIN`, no name of its own): the invitation admits one process, the first that needs
+/// memory, so a question about memory (a monitor asking NVML, a framework sizing itself) must
+/// not take it.
+pub(crate) fn would_join() -> bool {
+    current().is_none() && options_from_env().is_ok_and(|o| o.join.is_some())
+}
+
 fn options_from_env() -> Result<TenantOptions, String> {
     TenantOptions::from_env().map_err(|e| format!("vramd: {e}"))
 }

@@ -131,6 +131,31 @@ fn without_a_daemon_driver_allocations_are_refused_never_passed_on() {
     );
 }
 
+/// A process of `vramd run` that has not joined the run's tenant yet (a monitor the program
+/// started, asking NVML or the driver about memory) gets their own figures: the question does not
+/// take the run's invitation, which is for the process that first allocates.
+#[test]
+fn a_question_about_memory_does_not_take_the_runs_invitation() {
+    let out = tempfile::tempdir().unwrap();
+    stand_ins(out.path());
+    let exe = cprog::build("driver", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(8));
+    let run = driver_command(&exe, out.path(), &daemon.socket)
+        .env_remove("VRAMD_TENANT")
+        .env("VRAMD_JOIN", "00112233445566778899aabbccddeeff")
+        .arg("query")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(
+        run.status.success(),
+        "driver.c query failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("query: ok"), "{stdout}");
+    assert!(!stderr.contains("vramd"), "the daemon was asked:\n{stderr}");
+}
+
 /// A forked child of a tenant process is no tenant: its copy of the parent's connection stays
 /// unused (had it spoken on it, the two would take each other's replies and the parent would hang
 /// in a grant), and its allocations are refused with the reason.

@@ -7,7 +7,10 @@
 //!
 //! The driver's own function is called first, so that its errors (no context) stay; another GPU
 //! than the tenant's gets the driver's figures. When the tenant cannot be set up, the driver's
-//! figures are returned too, the reason logged once: the allocations themselves are refused.
+//! figures are returned too, the reason logged once: the allocations themselves are refused. A
+//! process of `vramd run` that has not joined the run's tenant yet gets the driver's figures
+//! too: a question does not take the run's invitation, which is for the process that first
+//! allocates (a monitor started by the program would otherwise become the run's tenant).
 //!
 //! The driver's older `cuMemGetInfo` takes `unsigned int` pointers, a different layout, and is
 //! not hooked; `cuGetProcAddress("cuMemGetInfo")` for CUDA 3.2 and later is the `_v2` function.
@@ -15,14 +18,17 @@
 use super::real;
 use super::stats::{self, Hook};
 use super::{
-    current_gpu, tenant_or_log, tenant_view, CuResult, Gpu, CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS,
+    current_gpu, tenant_for_query, tenant_view, CuResult, Gpu, CUDA_ERROR_NOT_FOUND, CUDA_SUCCESS,
 };
 use crate::guarded;
 
 /// The tenant's (total, free), if the calling thread's context is on its GPU.
 pub(crate) fn view_here() -> Option<(u64, u64)> {
     guarded(None, || {
-        let t = tenant_or_log()?;
+        let Some(t) = tenant_for_query() else {
+            return Ok(None);
+        };
+        let t = t?;
         if current_gpu(t) != Gpu::Tenant {
             return Ok(None);
         }

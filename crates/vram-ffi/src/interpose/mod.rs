@@ -78,6 +78,16 @@ pub(crate) fn tenant_or_log() -> Result<&'static Tenant, String> {
     })
 }
 
+/// The tenant a question about memory is answered for: the process's, connecting on first use,
+/// but `None` (the driver's own figures) where connecting would take the run's invitation, which
+/// is for the process that first allocates ([`crate::would_join`]).
+pub(crate) fn tenant_for_query() -> Option<Result<&'static Tenant, String>> {
+    if crate::would_join() {
+        return None;
+    }
+    Some(tenant_or_log())
+}
+
 /// Where the calling thread's current context is, as far as vramd is concerned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Gpu {

@@ -11,7 +11,7 @@ use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::OnceLock;
 
 use super::stats::{self, Hook};
-use super::{dlsym, same_uuid, tenant_or_log, tenant_view};
+use super::{dlsym, same_uuid, tenant_for_query, tenant_view};
 use crate::guarded;
 
 /// `nvmlMemory_t`.
@@ -103,7 +103,10 @@ fn view_for(device: NvmlDevice) -> Option<(u64, u64)> {
         .to_string_lossy()
         .into_owned();
     guarded(None, || {
-        let t = tenant_or_log()?;
+        let Some(t) = tenant_for_query() else {
+            return Ok(None);
+        };
+        let t = t?;
         if !same_uuid(&uuid, &t.device.uuid) {
             return Ok(None);
         }

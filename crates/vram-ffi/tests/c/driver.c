@@ -102,6 +102,29 @@ static int no_daemon(void) {
     return 0;
 }
 
+/* A process of `vramd run` that has not joined the run's tenant asks about memory: the driver's
+ * and NVML's own figures, and nothing asked of the daemon (the question must not take the run's
+ * invitation, which is for the process that first allocates). */
+static int query(void) {
+    info_fn info = (info_fn)sym("cuMemGetInfo_v2");
+    size_t free_bytes = 0, total = 0;
+    CHECK(info(&free_bytes, &total) == 0);
+    CHECK(total == (size_t)80 << 30);
+    void *nvml = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+    CHECK(nvml != NULL);
+    int (*handle_by_index)(unsigned int, void **) =
+        (int (*)(unsigned int, void **))dlsym(nvml, "nvmlDeviceGetHandleByIndex_v2");
+    int (*nvml_info)(void *, nvml_memory *) =
+        (int (*)(void *, nvml_memory *))dlsym(nvml, "nvmlDeviceGetMemoryInfo");
+    CHECK(handle_by_index && nvml_info);
+    void *dev0 = NULL;
+    nvml_memory mem = {0};
+    CHECK(handle_by_index(0, &dev0) == 0 && nvml_info(dev0, &mem) == 0);
+    CHECK(mem.total == 80ULL << 30);
+    printf("query: ok\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     cuda = dlopen("libcuda.so.1", RTLD_NOW);
     CHECK(cuda != NULL);
@@ -115,6 +138,8 @@ int main(int argc, char **argv) {
     CHECK(((count_fn)sym("cuDeviceGetCount"))(&n) == 0 && n == 7);
     if (argc > 1 && strcmp(argv[1], "nodaemon") == 0)
         return no_daemon();
+    if (argc > 1 && strcmp(argv[1], "query") == 0)
+        return query();
 
     /* Hooked names: libvram.so's function, the same one a direct link reaches. */
     alloc_fn alloc = (alloc_fn)sym("cuMemAlloc_v2");
