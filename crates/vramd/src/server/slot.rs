@@ -1565,7 +1565,7 @@ fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
             continue;
         }
         let whole = *size > Bytes::ZERO && size.get() % granularity.get().max(1) == 0;
-        if !whole || *size > limit || known >= most || unbooked >= MAX_UNBOOKED_CLAIMS {
+        if !whole || known >= most || unbooked >= MAX_UNBOOKED_CLAIMS {
             ignored += 1;
             continue;
         }
@@ -1592,9 +1592,8 @@ fn settle(s: &mut State, id: TenantId, r: &Resume, granularity: Bytes) {
     if ignored > 0 {
         tracing::warn!(
             grants = ignored,
-            "grants the tenant claims are ignored: another tenant's, not whole granules, larger \
-             than its limit, more than its limit could hold, or past {MAX_UNBOOKED_CLAIMS} \
-             refused"
+            "grants the tenant claims are ignored: another tenant's, not whole granules, more \
+             than its limit could hold, or past {MAX_UNBOOKED_CLAIMS} refused"
         );
     }
     let charged = s.broker.tenant(id).map_or(Bytes::ZERO, |t| t.charged);
