@@ -153,7 +153,7 @@ fn runtime_get_device() -> Option<GetDeviceFn> {
 }
 
 /// `name` in the CUDA runtime: after libvram.so in the lookup order, else in any loaded object
-/// whose file is a `libcudart.so*` (the first that has it).
+/// whose file is a CUDA runtime's ([`is_runtime_file`]; the first that has it).
 fn find_runtime_symbol(name: &CStr) -> Option<*mut c_void> {
     // SAFETY: dlsym with RTLD_NEXT and a NUL-terminated name only reads the loader's tables.
     let next = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr()) };
@@ -175,7 +175,15 @@ fn find_runtime_symbol(name: &CStr) -> Option<*mut c_void> {
     })
 }
 
-/// The paths of the loaded objects whose file name starts with `libcudart.so`.
+/// Whether a shared object's file name is a CUDA runtime's: `libcudart.so*` as the toolkit names
+/// it, or `libcudart-<hash>.so*` as a wheel renames the runtime it bundles.
+fn is_runtime_file(file: &[u8]) -> bool {
+    file.starts_with(b"libcudart.so")
+        || (file.starts_with(b"libcudart-") && file.windows(4).any(|w| w == b".so."))
+        || (file.starts_with(b"libcudart-") && file.ends_with(b".so"))
+}
+
+/// The paths of the loaded objects whose file is a CUDA runtime's ([`is_runtime_file`]).
 fn loaded_runtimes() -> Vec<CString> {
     unsafe extern "C" fn each(
         info: *mut libc::dl_phdr_info,
@@ -193,7 +201,7 @@ fn loaded_runtimes() -> Vec<CString> {
                 .rsplit(|&b| b == b'/')
                 .next()
                 .unwrap_or_default();
-            if file.starts_with(b"libcudart.so") {
+            if is_runtime_file(file) {
                 found.push(path.to_owned());
             }
         }
@@ -429,4 +437,30 @@ pub extern "C" fn vram_interposing() -> c_int {
     // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads the loader's tables.
     let found = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"cudaMalloc".as_ptr()) };
     c_int::from(pool_mode() && found == cudaMalloc as *mut c_void)
+}
+
+#[cfg(test)]
+mod runtime_file_tests {
+    use super::is_runtime_file;
+
+    #[test]
+    fn the_toolkits_and_wheels_runtime_names_are_runtimes() {
+        for name in [
+            "libcudart.so",
+            "libcudart.so.12",
+            "libcudart.so.13.0.48",
+            "libcudart-3c0a7d1f.so.12",
+            "libcudart-3c0a7d1f.so",
+        ] {
+            assert!(is_runtime_file(name.as_bytes()), "{name}");
+        }
+        for name in [
+            "libcudart_static.a",
+            "libcudnn.so.9",
+            "libcudart-notes.txt",
+            "",
+        ] {
+            assert!(!is_runtime_file(name.as_bytes()), "{name}");
+        }
+    }
 }

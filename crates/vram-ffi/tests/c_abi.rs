@@ -138,29 +138,28 @@ fn c_program_gets_cuda_runtime_allocations_from_vramd_in_pool_mode() {
 
 /// A CUDA runtime that a library loaded with `RTLD_LOCAL` brought in (a Python extension's), which
 /// `RTLD_NEXT` does not search, still gets the calls libvram.so passes on (outside pool mode,
-/// all of them): they are not refused for want of a runtime.
+/// all of them): they are not refused for want of a runtime. Also under the name a wheel gives
+/// the runtime it bundles (auditwheel's `libcudart-<hash>.so.N`).
 #[test]
 fn a_runtime_loaded_locally_gets_the_calls_libvram_passes_on() {
-    let out = tempfile::tempdir().unwrap();
-    cprog::build_shared("fake_cudart", "libcudart.so.13", out.path());
-    cprog::build_shared_linked(
-        "runtime_user",
-        "libruntime_user.so",
-        out.path(),
-        &["libcudart.so.13"],
-    );
-    let exe = cprog::build("local_runtime", out.path());
-    let run = Command::new(&exe)
-        .env("LD_LIBRARY_PATH", out.path())
-        .env_remove("VRAMD_TORCH_MODE")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    assert!(
-        run.status.success() && stdout.contains("local_runtime: ok"),
-        "{stdout}{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    for runtime in ["libcudart.so.13", "libcudart-3c0a7d1f.so.12"] {
+        let out = tempfile::tempdir().unwrap();
+        cprog::build_shared("fake_cudart", runtime, out.path());
+        cprog::build_shared_linked("runtime_user", "libruntime_user.so", out.path(), &[runtime]);
+        let exe = cprog::build("local_runtime", out.path());
+        let run = Command::new(&exe)
+            .arg(runtime)
+            .env("LD_LIBRARY_PATH", out.path())
+            .env_remove("VRAMD_TORCH_MODE")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&run.stdout);
+        assert!(
+            run.status.success() && stdout.contains("local_runtime: ok"),
+            "{runtime}: {stdout}{}",
+            String::from_utf8_lossy(&run.stderr)
+        );
+    }
 }
 
 /// Pool mode's `cudaMallocAsync` serves the memory of the stream's device (the runtime's

@@ -15,12 +15,14 @@
         }                                                                    \
     } while (0)
 
-int main(void) {
+int main(int argc, char **argv) {
+    /* The runtime's file name: as the CUDA toolkit names it, or renamed as wheels bundle it. */
+    const char *name = argc > 1 ? argv[1] : "libcudart.so.13";
     void *user = dlopen("libruntime_user.so", RTLD_NOW | RTLD_LOCAL);
     CHECK(user != NULL);
     /* The runtime is loaded, and only locally. */
     CHECK(dlsym(RTLD_DEFAULT, "fake_cudart_calls") == NULL);
-    void *runtime = dlopen("libcudart.so.13", RTLD_NOW | RTLD_NOLOAD);
+    void *runtime = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
     CHECK(runtime != NULL);
     int (*calls)(void) = (int (*)(void))dlsym(runtime, "fake_cudart_calls");
     int (*user_malloc)(void **, size_t) = (int (*)(void **, size_t))dlsym(user, "user_malloc");
