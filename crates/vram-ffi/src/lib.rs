@@ -203,12 +203,24 @@ fn establish(socket: Option<&Path>, opts: &TenantOptions) -> Result<&'static Ten
     if unsafe { libc::atexit(say_bye) } != 0 {
         tracing::debug!("cannot register the exit handler: the end will read as a crash");
     }
-    // SAFETY: `forked_child` is an `extern "C" fn()` that only stores an atomic, which is safe in
-    // a child between fork and exec; there are no prepare or parent handlers.
-    if unsafe { libc::pthread_atfork(None, None, Some(forked_child)) } != 0 {
-        tracing::debug!("cannot register the fork handler: a forked child would be taken for us");
-    }
     Ok(t)
+}
+
+/// Registers [`forked_child`] once, before the first connect takes any lock: a child forked while
+/// another thread sets the tenant up (holding `LAST_FAILURE`) must know it is no tenant before it
+/// would wait on its copy of that lock. (A process that reaches here has a CUDA context, which a
+/// forked child cannot use either.)
+fn mark_forked_children() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        // SAFETY: `forked_child` is an `extern "C" fn()` that only stores an atomic, which is
+        // safe in a child between fork and exec; there are no prepare or parent handlers.
+        if unsafe { libc::pthread_atfork(None, None, Some(forked_child)) } != 0 {
+            tracing::debug!(
+                "cannot register the fork handler: a forked child would be taken for us"
+            );
+        }
+    });
 }
 
 /// Keeps the daemon informed and lets idle memory go back with hysteresis.
@@ -253,6 +265,7 @@ pub fn tenant() -> Result<&'static Tenant, String> {
     if FORKED.load(Ordering::Relaxed) {
         return Err(forked_error());
     }
+    mark_forked_children();
     // One thread connects at a time; the others wait for its outcome.
     let mut last = LAST_FAILURE.lock().unwrap_or_else(|p| p.into_inner());
     if let Some(t) = TENANT.get().filter(|t| t.connected.load(Ordering::Acquire)) {
