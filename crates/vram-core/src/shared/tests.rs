@@ -8,13 +8,17 @@ use crate::broker::{Policy, TenantRequest};
 const SIZE: Bytes = Bytes::gib(1);
 
 fn connect(b: &mut Broker, name: &str, class: &str) -> TenantId {
+    connect_as(b, name, class, 0)
+}
+
+fn connect_as(b: &mut Broker, name: &str, class: &str, uid: u32) -> TenantId {
     b.connect(TenantRequest {
         name: name.into(),
         class: Some(class.into()),
         guarantee: None,
         limit: None,
         pid: 1,
-        uid: 0,
+        uid,
         gids: Vec::new(),
     })
     .unwrap()
@@ -561,19 +565,6 @@ fn a_version_found_corrupt_is_not_pinned_until_another_is_published() {
     assert_eq!(e.reason(), "corrupt");
     let v2 = w.write_publish(w.owner, 2);
     assert_eq!(w.books.pin(&w.broker, w.readers[1], w.id).unwrap().0, v2);
-}
-
-fn connect_as(b: &mut Broker, name: &str, class: &str, uid: u32) -> TenantId {
-    b.connect(TenantRequest {
-        name: name.into(),
-        class: Some(class.into()),
-        guarantee: None,
-        limit: None,
-        pid: 1,
-        uid,
-        gids: Vec::new(),
-    })
-    .unwrap()
 }
 
 /// Names and classes a process asks for are bound to uids only where the operator bound them:
