@@ -112,8 +112,9 @@ pub fn save(path: &Path, saved: &Saved) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The state a stopped daemon left, if any. A file that cannot be read or is of another format
-/// is renamed aside (`.unreadable`) with the reason, so that it is neither lost nor read again.
+/// The state a stopped daemon left, if any. A file that does not parse, is of another format or
+/// is not the daemon's own ([`read_own`]) is renamed aside (`.unreadable`) with the reason, so
+/// that it is neither lost nor read again.
 pub fn load(path: &Path) -> Option<Saved> {
     let problem = match read_own(path) {
         Ok(None) => return None,
