@@ -115,14 +115,14 @@ fn check_admin(daemon: &Daemon, uid: u32, call: &str) -> Result<(), ErrorReply> 
 /// `Declare`: the declaration put in force on its device, or refused with nothing changed.
 pub(super) fn declare(daemon: &Daemon, uid: u32, d: Declaration) -> Result<Reply, ErrorReply> {
     check_admin(daemon, uid, "Declare")?;
-    put_in_force(daemon, uid, d)
+    put_in_force(daemon, Some(uid), d)
 }
 
 /// A declaration the daemon before had in force (from its state file), put in force again as
 /// its admin call did; one that does not fit now is logged and left out.
 pub(super) fn restore(daemon: &Daemon, d: Declaration) {
     let name = d.name.clone();
-    match put_in_force(daemon, 0, d) {
+    match put_in_force(daemon, None, d) {
         Ok(_) => tracing::info!(
             tenant = name,
             "run-time declaration of the daemon before restored"
@@ -135,8 +135,9 @@ pub(super) fn restore(daemon: &Daemon, d: Declaration) {
     }
 }
 
-/// [`declare`] once the caller may (`uid`, an admin's, is only logged).
-fn put_in_force(daemon: &Daemon, uid: u32, d: Declaration) -> Result<Reply, ErrorReply> {
+/// [`declare`] once the caller may (`admin`, the caller's uid, is only logged; none for a
+/// declaration restored from the state file).
+fn put_in_force(daemon: &Daemon, admin: Option<u32>, d: Declaration) -> Result<Reply, ErrorReply> {
     let gpu = d.gpu as usize;
     let Some(slot) = daemon.slots.get(gpu) else {
         return Err(error(
@@ -194,7 +195,7 @@ fn put_in_force(daemon: &Daemon, uid: u32, d: Declaration) -> Result<Reply, Erro
     if changed {
         tracing::info!(
             tenant = d.name, gpu, class = d.class, guarantee = %d.guarantee,
-            limit = ?d.limit.map(|l| l.to_string()), owners = ?d.owners, admin_uid = uid,
+            limit = ?d.limit.map(|l| l.to_string()), owners = ?d.owners, admin_uid = ?admin,
             "tenant declared at run time"
         );
         // A process already connected under the name that the declaration does not admit (not
