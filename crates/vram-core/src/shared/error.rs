@@ -27,12 +27,14 @@ pub enum SharedError {
     NameInUse { name: String, owner: String },
     #[error("no shared buffer `{0}`")]
     NoSuchBuffer(String),
-    #[error("tenant `{tenant}` may not {what} shared buffer `{buffer}` (owner `{owner}`)")]
+    #[error("tenant `{tenant}` may not {what} shared buffer `{buffer}` (owner `{owner}`){hint}")]
     Forbidden {
         tenant: String,
         buffer: String,
         owner: String,
         what: &'static str,
+        /// Why an access-list entry naming the tenant or its class did not admit it, if one did.
+        hint: &'static str,
     },
     #[error(
         "shared buffer `{buffer}`: tenant `{holder}` holds the writer lease for {expires_in_ms} ms more; \

@@ -424,7 +424,7 @@ impl SharedBuffers {
         let b = self.live(id)?;
         if b.owner != who {
             let t = tenant(broker, who)?;
-            return Err(forbidden(b, t, "delete"));
+            return Err(forbidden(b, t, "delete", ""));
         }
         Ok(self.remove(broker, id))
     }
@@ -585,10 +585,25 @@ impl SharedBuffers {
             _ => b.can_read(who, t, broker.policy()),
         };
         if allowed {
-            Ok(())
-        } else {
-            Err(forbidden(b, t, what))
+            return Ok(());
         }
+        let entries = match what {
+            "write" => &b.acl.writers[..],
+            _ => &b.acl.readers[..],
+        };
+        let named = entries.iter().any(|p| match p {
+            Principal::Tenant(n) => *n == t.name,
+            Principal::Class(c) => *c == t.class,
+            Principal::Anyone => false,
+        });
+        let hint = if named {
+            ": its access list names the tenant or its class, which admits another uid than the \
+             owner's only where bound to uids (a tenant declared with owners, a class above the \
+             default)"
+        } else {
+            ""
+        };
+        Err(forbidden(b, t, what, hint))
     }
 
     /// Marks `id` deleted and frees what nobody uses; the entry goes with its last version.
@@ -628,12 +643,13 @@ fn tenant(broker: &Broker, id: TenantId) -> Result<&Tenant, SharedError> {
     broker.tenant(id).ok_or(SharedError::UnknownTenant(id.0))
 }
 
-fn forbidden(b: &Buffer, t: &Tenant, what: &'static str) -> SharedError {
+fn forbidden(b: &Buffer, t: &Tenant, what: &'static str, hint: &'static str) -> SharedError {
     SharedError::Forbidden {
         tenant: t.name.clone(),
         buffer: b.name.clone(),
         owner: b.owner_name.clone(),
         what,
+        hint,
     }
 }
 

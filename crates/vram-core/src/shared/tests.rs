@@ -638,6 +638,10 @@ fn access_lists_admit_other_uids_only_by_names_and_classes_bound_to_uids() {
             expected,
             "{name} (class {class}, uid {uid})"
         );
+        if let Err(e) = books.check(&broker, t, id, "read") {
+            // Named but not admitted: the refusal says why.
+            assert!(e.to_string().contains("bound to uids"), "{e}");
+        }
         let listed = books.list(&broker, t).len() == 1;
         assert_eq!(listed, expected, "{name} lists it");
         broker.disconnect(t);
