@@ -454,15 +454,30 @@ pub extern "C" fn vram_disconnect() -> c_int {
         // So do the charges of exported handles this process let go (an importer's now).
         let let_go = Bytes(interpose::vmm::exported_let_go());
         let charged = b.charged.saturating_sub(let_go);
-        if s.in_use > Bytes::ZERO || s.core.held > Bytes::ZERO || charged > Bytes::ZERO {
-            return Err(format!(
+        let in_use = |s: &vram_client::alloc::CachingStats| {
+            s.in_use > Bytes::ZERO || s.core.held > Bytes::ZERO || charged > Bytes::ZERO
+        };
+        let refusal = |s: &vram_client::alloc::CachingStats| {
+            format!(
                 "vramd: tenant `{name}` cannot end while its memory is in use: {} allocated and \
                  not freed ({} mapped), {charged} charged; free it first",
                 s.in_use, s.core.held
-            ));
+            )
+        };
+        if in_use(&s) {
+            return Err(refusal(&s));
         }
-        t.connected.store(false, Ordering::Release);
-        t.slot.replace(None);
+        // Checked again with the allocator's core held, and the connection taken out of use
+        // before it is let go: another thread's growth since the check above would otherwise map
+        // handles of a connection about to close (the daemon then takes them back as at a crash).
+        t.alloc.with_stats_held(|s| {
+            if in_use(&s) {
+                return Err(refusal(&s));
+            }
+            t.connected.store(false, Ordering::Release);
+            t.slot.replace(None);
+            Ok(())
+        })?;
         client.close();
         interpose::vmm::forget_exported_let_go();
         Ok(0)

@@ -526,7 +526,19 @@ impl<S: HandleSource> CachingAllocator<S> {
     }
 
     pub fn stats(&self) -> CachingStats {
-        let core = self.core().stats();
+        self.stats_of(self.core().stats())
+    }
+
+    /// Runs `f` on the figures as they stand, with the core's lock held: no allocation that needs
+    /// the core (a growth above all), no free reaching it and no trim runs until `f` returns. For
+    /// a caller that acts on "holds nothing" before anything can change it (a tenant ending its
+    /// connection while other threads may allocate).
+    pub fn with_stats_held<R>(&self, f: impl FnOnce(CachingStats) -> R) -> R {
+        let core = self.core();
+        f(self.stats_of(core.stats()))
+    }
+
+    fn stats_of(&self, core: AllocStats) -> CachingStats {
         let in_caches = self.caches.bytes();
         CachingStats {
             core,
