@@ -108,22 +108,28 @@ fn driver_calls_looked_up_by_name_or_proc_address_are_served_charged_and_refused
     }
 }
 
+/// Runs `cmd` (driver.c) in `mode` to its end, which must succeed and say `MODE: ok`; its
+/// standard error.
+fn run_mode(cmd: &mut Command, mode: &str) -> String {
+    let run = cmd.arg(mode).output().unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr).into_owned();
+    assert!(
+        run.status.success() && stdout.contains(&format!("{mode}: ok")),
+        "driver.c {mode} failed:\n{stdout}\n{stderr}"
+    );
+    stderr
+}
+
 #[test]
 fn without_a_daemon_driver_allocations_are_refused_never_passed_on() {
     let out = tempfile::tempdir().unwrap();
     stand_ins(out.path());
     let exe = cprog::build("driver", out.path());
-    let run = driver_command(&exe, out.path(), &out.path().join("no-daemon.sock"))
-        .arg("nodaemon")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "driver.c nodaemon failed:\n{stdout}\n{stderr}"
+    let stderr = run_mode(
+        &mut driver_command(&exe, out.path(), &out.path().join("no-daemon.sock")),
+        "nodaemon",
     );
-    assert!(stdout.contains("nodaemon: ok"), "{stdout}");
     assert_eq!(
         stderr.matches("cannot reach vramd").count(),
         1,
@@ -140,19 +146,10 @@ fn a_question_about_memory_does_not_take_the_runs_invitation() {
     stand_ins(out.path());
     let exe = cprog::build("driver", out.path());
     let daemon = common::Daemon::start(Bytes::gib(8));
-    let run = driver_command(&exe, out.path(), &daemon.socket)
-        .env_remove("VRAMD_TENANT")
-        .env("VRAMD_JOIN", "00112233445566778899aabbccddeeff")
-        .arg("query")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&run.stdout);
-    let stderr = String::from_utf8_lossy(&run.stderr);
-    assert!(
-        run.status.success(),
-        "driver.c query failed:\n{stdout}\n{stderr}"
-    );
-    assert!(stdout.contains("query: ok"), "{stdout}");
+    let mut cmd = driver_command(&exe, out.path(), &daemon.socket);
+    cmd.env_remove("VRAMD_TENANT")
+        .env("VRAMD_JOIN", "00112233445566778899aabbccddeeff");
+    let stderr = run_mode(&mut cmd, "query");
     assert!(!stderr.contains("vramd"), "the daemon was asked:\n{stderr}");
 }
 
