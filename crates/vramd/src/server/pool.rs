@@ -316,7 +316,9 @@ impl Pool {
 
     /// Halves the target of each size that went [`Pool::idle`] without a take, and takes out the
     /// handles ready beyond their size's target, for the caller to release outside the lock:
-    /// memory made ahead for a demand that stopped goes back to the device.
+    /// memory made ahead for a demand that stopped goes back to the device. A size no one asks
+    /// for any more, and not configured, is forgotten (tenants choose sizes: kept, their entries
+    /// would only grow).
     fn release_idle(&self) -> Vec<Ready> {
         let mut s = self.lock();
         let now = Instant::now();
@@ -330,6 +332,9 @@ impl Pool {
                 idle.extend(st.ready.drain(st.target..));
             }
         }
+        let configured = &self.config.sizes;
+        s.sizes
+            .retain(|size, st| st.target > 0 || !st.ready.is_empty() || configured.contains(size));
         s.pooled -= idle.iter().map(|r| r.handle.size()).sum();
         idle
     }
@@ -365,9 +370,11 @@ impl Pool {
             let mut s = self.lock();
             match made {
                 Ok(r) => {
-                    s.pooled += size;
+                    // Its size is still known: sizes are forgotten only by `release_idle`, on
+                    // this thread. (Were it not, the handle would be dropped, not counted.)
                     if let Some(st) = s.sizes.get_mut(&size) {
                         st.ready.push(r);
+                        s.pooled += size;
                     }
                 }
                 Err(e) => {
@@ -468,6 +475,8 @@ mod tests {
             pool.pooled(),
             dev.used()
         );
+        // Its target down to nothing, the size is forgotten.
+        assert!(wait_for(&|| pool.lock().sizes.is_empty()));
         drop(taken);
         pool.stop();
         t.join().unwrap();
