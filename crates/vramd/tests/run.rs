@@ -610,7 +610,10 @@ fn a_python_pins_view_outlives_its_release_and_reads_the_version() {
         try:\n    kept.view()\n\
         except vramd.VramdError as e:\n    print(e)\n\
         t.close()\n\
-        print(sorted(x['name'] for x in vramd.status()['tenants']))\n";
+        import time\n\
+        for _ in range(100):\n    names = sorted(x['name'] for x in vramd.status()['tenants'])\n    \
+        if not names: break\n    time.sleep(0.05)\n\
+        print(names)\n";
     assert_eq!(
         python_lines(&d, script, &[]),
         [
