@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "vram.h"
+#include "check.h"
 
 typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
@@ -72,14 +73,6 @@ typedef struct {
     unsigned long long total, reserved, free, used;
 } nvml_memory_v2;
 
-#define CHECK(cond)                                                                            \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            printf("FAILED line %d: %s (%s)\n", __LINE__, #cond,                               \
-                   vram_last_error() ? vram_last_error() : "no error");                        \
-            return 1;                                                                          \
-        }                                                                                      \
-    } while (0)
 
 static void *cuda;
 static int (*calls)(const char *);

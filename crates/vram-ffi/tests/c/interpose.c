@@ -6,18 +6,11 @@
 #include <string.h>
 
 #include "vram.h"
+#include "check.h"
 
 int cudaMalloc(void **ptr, size_t size);
 int cudaFree(void *ptr);
 
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            printf("FAILED line %d: %s (%s)\n", __LINE__, #cond,             \
-                   vram_last_error() ? vram_last_error() : "no error");      \
-            return 1;                                                        \
-        }                                                                    \
-    } while (0)
 
 int main(void) {
     CHECK(vram_interposing() == 1);

@@ -7,18 +7,10 @@
 #include <string.h>
 
 #include "vram.h"
+#include "check.h"
 
 int cudaMallocAsync(void **ptr, size_t size, void *stream);
 int cudaFreeAsync(void *ptr, void *stream);
-
-#define CHECK(cond)                                                          \
-    do {                                                                     \
-        if (!(cond)) {                                                       \
-            printf("FAILED line %d: %s (%s)\n", __LINE__, #cond,             \
-                   vram_last_error() ? vram_last_error() : "no error");      \
-            return 1;                                                        \
-        }                                                                    \
-    } while (0)
 
 int main(void) {
     void *runtime = dlopen("libcudart.so.13", RTLD_NOW | RTLD_LOCAL);
