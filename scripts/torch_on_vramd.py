@@ -12,6 +12,7 @@ aborts the whole script. Binaries: --bin or VRAMD_BIN (vramd and libvram.so side
 """
 
 import argparse
+import gc
 import re
 import signal
 import json
@@ -126,6 +127,42 @@ def worker_compat(args):
         assert all(bool((n == 7.0).all()) for n in noise), "a replay overwrote eager tensors"
         return "3 replays correct"
 
+    def graphs_keep_their_memory():
+        """Two graphs captured one after the other on torch.cuda.graph's shared capture stream:
+        the second's output must not lie in memory the first freed during its capture (the
+        first's replays write it), and the graphs' memory comes back once they are released."""
+        a = torch.randn(1024, 1024, device=dev)
+        w = torch.randn(1024, 1024, device=dev)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # pool mode: PyTorch's cached segments go back to vramd
+        vramd_torch.trim()
+        held0 = lib_stats()["stats"]["core"]["held"]
+        g1 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g1):
+            t1 = (a @ w).relu()
+            out1 = t1 * 2
+            del t1
+        g2 = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g2):
+            out2 = torch.empty_like(a)
+            torch.sigmoid(a @ w, out=out2)
+        g2.replay()
+        g1.replay()
+        torch.cuda.synchronize()
+        want2 = torch.sigmoid(a @ w)
+        assert torch.allclose(out2, want2, rtol=1e-4, atol=1e-4), (
+            "replaying the first graph overwrote the second's output")
+        assert torch.allclose(out1, (a @ w).relu() * 2, rtol=1e-4, atol=1e-3)
+        during = lib_stats()["stats"]["core"]["held"]
+        del g1, g2, out1, out2
+        gc.collect()
+        torch.cuda.empty_cache()
+        vramd_torch.trim()
+        after = lib_stats()["stats"]["core"]["held"]
+        assert after <= held0 + 16 * 2**20, (
+            f"held {after} after the graphs were released, {held0} before them")
+        return {"held_during_mib": (during - held0) // 2**20, "held_after_mib": (after - held0) // 2**20}
+
     def compile_reduce_overhead():
         model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU(),
                                     torch.nn.Linear(512, 512)).to(dev)
@@ -195,6 +232,7 @@ def worker_compat(args):
     _check(r, "stats_functions", stats_functions)
     _check(r, "_snapshot", snapshot)
     _check(r, "cuda_graph", cuda_graph)
+    _check(r, "graphs_keep_their_memory", graphs_keep_their_memory)
     _check(r, "compile_reduce_overhead", compile_reduce_overhead)
     _check(r, "record_stream_two_streams", record_stream)
     _check(r, "backward_counted", backward_counted)

@@ -22,7 +22,7 @@ _u64p = ctypes.POINTER(ctypes.c_uint64)
 
 # The C ABI this package calls (`vram_abi_version` in include/vram.h): a libvram.so of another
 # is refused when loaded, before any call of it.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # Return and argument types of the calls used from Python (include/vram.h).
 _SIGNATURES = {

@@ -14,16 +14,70 @@ _allocator = None
 # address 0. This shim turns vramd's refusal into c10::OutOfMemoryError, which reaches Python as
 # torch.OutOfMemoryError with vramd's message (tenant, limit, what it holds).
 _SHIM = r"""
+#include <atomic>
 #include <functional>
+#include <mutex>
 #include <utility>
+#include <vector>
 #include <sys/types.h>
 #include <c10/util/Exception.h>
 struct CUstream_st;
 extern "C" void *vram_alloc(ssize_t size, int device, void *stream);
 extern "C" void vram_free(void *ptr, ssize_t size, int device, void *stream);
 extern "C" const char *vram_last_error(void);
+extern "C" void vram_capture_begin(int device);
+extern "C" void vram_capture_end(int device);
+extern "C" int vram_pool_begin(int device, unsigned long long a, unsigned long long b);
+extern "C" void *vram_pool_alloc(ssize_t size, int device, void *stream, unsigned long long a,
+                                 unsigned long long b);
+extern "C" int vram_pool_release(int device, unsigned long long a, unsigned long long b);
+
+// PyTorch's types: MempoolId_t is a pair of unsigned long long, cudaStream_t a CUstream_st
+// pointer.
+using vramd_pool_id = std::pair<unsigned long long, unsigned long long>;
+using vramd_filter = std::function<bool(CUstream_st *)>;
+
+namespace {
+// Whether PyTorch tells when a pool is released (set_release_pool): only then are a graph's
+// allocations put in a private pool, which would otherwise never be given back.
+std::atomic<bool> pools_on{false};
+// The pools PyTorch allocates to now (between its begin and end hooks), each with its filter:
+// which streams' allocations go to it (a capture's stream, or a thread's for a MemPool).
+struct Allocating {
+  int device;
+  vramd_pool_id pool;
+  vramd_filter filter;
+};
+std::mutex allocating_mu;
+std::vector<Allocating> allocating;
+std::atomic<int> n_allocating{0};
+
+// The pool an allocation on `device` and `stream` goes to, if any. The filters are called
+// outside the lock (they ask the driver about the stream).
+bool pool_for(int device, void *stream, vramd_pool_id *out) {
+  std::vector<Allocating> now;
+  {
+    std::lock_guard<std::mutex> g(allocating_mu);
+    now = allocating;
+  }
+  for (auto &a : now) {
+    if (a.device == device && a.filter(static_cast<CUstream_st *>(stream))) {
+      *out = a.pool;
+      return true;
+    }
+  }
+  return false;
+}
+}  // namespace
+
 extern "C" void *vramd_torch_alloc(ssize_t size, int device, void *stream) {
-  void *p = vram_alloc(size, device, stream);
+  void *p;
+  vramd_pool_id pool;
+  if (n_allocating.load(std::memory_order_acquire) > 0 && pool_for(device, stream, &pool)) {
+    p = vram_pool_alloc(size, device, stream, pool.first, pool.second);
+  } else {
+    p = vram_alloc(size, device, stream);
+  }
   if (p == nullptr) {
     const char *e = vram_last_error();
     TORCH_CHECK_WITH(OutOfMemoryError, false, e ? e : "vramd refused the allocation");
@@ -33,18 +87,34 @@ extern "C" void *vramd_torch_alloc(ssize_t size, int device, void *stream) {
 extern "C" void vramd_torch_free(void *ptr, ssize_t size, int device, void *stream) {
   vram_free(ptr, size, device, stream);
 }
+extern "C" void vramd_torch_use_pools(void) { pools_on.store(true); }
 // The graph-pool hooks of a pluggable allocator: torch.cuda.graph calls the first before a stream
-// enters capture and the second when the capture ends (PyTorch's types: MempoolId_t is a pair of
-// unsigned long long, cudaStream_t a CUstream_st pointer).
-extern "C" void vram_capture_begin(int device);
-extern "C" void vram_capture_end(int device);
-using vramd_pool_id = std::pair<unsigned long long, unsigned long long>;
-extern "C" void vramd_torch_capture_begin(int device, vramd_pool_id,
-                                          std::function<bool(CUstream_st *)>) {
+// enters capture, the second when the capture ends, and the third when the graph is released.
+extern "C" void vramd_torch_capture_begin(int device, vramd_pool_id pool, vramd_filter filter) {
+  if (pools_on.load() && vram_pool_begin(device, pool.first, pool.second) == 0) {
+    {
+      std::lock_guard<std::mutex> g(allocating_mu);
+      allocating.push_back(Allocating{device, pool, std::move(filter)});
+    }
+    n_allocating.fetch_add(1, std::memory_order_release);
+  }
   vram_capture_begin(device);
 }
-extern "C" void vramd_torch_capture_end(int device, vramd_pool_id) {
+extern "C" void vramd_torch_capture_end(int device, vramd_pool_id pool) {
   vram_capture_end(device);
+  std::lock_guard<std::mutex> g(allocating_mu);
+  for (auto it = allocating.begin(); it != allocating.end(); ++it) {
+    if (it->device == device && it->pool == pool) {
+      allocating.erase(it);
+      n_allocating.fetch_sub(1, std::memory_order_release);
+      break;
+    }
+  }
+}
+extern "C" void vramd_torch_release_pool(int device, vramd_pool_id pool) {
+  if (pools_on.load()) {
+    vram_pool_release(device, pool.first, pool.second);
+  }
 }
 """
 
@@ -115,13 +185,19 @@ def install():
 
 def _announce_captures(alloc, shim):
     """Has PyTorch tell vramd when a graph capture begins and ends, so that vramd asks the driver
-    whether a stream is being captured only during captures, not on every allocation and free.
-    Without the hooks (an older PyTorch), vramd keeps asking: slower, as safe."""
+    whether a stream is being captured only during captures, not on every allocation and free;
+    and, where PyTorch also says when a graph is released, gives each graph's pool its private
+    memory (include/vram.h, "Private pools"). Without the hooks (an older PyTorch), vramd keeps
+    asking: slower, as safe for one graph; without the release hook, a graph's memory is not
+    private to its pool."""
     hooks = alloc.allocator()
     if not (hasattr(hooks, "set_begin_allocate_to_pool")
             and hasattr(hooks, "set_end_allocate_to_pool_fn")):
         return
     address = lambda name: ctypes.cast(getattr(shim, name), ctypes.c_void_p).value
+    if hasattr(hooks, "set_release_pool"):
+        hooks.set_release_pool(address("vramd_torch_release_pool"))
+        shim.vramd_torch_use_pools()
     hooks.set_begin_allocate_to_pool(address("vramd_torch_capture_begin"))
     hooks.set_end_allocate_to_pool_fn(address("vramd_torch_capture_end"))
     _lib.lib().vram_announce_captures()

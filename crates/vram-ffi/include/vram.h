@@ -81,7 +81,7 @@ void vram_free(void *ptr, ssize_t size, int device, void *stream);
 const char *vram_last_error(void);
 
 /* The version of this C ABI: raised whenever a function here changes its signature or meaning,
- * or goes. A caller built for one version (the Python package checks) refuses another. */
+ * goes, or comes. A caller built for one version (the Python package checks) refuses another. */
 uint32_t vram_abi_version(void);
 
 /* The allocator's statistics as a JSON object ({"tenant", "gpu", "limit", "guarantee",
@@ -194,6 +194,26 @@ void vram_report_in_use(unsigned long long bytes);
 int vram_announce_captures(void);
 void vram_capture_begin(int device);
 void vram_capture_end(int device);
+
+/* Private pools, for CUDA graphs: a graph's replays write the memory its capture allocated at
+ * the addresses it had then, even after the program freed it, so that memory must stay the
+ * graph's. A pool is named by two numbers (PyTorch's MempoolId_t) and counts its uses:
+ * vram_pool_begin starts one (before a capture into the pool; the pool is made if not in use),
+ * vram_pool_release ends one (when a graph captured into it is released). vram_pool_alloc
+ * allocates as vram_alloc does, from the pool: the block goes back to the pool when it is freed
+ * (with vram_free, during the capture or after it), and only allocations into the same pool
+ * reuse it; the daemon's reclaim requests do not take it. A pool takes fresh memory, or memory
+ * whose earlier work has completed. After a pool's last use ends, its memory becomes everyone's
+ * once libvram has waited for the device to finish the work queued so far (a replay may still
+ * run): at that release, unless an announced capture is underway (see below; a device
+ * synchronisation would invalidate it), else at a later release. Without announced captures a
+ * released pool's memory stays the pool's until the process ends. Blocks of a pool still live at
+ * its last release are freed as any block. vram_pool_alloc of a pool not in use fails (NULL,
+ * vram_last_error says why). vram_pool_begin and vram_pool_release return 0, or -1 on error. */
+int vram_pool_begin(int device, unsigned long long pool_a, unsigned long long pool_b);
+void *vram_pool_alloc(ssize_t size, int device, void *stream, unsigned long long pool_a,
+                      unsigned long long pool_b);
+int vram_pool_release(int device, unsigned long long pool_a, unsigned long long pool_b);
 
 /* Starts the peak statistics over from their current values. 0, or -1 on error. */
 int vram_reset_peak(void);

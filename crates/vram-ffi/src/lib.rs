@@ -27,7 +27,7 @@ use vram_client::alloc::{
     MappedBacking, StreamEvents,
 };
 use vram_client::{Client, TenantOptions};
-use vram_core::alloc::AllocConfig;
+use vram_core::alloc::{AllocConfig, PoolId};
 use vram_core::Bytes;
 use vram_device::BackendKind;
 use vram_proto::DeviceDesc;
@@ -569,10 +569,62 @@ pub extern "C" fn vram_free(ptr: *mut c_void, _size: isize, device: c_int, strea
     })
 }
 
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_pool_begin(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    guarded(-1, || {
+        let t = tenant()?;
+        check_device(t, device)?;
+        t.alloc.pool_begin(PoolId(pool_a, pool_b));
+        Ok(0)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_pool_alloc(
+    size: isize,
+    device: c_int,
+    stream: *mut c_void,
+    pool_a: u64,
+    pool_b: u64,
+) -> *mut c_void {
+    guarded(std::ptr::null_mut(), || {
+        let t = tenant()?;
+        let refused = |reason: &str, message: String| {
+            refusal::refused_here(t, Bytes(size.max(0) as u64), reason, &message);
+            message
+        };
+        check_device(t, device).map_err(|m| refused("other", m))?;
+        let size = u64::try_from(size)
+            .map_err(|_| refused("bad_size", format!("vramd: negative size {size}")))?;
+        let stream = vram_client::alloc::stream_of(stream as u64, false);
+        let ptr = t
+            .alloc
+            .alloc_in_pool(Bytes(size), stream, PoolId(pool_a, pool_b))
+            .map_err(|e| refusal::alloc_refused(t, "vram_pool_alloc", Bytes(size), &e))?;
+        Ok(ptr as *mut c_void)
+    })
+}
+
+/// See `include/vram.h`.
+#[no_mangle]
+pub extern "C" fn vram_pool_release(device: c_int, pool_a: u64, pool_b: u64) -> c_int {
+    guarded(-1, || {
+        // A graph released after the tenant ended (at the program's exit) has nothing to give.
+        let Some(t) = current() else {
+            return Ok(0);
+        };
+        check_device(t, device)?;
+        t.alloc.pool_release(PoolId(pool_a, pool_b));
+        Ok(0)
+    })
+}
+
 /// The C ABI's version: raised whenever a function of `include/vram.h` changes its signature or
-/// meaning, or goes, so that a caller built for another (the Python package) can refuse this
+/// meaning, or goes, or comes (a caller that needs it must not load a library without it), so that a caller built for another (the Python package) can refuse this
 /// library with the reason rather than call it wrongly.
-pub const ABI_VERSION: u32 = 1;
+pub const ABI_VERSION: u32 = 2;
 
 /// See `include/vram.h`.
 #[no_mangle]

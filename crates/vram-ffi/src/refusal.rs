@@ -74,7 +74,9 @@ pub(crate) fn alloc_refused(t: &Tenant, what: &str, size: Bytes, e: &AllocError)
         // A grant the daemon refused: it counted the refusal.
         AllocError::OutOfMemory { .. } => refused_by_daemon("grant_refused", &message),
         AllocError::TooLarge { .. } => refused_here(t, size, "bad_size", &message),
-        AllocError::UnknownBlock { .. } => refused_here(t, size, "other", &message),
+        AllocError::UnknownBlock { .. } | AllocError::UnknownPool { .. } => {
+            refused_here(t, size, "other", &message)
+        }
     }
     message
 }

@@ -209,3 +209,24 @@ fn allocator_settings_come_from_vramd_alloc_and_a_bad_one_is_a_clear_error() {
     );
     assert!(run("grow_slack=-1").contains("grow_slack must be a fraction of at least 0"));
 }
+
+#[test]
+fn a_graphs_private_pool_keeps_its_blocks_until_its_last_release() {
+    let out = tempfile::tempdir().unwrap();
+    let exe = build("pools", out.path());
+    let daemon = common::Daemon::start(Bytes::gib(1));
+    let run = Command::new(&exe)
+        .env("VRAMD_SOCKET", &daemon.socket)
+        .env("VRAMD_TENANT", "c-pools")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&run.stdout);
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert!(run.status.success(), "pools.c failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("unknown pool refused: vramd: tenant `c-pools` could not allocate 4 KiB: no private pool (0, 9) is in use"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("pools: ok"), "{stdout}");
+    eprintln!("DEBUG {stdout}");
+}

@@ -566,7 +566,7 @@ fn the_python_package_refuses_a_library_of_another_abi() {
         python_lines(&d, script, &[]),
         [
             "vramd: P has no vram_abi_version: it is not a libvram.so this package can use (it \
-             needs C ABI 1); use the libvram.so built with this package (the same vramd release)",
+             needs C ABI 2); use the libvram.so built with this package (the same vramd release)",
             "True"
         ]
     );

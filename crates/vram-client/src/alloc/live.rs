@@ -22,6 +22,7 @@ const SHARDS: usize = 64;
 struct Entry {
     len: u64,
     cached: bool,
+    pooled: bool,
 }
 
 type Shard = Mutex<HashMap<u64, Entry, BuildHasherDefault<FxHasher>>>;
@@ -29,6 +30,8 @@ type Shard = Mutex<HashMap<u64, Entry, BuildHasherDefault<FxHasher>>>;
 /// Slot states, in the two low bits; the rest is the block's length in units of the alignment.
 const LIVE: u32 = 1;
 const CACHED: u32 = 2;
+/// Live, allocated from a private pool: its free goes to the core, never to a thread cache.
+const POOLED: u32 = 3;
 const STATE: u32 = 3;
 /// Slots per page of the small table.
 const PAGE_SLOTS: usize = 4096;
@@ -123,15 +126,22 @@ impl LiveTable {
         Some((t, t.slot(offset, create)?))
     }
 
-    pub(super) fn insert(&self, offset: u64, len: u64) {
+    /// A block allocated now; `pooled` when from a private pool.
+    pub(super) fn insert(&self, offset: u64, len: u64, pooled: bool) {
         if let Some((t, slot)) = self.small_slot(offset, true) {
-            if let Some(word) = t.encode(len, LIVE) {
+            if let Some(word) = t.encode(len, if pooled { POOLED } else { LIVE }) {
                 slot.store(word, Ordering::Release);
                 return;
             }
         }
-        self.shard(offset)
-            .insert(offset, Entry { len, cached: false });
+        self.shard(offset).insert(
+            offset,
+            Entry {
+                len,
+                cached: false,
+                pooled,
+            },
+        );
     }
 
     /// A block taken from a thread cache is live again.
@@ -148,13 +158,14 @@ impl LiveTable {
         }
     }
 
-    /// Checks a free and marks the block idle; returns its length.
-    pub(super) fn mark_cached(&self, offset: u64, ptr: u64) -> Result<u64, FreeError> {
+    /// Checks a free and marks the block idle; returns its length and whether it came from a
+    /// private pool.
+    pub(super) fn mark_cached(&self, offset: u64, ptr: u64) -> Result<(u64, bool), FreeError> {
         if let Some((t, slot)) = self.small_slot(offset, false) {
             let mut word = slot.load(Ordering::Acquire);
             loop {
                 match word & STATE {
-                    LIVE => {}
+                    LIVE | POOLED => {}
                     CACHED => return Err(FreeError::DoubleFree(ptr)),
                     // Not in the table: a block too long for a slot lives in the map.
                     _ => break,
@@ -166,7 +177,7 @@ impl LiveTable {
                     Ordering::AcqRel,
                     Ordering::Acquire,
                 ) {
-                    Ok(_) => return Ok(t.len(word)),
+                    Ok(_) => return Ok((t.len(word), word & STATE == POOLED)),
                     Err(now) => word = now,
                 }
             }
@@ -177,7 +188,7 @@ impl LiveTable {
             Some(e) if e.cached => Err(FreeError::DoubleFree(ptr)),
             Some(e) => {
                 e.cached = true;
-                Ok(e.len)
+                Ok((e.len, e.pooled))
             }
         }
     }
@@ -207,7 +218,7 @@ impl LiveTable {
             let word = slot.load(Ordering::Acquire);
             match word & STATE {
                 0 => {}
-                LIVE => return Some(t.len(word)),
+                LIVE | POOLED => return Some(t.len(word)),
                 _ => return None,
             }
         }
@@ -231,20 +242,33 @@ mod tests {
         let t = table();
         let off = (1 << 30) + 4096;
         assert_eq!(t.mark_cached(off, 7), Err(FreeError::Unknown(7)));
-        t.insert(off, 1536);
+        t.insert(off, 1536, false);
         assert_eq!(t.len_of(off), Some(1536));
-        assert_eq!(t.mark_cached(off, 7), Ok(1536));
+        assert_eq!(t.mark_cached(off, 7), Ok((1536, false)));
         assert!(t.is_cached(off));
         assert_eq!(t.len_of(off), None);
         assert_eq!(t.mark_cached(off, 7), Err(FreeError::DoubleFree(7)));
         t.reuse(off);
-        assert_eq!(t.mark_cached(off, 7), Ok(1536));
+        assert_eq!(t.mark_cached(off, 7), Ok((1536, false)));
         t.remove(off);
         assert_eq!(t.mark_cached(off, 7), Err(FreeError::Unknown(7)));
         // Inside a block, not its start: unknown.
-        t.insert(off, 1536);
+        t.insert(off, 1536, false);
         assert_eq!(t.mark_cached(off + 512, 9), Err(FreeError::Unknown(9)));
         assert_eq!(t.mark_cached(off + 1, 9), Err(FreeError::Unknown(9)));
+    }
+
+    #[test]
+    fn a_pooled_block_says_so_at_its_free_in_the_table_and_in_the_map() {
+        let t = table();
+        for (off, len) in [((1 << 30) + 8192, 1024), (4096, 64 << 20)] {
+            t.insert(off, len, true);
+            assert_eq!(t.len_of(off), Some(len));
+            assert_eq!(t.mark_cached(off, 3), Ok((len, true)));
+            assert_eq!(t.mark_cached(off, 3), Err(FreeError::DoubleFree(3)));
+            t.remove(off);
+            assert_eq!(t.len_of(off), None);
+        }
     }
 
     #[test]
@@ -270,9 +294,9 @@ mod tests {
     fn large_blocks_and_blocks_outside_the_small_heap_use_the_map() {
         let t = table();
         for (off, len) in [(4096, 64 << 20), ((1 << 30) + (2 << 20), 1 << 40)] {
-            t.insert(off, len);
+            t.insert(off, len, false);
             assert_eq!(t.len_of(off), Some(len));
-            assert_eq!(t.mark_cached(off, 1), Ok(len));
+            assert_eq!(t.mark_cached(off, 1), Ok((len, false)));
             assert_eq!(t.mark_cached(off, 1), Err(FreeError::DoubleFree(1)));
             t.remove(off);
             assert_eq!(t.len_of(off), None);
@@ -284,7 +308,7 @@ mod tests {
         let t = table();
         for i in 0..200u64 {
             let off = (1 << 30) + i * 512;
-            t.insert(off, 512);
+            t.insert(off, 512, false);
             let wins: usize = std::thread::scope(|s| {
                 let a = s.spawn(|| t.mark_cached(off, off).is_ok() as usize);
                 let b = s.spawn(|| t.mark_cached(off, off).is_ok() as usize);

@@ -15,9 +15,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use vram_core::alloc::{
     AllocConfig, AllocError, AllocStats, Allocator, BlockState, Fence, Fences, FreeMemory, Segment,
-    StreamId,
+    StreamId, POOL_STREAMS,
 };
 use vram_core::Bytes;
+
+pub use vram_core::alloc::PoolId;
 
 pub use backing::{CallTimes, ClientSlot, DaemonSource, HandleSource, LocalSource, MappedBacking};
 
@@ -50,6 +52,13 @@ pub trait StreamEvents: Fences + Send + Sync {
         } else {
             self.uncaptured_free()
         }
+    }
+
+    /// Waits until the work queued on the device so far has finished; false if that failed.
+    /// Called only where no capture can be underway ([`Self::none_capturing`]): a device
+    /// synchronisation would invalidate one.
+    fn synchronize(&self) -> bool {
+        true
     }
 }
 
@@ -158,6 +167,10 @@ fn is_per_thread(stream: StreamId) -> bool {
 fn cuda_handle(stream: StreamId) -> Option<u64> {
     if stream == SYNCHRONOUS {
         return Some(0);
+    }
+    // A private pool's stream (the core's own name for it) is no stream of the driver's.
+    if POOL_STREAMS.contains(&stream.0) {
+        return None;
     }
     if !is_per_thread(stream) {
         return Some(stream.0);
@@ -268,6 +281,16 @@ impl StreamEvents for CudaEvents {
 
     fn none_capturing(&self) -> bool {
         self.notices.none_underway()
+    }
+
+    fn synchronize(&self) -> bool {
+        match self.pool.synchronize() {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!("vramd: cannot wait for the device to settle released pools: {e}");
+                false
+            }
+        }
     }
 
     fn at_free(&self, stream: StreamId) -> AtFree {
@@ -421,31 +444,80 @@ impl<S: HandleSource> CachingAllocator<S> {
     /// The address of a block of at least `size` bytes for use on `stream`. A zero-byte request
     /// gets a distinct address too.
     pub fn alloc(&self, size: Bytes, stream: StreamId) -> Result<u64, AllocError> {
-        let len = size
-            .get()
-            .max(1)
-            .div_ceil(self.align)
-            .saturating_mul(self.align);
+        let len = self.rounded(size);
         if len <= CACHE_LIMIT {
             if let Some(offset) = self.caches.pop(self.id, len, stream) {
                 self.live.reuse(offset);
                 return Ok(self.base + offset);
             }
         }
+        self.alloc_in_core(size, len, stream, None)
+    }
+
+    fn rounded(&self, size: Bytes) -> u64 {
+        size.get()
+            .max(1)
+            .div_ceil(self.align)
+            .saturating_mul(self.align)
+    }
+
+    /// An allocation past the thread caches, from `pool` if one is named.
+    fn alloc_in_core(
+        &self,
+        size: Bytes,
+        len: u64,
+        stream: StreamId,
+        pool: Option<PoolId>,
+    ) -> Result<u64, AllocError> {
         self.timed(|| {
             let events = self.events.as_ref();
-            let capturing = events.is_capturing(stream);
+            let fences: &dyn Fences = if events.is_capturing(stream) {
+                &Frozen
+            } else {
+                events
+            };
             let mut core = self.core();
             self.check_limit(size, len, &core.stats())?;
-            let block = if capturing {
-                core.alloc(size, stream, &Frozen)?
-            } else {
-                core.alloc(size, stream, events)?
+            let block = match pool {
+                None => core.alloc(size, stream, fences)?,
+                Some(pool) => core.alloc_in_pool(size, pool, fences)?,
             };
             drop(core);
-            self.live.insert(block.offset, block.size.get());
+            self.live
+                .insert(block.offset, block.size.get(), pool.is_some());
             Ok(self.base + block.offset)
         })
+    }
+
+    /// A use of the private pool `pool` begins: a CUDA graph is about to be captured into it
+    /// (`vram_core::alloc::PoolId`). Its memory is the pool's until its last use ends.
+    pub fn pool_begin(&self, pool: PoolId) {
+        self.core().pool_begin(pool);
+    }
+
+    /// The address of a block of at least `size` bytes for `stream` from `pool`, which must be in
+    /// use: it goes back to the pool when freed, and only the pool's allocations reuse it.
+    pub fn alloc_in_pool(
+        &self,
+        size: Bytes,
+        stream: StreamId,
+        pool: PoolId,
+    ) -> Result<u64, AllocError> {
+        self.alloc_in_core(size, self.rounded(size), stream, Some(pool))
+    }
+
+    /// A use of `pool` ends (its graph was released). After its last, its free memory becomes
+    /// every stream's once the device has finished the work queued so far: at once, by a device
+    /// synchronisation, unless an announced capture is underway (a synchronisation would
+    /// invalidate it); then at a later release. Where captures are not announced
+    /// ([`CaptureNotices`]) none can be known not to be underway, and a released pool's memory
+    /// stays the pool's.
+    pub fn pool_release(&self, pool: PoolId) {
+        self.core().pool_release(pool);
+        let unsettled = self.core().unsettled_pools();
+        if unsettled > 0 && self.events.none_capturing() && self.events.synchronize() {
+            self.core().settle_pools(unsettled);
+        }
     }
 
     /// Frees the block at `ptr`, last used on `stream`.
@@ -454,11 +526,13 @@ impl<S: HandleSource> CachingAllocator<S> {
         if offset >= self.va {
             return Err(FreeError::Unknown(ptr));
         }
-        let len = self.live.mark_cached(offset, ptr)?;
+        let (len, pooled) = self.live.mark_cached(offset, ptr)?;
         // A block freed while its stream is captured skips the cache: the graph's replays may
         // use it, so it must reach the core fenced as its stream is now. (Where captures are
-        // not announced, that costs a driver query per free.)
-        if len <= CACHE_LIMIT
+        // not announced, that costs a driver query per free.) So does a private pool's block,
+        // which goes back to its pool.
+        if !pooled
+            && len <= CACHE_LIMIT
             && !is_per_thread(stream)
             && (self.events.none_capturing() || !self.events.is_capturing(stream))
             && self.caches.push(self.id, offset, len, stream)
@@ -467,14 +541,21 @@ impl<S: HandleSource> CachingAllocator<S> {
         }
         self.timed(|| {
             self.live.remove(offset);
-            self.free_to_core(offset, stream, self.events.at_free(stream));
+            self.free_to_core(offset, stream, self.events.at_free(stream), pooled);
         });
         Ok(Bytes(len))
     }
 
-    fn free_to_core(&self, offset: u64, stream: StreamId, how: AtFree) {
+    /// Frees to the core; `pooled`: the block came from a private pool.
+    fn free_to_core(&self, offset: u64, stream: StreamId, how: AtFree, pooled: bool) {
         let events = self.events.as_ref();
         let mut core = self.core();
+        // A pool in use takes its block back whatever the fencing: no event is recorded for it.
+        let how = if pooled && core.in_active_pool(offset) {
+            AtFree::Never
+        } else {
+            how
+        };
         let r = match how {
             AtFree::Done => core.free(offset, stream, Fence(0), events),
             AtFree::Deferred => core.free_deferred(offset, stream, events),
@@ -514,7 +595,7 @@ impl<S: HandleSource> CachingAllocator<S> {
         let how = self.events.uncaptured_free();
         for (offset, stream) in blocks {
             self.live.remove(offset);
-            self.free_to_core(offset, stream, how);
+            self.free_to_core(offset, stream, how, false);
         }
     }
 

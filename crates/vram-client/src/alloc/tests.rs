@@ -605,3 +605,122 @@ fn a_trim_waiting_for_its_returns_holds_up_no_allocation() {
         assert!(trimming.join().unwrap() >= Bytes::mib(8));
     });
 }
+
+/// `Captures` that count the device synchronisations asked of them.
+#[derive(Clone, Default)]
+struct SyncCounting(Captures, Arc<AtomicU64>);
+
+impl Fences for SyncCounting {
+    fn is_complete(&self, fence: Fence) -> bool {
+        self.0.is_complete(fence)
+    }
+
+    fn record(&self, stream: StreamId) -> Option<Fence> {
+        self.0.record(stream)
+    }
+}
+
+impl StreamEvents for SyncCounting {
+    fn is_capturing(&self, stream: StreamId) -> bool {
+        self.0.is_capturing(stream)
+    }
+
+    fn none_capturing(&self) -> bool {
+        self.0.none_capturing()
+    }
+
+    fn synchronize(&self) -> bool {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        true
+    }
+}
+
+#[test]
+fn a_graphs_pool_keeps_its_blocks_from_the_thread_cache_and_every_stream_until_released() {
+    let events = SyncCounting::default();
+    let (captures, syncs) = (events.0.clone(), events.1.clone());
+    let (_, a) = allocator_with(Bytes::gib(1), Box::new(events));
+    let (s1, s2) = (StreamId(1), StreamId(2));
+    let pool = PoolId(0, 1);
+    // Sizes the thread cache would keep and one it would not.
+    for size in [Bytes::kib(4), Bytes::kib(64), Bytes::mib(4)] {
+        a.pool_begin(pool);
+        captures.set(true);
+        let p = a.alloc_in_pool(size, s1, pool).unwrap();
+        let out = a.alloc_in_pool(size, s1, pool).unwrap();
+        // An intermediate value, freed during the capture.
+        a.free(p, s1).unwrap();
+        captures.set(false);
+        // Eager work on the capture's stream and on another, and a reclaim, after the capture:
+        // the graph's replays still write `p`.
+        for s in [s1, s2, s1] {
+            let q = a.alloc(size, s).unwrap();
+            assert_ne!(q, p, "{size}: the graph's memory went to stream {s:?}");
+            a.free(q, s).unwrap();
+        }
+        a.trim();
+        // The graph's output, freed after the capture, goes back to the pool as well.
+        a.free(out, s1).unwrap();
+        let q = a.alloc(size, s1).unwrap();
+        assert!(
+            q != p && q != out,
+            "{size}: the graph's output went to eager work"
+        );
+        a.free(q, s1).unwrap();
+        // A second capture into the same pool reuses its memory.
+        a.pool_begin(pool);
+        captures.set(true);
+        let again = a.alloc_in_pool(size, s1, pool).unwrap();
+        assert!(
+            again == p || again == out,
+            "{size}: the pool's memory not reused"
+        );
+        a.free(again, s1).unwrap();
+        captures.set(false);
+        // Both graphs released: the device is waited for once, and the memory is everyone's.
+        let before = syncs.load(Ordering::SeqCst);
+        a.pool_release(pool);
+        assert_eq!(
+            syncs.load(Ordering::SeqCst),
+            before,
+            "one graph still uses the pool"
+        );
+        a.pool_release(pool);
+        assert_eq!(syncs.load(Ordering::SeqCst), before + 1);
+        a.trim();
+        let s = a.stats();
+        assert_eq!(
+            (s.core.held, s.in_use),
+            (Bytes::ZERO, Bytes::ZERO),
+            "{size}: {s:?}"
+        );
+    }
+}
+
+#[test]
+fn a_pool_released_during_a_capture_is_settled_at_a_later_release() {
+    let events = SyncCounting::default();
+    let (captures, syncs) = (events.0.clone(), events.1.clone());
+    let (_, a) = allocator_with(Bytes::gib(1), Box::new(events));
+    let s1 = StreamId(1);
+    let (first, second) = (PoolId(0, 1), PoolId(0, 2));
+    a.pool_begin(first);
+    let p = a.alloc_in_pool(Bytes::mib(4), s1, first).unwrap();
+    a.free(p, s1).unwrap();
+    a.pool_begin(second);
+    captures.set(true);
+    // Released while the second graph is captured: no synchronisation, the memory stays.
+    a.pool_release(first);
+    assert_eq!(syncs.load(Ordering::SeqCst), 0);
+    captures.set(false);
+    a.trim();
+    assert_eq!(a.stats().core.held, Bytes::mib(4));
+    a.pool_release(second);
+    assert_eq!(syncs.load(Ordering::SeqCst), 1);
+    a.trim();
+    assert_eq!(a.stats().core.held, Bytes::ZERO);
+    assert!(
+        a.alloc_in_pool(Bytes::mib(1), s1, first).is_err(),
+        "a released pool takes no allocation"
+    );
+}

@@ -166,6 +166,32 @@ impl FreeList {
         }
     }
 
+    /// Makes every region that `stream` holds for good (sequence `Seq::MAX`: freed during a
+    /// capture, or into a private pool) usable by all streams. The caller knows that no work
+    /// queued so far can use them any more.
+    pub(crate) fn release_never(&mut self, stream: StreamId) {
+        let owner = Owner::Stream(stream);
+        let starts: Vec<u64> = self
+            .by_size
+            .range((owner, 0, 0)..=(owner, u64::MAX, u64::MAX))
+            .map(|&(_, _, start)| start)
+            .filter(|start| self.by_addr[start].seq == Seq::MAX)
+            .collect();
+        // Each becomes `Any` and merges with `Any` neighbours only: the stream's other regions
+        // keep their starts until their turn.
+        for start in starts {
+            let r = self.by_addr[&start];
+            self.unlink(start);
+            self.insert(start, r.len, Owner::Any, 0);
+        }
+        if let Some(by_seq) = self.waiting.get_mut(&stream) {
+            by_seq.remove(&Seq::MAX);
+            if by_seq.is_empty() {
+                self.waiting.remove(&stream);
+            }
+        }
+    }
+
     fn link(&mut self, start: u64, r: Region) {
         self.by_addr.insert(start, r);
         self.by_size.insert((r.owner, r.len, start));

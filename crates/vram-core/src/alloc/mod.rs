@@ -17,6 +17,8 @@
 //!   peak in use once they stayed there for `release_delay_us`; [`Allocator::trim`] all of them.
 //! - Streams and fences (`stream.rs`, `fences.rs`): a block freed on stream `S` is reusable at
 //!   once by `S`, and by other streams once a fence recorded on `S` at or after the free completes.
+//! - Private pools (`pools.rs`): a block allocated into a pool (a CUDA graph's capture) goes back
+//!   to that pool when freed, until the pool is released and settled.
 //!
 //! Invariants (checked by the property tests): live blocks never overlap; every byte of a live
 //! block is mapped; a block is never handed to another stream before the fence of its free
@@ -33,6 +35,7 @@ mod growth;
 mod heap;
 mod layout;
 mod placement;
+mod pools;
 mod release;
 mod stats;
 mod stream;
@@ -46,6 +49,7 @@ pub use config::AllocConfig;
 pub use fences::{MIXED_WINDOW, POLL_EVERY, SEAL_EVERY};
 pub use layout::{BlockState, Segment, SegmentBlock};
 pub use placement::SMALL_LIMIT;
+pub use pools::{PoolId, POOL_STREAMS};
 pub use stats::{AllocStats, FreeMemory};
 pub use stream::{AlwaysComplete, Fence, Fences, StreamId};
 
@@ -54,6 +58,7 @@ use fences::Fencing;
 use freelist::Owner;
 use growth::Climb;
 use placement::{HeapKind, Heaps};
+use pools::Pools;
 use release::Release;
 use stream::Seq;
 
@@ -79,6 +84,8 @@ pub enum AllocError {
     TooLarge { requested: Bytes, va: Bytes },
     #[error("{offset:#x} is not the start of a live block")]
     UnknownBlock { offset: u64 },
+    #[error("no private pool {pool:?} is in use (allocations into a pool come between its begin and its last release)")]
+    UnknownPool { pool: (u64, u64) },
 }
 
 /// A live block's books.
@@ -87,6 +94,8 @@ struct Live {
     len: u64,
     requested: u64,
     heap: HeapKind,
+    /// The stream of the private pool it was allocated from (`pools.rs`).
+    pool: Option<StreamId>,
 }
 
 /// The caching allocator. See the module documentation for the model and its invariants.
@@ -100,6 +109,7 @@ pub struct Allocator<B> {
     seq: Seq,
     stats: AllocStats,
     fencing: Fencing,
+    pools: Pools,
     release: Release,
     climb: Climb,
     clock: Clock,
@@ -120,6 +130,7 @@ impl<B: Backing> Allocator<B> {
             seq: 0,
             stats: AllocStats::default(),
             fencing: Fencing::default(),
+            pools: Pools::default(),
             release: Release::default(),
             climb: Climb::default(),
             clock: Clock::default(),
@@ -213,6 +224,7 @@ impl<B: Backing> Allocator<B> {
                 len,
                 requested: size.get(),
                 heap,
+                pool: None,
             },
         );
         self.stats.on_alloc(len, size.get());
@@ -237,6 +249,9 @@ impl<B: Backing> Allocator<B> {
         fences: &F,
     ) -> Result<Bytes, AllocError> {
         let b = self.take_live(offset)?;
+        if let Some(pool) = b.pool.filter(|&p| self.pools.is_active(p)) {
+            return Ok(self.add_free(offset, b, Owner::Stream(pool), Seq::MAX));
+        }
         let (owner, seq) = if fence == Fence::NEVER {
             // No fence will ever release it: a sequence number no completed fence reaches.
             (Owner::Stream(stream), Seq::MAX)
@@ -267,6 +282,9 @@ impl<B: Backing> Allocator<B> {
         fences: &F,
     ) -> Result<Bytes, AllocError> {
         let b = self.take_live(offset)?;
+        if let Some(pool) = b.pool.filter(|&p| self.pools.is_active(p)) {
+            return Ok(self.add_free(offset, b, Owner::Stream(pool), Seq::MAX));
+        }
         let freed = self.add_free(offset, b, Owner::Stream(stream), self.seq);
         self.note_deferred(stream, self.seq, fences);
         Ok(freed)

@@ -127,17 +127,31 @@ enum Op {
         dt: u64,
     },
     Trim,
+    /// A use of the private pool begins (a capture into it).
+    PoolBegin,
+    /// An allocation into the pool (skipped while it is not in use), on stream 0.
+    PoolAlloc {
+        size: u64,
+    },
+    /// A use of the pool ends.
+    PoolRelease,
+    /// The released pools are settled (the device was synchronised).
+    Settle,
 }
 
 fn op() -> impl Strategy<Value = Op> {
     let size = prop_oneof![Just(0u64), 1u64..4096, 4096u64..MIB, MIB..(40 * MIB),];
     prop_oneof![
-        4 => (size, 0u64..3).prop_map(|(size, stream)| Op::Alloc { size, stream }),
+        4 => (size.clone(), 0u64..3).prop_map(|(size, stream)| Op::Alloc { size, stream }),
         3 => (any::<usize>(), any::<bool>()).prop_map(|(pick, deferred)| Op::Free { pick, deferred }),
         2 => (0u64..3, 0usize..4).prop_map(|(stream, n)| Op::Complete { stream, n }),
         1 => (0u64..3, proptest::bool::weighted(0.3)).prop_map(|(stream, on)| Op::Capture { stream, on }),
         1 => (0u64..3000).prop_map(|dt| Op::Tick { dt }),
         1 => Just(Op::Trim),
+        1 => Just(Op::PoolBegin),
+        2 => size.prop_map(|size| Op::PoolAlloc { size }),
+        1 => Just(Op::PoolRelease),
+        1 => Just(Op::Settle),
     ]
 }
 
@@ -178,6 +192,15 @@ fn run_ops(ops: Vec<Op>, drawn: Drawn) {
     // Live blocks: offset -> (size, stream). Each is freed on its stream, as PyTorch does.
     let mut live: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
     let mut freed: Vec<Freed> = Vec::new();
+    // The private pool: its uses, the generation in use (a pool used again after its last
+    // release is a new one), the live blocks allocated from it, and what its blocks freed while
+    // it was in use, by generation: no one else's until the generation is settled.
+    let pool = PoolId(0, 1);
+    let mut pool_uses = 0u32;
+    let mut pool_gen = 0u64;
+    let mut pool_live: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut pool_freed: Vec<(u64, u64, u64)> = Vec::new();
+    let mut released_gens: Vec<u64> = Vec::new();
     let mut capturing: HashSet<u64> = HashSet::new();
     let mut never = false;
     let mut now = 0;
@@ -186,6 +209,12 @@ fn run_ops(ops: Vec<Op>, drawn: Drawn) {
             Op::Alloc { size, stream } => {
                 let b = a.alloc(Bytes(size), StreamId(stream), &fences).unwrap();
                 assert!(b.size.get() >= size.max(1));
+                for &(s, l, g) in &pool_freed {
+                    assert!(
+                        !overlaps(b.offset, b.size.get(), s, l),
+                        "block {b:?} for stream {stream} reuses memory of pool generation {g}"
+                    );
+                }
                 if let Some((&s, &(l, _))) = live.range(..b.offset + b.size.get()).next_back() {
                     assert!(
                         s + l <= b.offset,
@@ -218,6 +247,16 @@ fn run_ops(ops: Vec<Op>, drawn: Drawn) {
                 }
                 let (&start, &(len, stream)) = live.iter().nth(pick % live.len()).unwrap();
                 live.remove(&start);
+                if let Some(g) = pool_live.remove(&start) {
+                    if pool_uses > 0 && g == pool_gen {
+                        assert!(a.in_active_pool(start));
+                        let got = a.free_deferred(start, StreamId(stream), &fences);
+                        assert_eq!(got.unwrap().get(), len);
+                        pool_freed.push((start, len, g));
+                        continue;
+                    }
+                    assert!(!a.in_active_pool(start));
+                }
                 let next = fences.recorded(stream);
                 let (got, after) = if capturing.contains(&stream) {
                     never = true;
@@ -256,6 +295,55 @@ fn run_ops(ops: Vec<Op>, drawn: Drawn) {
             Op::Trim => {
                 a.trim(&fences);
             }
+            Op::PoolBegin => {
+                if pool_uses == 0 {
+                    pool_gen += 1;
+                }
+                pool_uses += 1;
+                a.pool_begin(pool);
+            }
+            Op::PoolAlloc { size } => {
+                if pool_uses == 0 {
+                    assert!(a.alloc_in_pool(Bytes(size), pool, &fences).is_err());
+                    continue;
+                }
+                let b = a.alloc_in_pool(Bytes(size), pool, &fences).unwrap();
+                assert!(b.size.get() >= size.max(1));
+                if let Some((&s, &(l, _))) = live.range(..b.offset + b.size.get()).next_back() {
+                    assert!(
+                        s + l <= b.offset,
+                        "pool block {b:?} overlaps live [{s:#x}, +{l})"
+                    );
+                }
+                for f in &freed {
+                    assert!(
+                        f.released(&fences) || !overlaps(b.offset, b.size.get(), f.start, f.len),
+                        "pool block {b:?} reuses memory whose fence is pending"
+                    );
+                }
+                for &(s, l, g) in &pool_freed {
+                    assert!(
+                        g == pool_gen || !overlaps(b.offset, b.size.get(), s, l),
+                        "pool block {b:?} reuses memory of pool generation {g}"
+                    );
+                }
+                pool_freed.retain(|&(s, l, _)| !overlaps(b.offset, b.size.get(), s, l));
+                live.insert(b.offset, (b.size.get(), 0));
+                pool_live.insert(b.offset, pool_gen);
+            }
+            Op::PoolRelease => {
+                let last = a.pool_release(pool);
+                assert_eq!(last, pool_uses == 1);
+                pool_uses = pool_uses.saturating_sub(1);
+                if last {
+                    released_gens.push(pool_gen);
+                }
+            }
+            Op::Settle => {
+                a.settle_pools(usize::MAX);
+                pool_freed.retain(|&(_, _, g)| !released_gens.contains(&g));
+                released_gens.clear();
+            }
         }
         freed.retain(|f| !f.released(&fences));
         let backing = a.backing();
@@ -289,6 +377,12 @@ fn run_ops(ops: Vec<Op>, drawn: Drawn) {
     for (start, (_, stream)) in std::mem::take(&mut live) {
         a.free_deferred(start, StreamId(stream), &fences).unwrap();
     }
+    // The pool's last uses end and it is settled: its memory goes back with the rest.
+    while pool_uses > 0 {
+        a.pool_release(pool);
+        pool_uses -= 1;
+    }
+    a.settle_pools(usize::MAX);
     // The trim records the fences of the deferred frees; once they complete, a second trim
     // returns everything (but what was freed during a capture, which no fence releases).
     a.trim(&fences);
@@ -1141,5 +1235,106 @@ fn time_left_under_the_driver_budget_buys_smaller_handles() {
     assert_eq!(
         largest_handle(ModelBacking::new(), 10_000_000),
         Bytes::mib(64).get()
+    );
+}
+
+#[test]
+fn a_pools_blocks_go_back_to_the_pool_and_to_no_one_else_until_it_is_settled() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let pool = PoolId(0, 1);
+    a.pool_begin(pool);
+    let x = a.alloc_in_pool(Bytes::mib(4), pool, &fences).unwrap();
+    let _pin = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    // Freed after the capture, on its stream, with a fence that completes: still the pool's.
+    let f = fences.record_now(1);
+    fences.complete_all();
+    a.free(x.offset, StreamId(1), f, &fences).unwrap();
+    a.trim(&fences);
+    let held = a.stats().held;
+    assert_eq!(held, Bytes::mib(8), "the trim kept the pool's memory");
+    for stream in [1, 2] {
+        let y = a.alloc(Bytes::mib(4), StreamId(stream), &fences).unwrap();
+        assert!(
+            !overlaps(y.offset, y.size.get(), x.offset, x.size.get()),
+            "stream {stream} took the pool's memory"
+        );
+        a.free(y.offset, StreamId(stream), Fence(0), &AlwaysComplete)
+            .unwrap();
+    }
+    // A later capture into the same pool reuses it.
+    let again = a.alloc_in_pool(Bytes::mib(4), pool, &fences).unwrap();
+    assert_eq!(again.offset, x.offset);
+    a.free_deferred(again.offset, StreamId(1), &fences).unwrap();
+    // Released, not settled: still no one's.
+    assert!(a.pool_release(pool));
+    assert_eq!(a.unsettled_pools(), 1);
+    a.trim(&fences);
+    assert!(a.stats().held >= Bytes::mib(4) + Bytes::mib(4));
+    let z = a.alloc(Bytes::mib(4), StreamId(2), &fences).unwrap();
+    assert!(!overlaps(z.offset, z.size.get(), x.offset, x.size.get()));
+    a.free(z.offset, StreamId(2), Fence(0), &AlwaysComplete)
+        .unwrap();
+    // Settled: every stream's, and it goes back at a trim.
+    a.settle_pools(1);
+    assert_eq!(a.unsettled_pools(), 0);
+    let w = a.alloc(Bytes::mib(4), StreamId(2), &fences).unwrap();
+    assert!(a.block_size(w.offset).is_some());
+    a.free(w.offset, StreamId(2), Fence(0), &AlwaysComplete)
+        .unwrap();
+    a.trim(&fences);
+    assert_eq!(
+        a.stats().held,
+        Bytes::mib(4),
+        "only the pinned block's handle stays"
+    );
+}
+
+#[test]
+fn a_pool_lasts_until_its_last_use_ends_and_its_live_blocks_are_then_freed_as_any() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let pool = PoolId(7, 0);
+    assert!(matches!(
+        a.alloc_in_pool(Bytes::mib(1), pool, &fences),
+        Err(AllocError::UnknownPool { pool: (7, 0) })
+    ));
+    // Two graphs share the pool: the first release leaves it in use.
+    a.pool_begin(pool);
+    a.pool_begin(pool);
+    let out = a.alloc_in_pool(Bytes::mib(4), pool, &fences).unwrap();
+    assert!(a.in_active_pool(out.offset));
+    assert!(!a.pool_release(pool));
+    assert!(a.in_active_pool(out.offset));
+    assert!(a.pool_release(pool));
+    assert!(!a.pool_release(pool), "a pool no longer in use is ignored");
+    a.settle_pools(usize::MAX);
+    // The graph's output outlived the pool: its free is an ordinary one.
+    assert!(!a.in_active_pool(out.offset));
+    a.free(out.offset, StreamId(1), Fence(0), &AlwaysComplete)
+        .unwrap();
+    a.trim(&fences);
+    assert_eq!(a.stats().held, Bytes::ZERO);
+}
+
+#[test]
+fn a_pool_freed_block_does_not_take_in_neighbours_others_may_use() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let pool = PoolId(0, 2);
+    a.pool_begin(pool);
+    let x = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    let y = a.alloc_in_pool(Bytes::mib(4), pool, &fences).unwrap();
+    let _pin = a.alloc(Bytes::mib(4), StreamId(1), &fences).unwrap();
+    a.free(x.offset, StreamId(1), Fence(0), &AlwaysComplete)
+        .unwrap();
+    a.free(y.offset, StreamId(1), Fence(0), &AlwaysComplete)
+        .unwrap();
+    let held = a.stats().held;
+    a.trim(&fences);
+    assert_eq!(
+        a.stats().held,
+        held - Bytes::mib(4),
+        "x's handle goes back; y's stays with the pool"
     );
 }

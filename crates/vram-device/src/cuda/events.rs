@@ -66,6 +66,13 @@ impl EventPool {
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
+    /// Waits until all work queued on the context so far has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        let _entered = self.ctx.enter()?;
+        // SAFETY: the context is current (entered above); the call takes no pointers.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
     /// Records a fence on `stream` now; returns its id.
     pub fn record(&self, stream: u64) -> Result<u64> {
         let _entered = self.ctx.enter()?;

@@ -67,6 +67,10 @@ pub fn build(name: &str, out: &Path) -> PathBuf {
         .arg("-lvram")
         .arg("-ldl")
         .arg(format!("-Wl,-rpath,{}", lib.display()))
+        // An RPATH, searched before LD_LIBRARY_PATH (a RUNPATH is searched after): cargo test's
+        // LD_LIBRARY_PATH names `target/<profile>`, whose libvram.so only `cargo build` refreshes,
+        // and the program must load the library built with this test.
+        .arg("-Wl,--disable-new-dtags")
         .status()
         .expect("gcc runs");
     assert!(cc.success(), "gcc failed");
