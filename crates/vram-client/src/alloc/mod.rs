@@ -461,7 +461,9 @@ impl<S: HandleSource> CachingAllocator<S> {
             .saturating_mul(self.align)
     }
 
-    /// An allocation past the thread caches, from `pool` if one is named.
+    /// An allocation past the thread caches, from `pool` if one is named. Kept out of line: the
+    /// fast path above stays small.
+    #[inline(never)]
     fn alloc_in_core(
         &self,
         size: Bytes,
