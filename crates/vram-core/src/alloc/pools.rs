@@ -84,6 +84,7 @@ impl<B: Backing> Allocator<B> {
         if let Some(b) = self.live.get_mut(&block.offset) {
             b.pool = Some(stream);
         }
+        self.stats.pool_allocs += 1;
         Ok(block)
     }
 

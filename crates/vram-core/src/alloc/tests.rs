@@ -1265,6 +1265,7 @@ fn a_pools_blocks_go_back_to_the_pool_and_to_no_one_else_until_it_is_settled() {
     // A later capture into the same pool reuses it.
     let again = a.alloc_in_pool(Bytes::mib(4), pool, &fences).unwrap();
     assert_eq!(again.offset, x.offset);
+    assert_eq!(a.stats().pool_allocs, 2);
     a.free_deferred(again.offset, StreamId(1), &fences).unwrap();
     // Released, not settled: still no one's.
     assert!(a.pool_release(pool));
