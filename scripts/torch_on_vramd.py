@@ -138,6 +138,7 @@ def worker_compat(args):
         vramd_torch.trim()
         held0 = lib_stats()["stats"]["core"]["held"]
         pooled0 = lib_stats()["stats"]["core"]["pool_allocs"]
+        kept0 = lib_stats()["stats"]["core"]["frees_in_capture"]
         side = torch.cuda.Stream()
         g1 = torch.cuda.CUDAGraph()
         freed = []
@@ -153,6 +154,7 @@ def worker_compat(args):
         # Full mode: every allocation of the two captures went into a graph's private pool
         # (PyTorch announced the pools); pool mode: PyTorch's own allocator keeps its pools.
         pooled = lib_stats()["stats"]["core"]["pool_allocs"] - pooled0
+        kept = lib_stats()["stats"]["core"]["frees_in_capture"] - kept0
         if vramd_torch.installed() == "full":
             assert pooled >= 11, f"{pooled} of the captures' 11 allocations went into a pool"
         shared = [i for i, o in enumerate(outs)
@@ -174,7 +176,8 @@ def worker_compat(args):
         after = lib_stats()["stats"]["core"]["held"]
         assert after <= held0 + 16 * 2**20, (
             f"held {after} after the graphs were released, {held0} before them")
-        return {"pool_allocs": pooled, "held_during_mib": (during - held0) // 2**20,
+        return {"pool_allocs": pooled, "frees_in_capture_outside_pools": kept,
+                "held_during_mib": (during - held0) // 2**20,
                 "held_after_mib": (after - held0) // 2**20}
 
     def compile_reduce_overhead():

@@ -254,6 +254,7 @@ impl<B: Backing> Allocator<B> {
         }
         let (owner, seq) = if fence == Fence::NEVER {
             // No fence will ever release it: a sequence number no completed fence reaches.
+            self.stats.frees_in_capture += 1;
             (Owner::Stream(stream), Seq::MAX)
         } else if fences.is_complete(fence) {
             // Recorded at this free and passed: the stream's earlier deferred frees are done too.

@@ -33,6 +33,9 @@ pub struct AllocStats {
     pub fence_queries: u64,
     /// Allocations into private pools (CUDA graphs' captures), counted in `allocs` too.
     pub pool_allocs: u64,
+    /// Frees of blocks no pool holds while their stream was being captured (`Fence::NEVER`):
+    /// kept for that stream for good. Counted in `frees` too.
+    pub frees_in_capture: u64,
 }
 
 /// The free memory an allocator holds, by where it lies: the kinds of waste its policy bounds

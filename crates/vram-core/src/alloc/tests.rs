@@ -994,6 +994,7 @@ fn frees_during_a_capture_stay_with_their_stream_and_do_not_hold_back_later_ones
     fences.set_capturing(1, true);
     a.free(during.offset, StreamId(1), Fence::NEVER, &fences)
         .unwrap();
+    assert_eq!(a.stats().frees_in_capture, 1);
     // Nothing can be recorded during the capture: the deferred free waits.
     a.trim(&fences);
     assert_eq!(fences.recorded(1), 0);
