@@ -580,7 +580,8 @@ pub extern "C" fn vram_pool_begin(device: c_int, pool_a: u64, pool_b: u64) -> c_
     })
 }
 
-/// See `include/vram.h`.
+/// See `include/vram.h`. The steps of `vram_alloc`, written again: `vram_alloc` sharing a helper
+/// with it measured slower on the thread-cache fast path (docs/benchmarks.md).
 #[no_mangle]
 pub extern "C" fn vram_pool_alloc(
     size: isize,
