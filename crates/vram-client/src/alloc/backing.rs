@@ -192,6 +192,10 @@ pub struct MappedBacking<S> {
     res: Reservation,
     source: S,
     handles: HashMap<GrantId, (Handle, u64)>,
+    /// Handles whose unmap failed: still mapped here, so never given back (their source could
+    /// hand memory this process still reaches to another tenant); they stay the tenant's, in
+    /// the daemon's books, until the process ends.
+    stuck: Vec<(Handle, u64)>,
     next: u64,
     /// Wall time spent in the source and the device, by kind of call.
     spent: CallTimes,
@@ -216,6 +220,7 @@ impl<S: HandleSource> MappedBacking<S> {
             res,
             source,
             handles: HashMap::new(),
+            stuck: Vec::new(),
             next: 1,
             spent: CallTimes::default(),
             takes: Vec::new(),
@@ -315,7 +320,13 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
     fn unmap(&mut self, grant: GrantId, va: u64) {
         let size = self.handles[&grant].0.size();
         if let Err(e) = self.timed(Call::Unmap, |b| b.device.unmap(&b.res, Bytes(va), size)) {
-            tracing::error!("unmapping {size} at offset {va:#x} failed: {e}");
+            tracing::error!(
+                "unmapping {size} at offset {va:#x} failed: {e}; the handle stays mapped and is \
+                 not given back (it stays the tenant's until the process ends)"
+            );
+            if let Some(h) = self.handles.remove(&grant) {
+                self.stuck.push(h);
+            }
         }
     }
 

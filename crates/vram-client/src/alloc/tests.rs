@@ -724,3 +724,61 @@ fn a_pool_released_during_a_capture_is_settled_at_a_later_release() {
         "a released pool takes no allocation"
     );
 }
+
+/// A source of host handles that records the tickets given back.
+struct Recording {
+    dev: Arc<HostDevice>,
+    given: Arc<std::sync::Mutex<Vec<u64>>>,
+    next: u64,
+}
+
+impl HandleSource for Recording {
+    fn take(
+        &mut self,
+        sizes: &[Bytes],
+    ) -> Result<Vec<(vram_device::Handle, u64)>, vram_core::alloc::Refused> {
+        sizes
+            .iter()
+            .map(|&bytes| {
+                self.next += 1;
+                let h = vram_device::Device::create(self.dev.as_ref(), bytes).unwrap();
+                Ok((h, self.next))
+            })
+            .collect()
+    }
+
+    fn give(&mut self, tickets: &[u64]) {
+        self.given.lock().unwrap().extend_from_slice(tickets);
+    }
+}
+
+#[test]
+fn a_handle_whose_unmap_failed_is_not_given_back() {
+    use vram_core::alloc::Backing;
+    let dev = Arc::new(HostDevice::new(Bytes::gib(1), Bytes::mib(2)).unwrap());
+    let given = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let source = Recording {
+        dev: dev.clone(),
+        given: given.clone(),
+        next: 0,
+    };
+    let mut b = MappedBacking::new(dev.clone(), Bytes::gib(1), source).unwrap();
+    let grants = b.grant(&[Bytes::mib(2), Bytes::mib(2)]).unwrap();
+    b.map(grants[0], 0).unwrap();
+    b.map(grants[1], 4 << 20).unwrap();
+    // The first's unmap fails (an offset past the reservation stands for a failing driver): it
+    // stays mapped, so it must not go back; the second's succeeds and goes back.
+    b.unmap(grants[0], 2 << 30);
+    b.unmap(grants[1], 4 << 20);
+    b.release(&grants);
+    assert_eq!(
+        *given.lock().unwrap(),
+        vec![2],
+        "only the unmapped handle went back"
+    );
+    assert_eq!(
+        vram_device::Device::used(dev.as_ref()),
+        Bytes::mib(2),
+        "the stuck handle's memory is still there"
+    );
+}
