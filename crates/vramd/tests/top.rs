@@ -153,3 +153,45 @@ fn top_shows_tenants_sorts_on_keys_and_quits_on_q() {
     large.exit();
     d.stop();
 }
+
+/// A daemon that stops answering (stopped here with SIGSTOP) keeps a poll waiting, not the
+/// screen: top says how long the daemon has been silent and still quits on q at once.
+#[test]
+fn top_answers_keys_while_the_daemon_does_not_answer() {
+    use rustix::process::{kill_process, Pid, Signal};
+
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let socket = d.socket.as_os_str();
+    let mut top = Screen::spawn(&[
+        "top".as_ref(),
+        "--socket".as_ref(),
+        socket,
+        "--interval".as_ref(),
+        "0.2".as_ref(),
+    ]);
+    top.wait_for("the daemon's figures", |s| s.contains("tenant(s)"));
+    let pid = Pid::from_raw(d.pid() as i32).unwrap();
+    kill_process(pid, Signal::STOP).unwrap();
+    let s = top.wait_for("the daemon's silence", |s| {
+        s.contains("the daemon has not answered for")
+    });
+    assert!(
+        s.contains("tenant(s)"),
+        "the last figures stay on the screen: {s}"
+    );
+    top.press("q");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(s) = top.child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() >= deadline {
+            kill_process(pid, Signal::CONT).unwrap();
+            panic!("top did not quit on q while the daemon was stopped");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    kill_process(pid, Signal::CONT).unwrap();
+    assert!(status.success(), "top exited with {status}");
+    d.stop();
+}

@@ -1,9 +1,12 @@
 //! `vramd top`: a live terminal view of devices and tenants. It polls the daemon's status over its
-//! socket (as `vramd status` does; no HTTP), derives grant rates from successive polls, and draws
-//! with ratatui. [`View`] holds the state and answers keys; [`draw`] is a pure function of it, so
-//! both are tested without a terminal.
+//! socket (as `vramd status` does; no HTTP) on a thread of its own, so that keys are answered
+//! while a daemon that has stopped answering keeps a poll waiting, derives grant rates from
+//! successive polls, and draws with ratatui. [`View`] holds the state and answers keys; [`draw`]
+//! is a pure function of it, so both are tested without a terminal.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use ratatui::crossterm::event::{self, Event, KeyCode, KeyEvent, KeyEventKind, KeyModifiers};
@@ -57,43 +60,95 @@ pub fn run(args: Args) -> anyhow::Result<std::process::ExitCode> {
     result.map(|()| std::process::ExitCode::SUCCESS)
 }
 
+/// How often the screen looks for keys and reports, and redraws when either came.
+const TICK: Duration = Duration::from_millis(100);
+
+/// A poll that has not answered after this long (and after two intervals) is shown as such.
+const SLOW_ANSWER: Duration = Duration::from_secs(2);
+
 fn watch(
     terminal: &mut ratatui::DefaultTerminal,
     observer: Observer,
     socket: &std::path::Path,
     interval: Duration,
 ) -> anyhow::Result<()> {
-    let mut observer = Some(observer);
+    let (tx, reports) = mpsc::channel();
+    let socket = socket.to_path_buf();
+    // Ends at its next send once this function has returned; at the process's exit if a poll
+    // is still waiting for the daemon then.
+    std::thread::Builder::new()
+        .name("vramd-top-poll".into())
+        .spawn(move || poll(observer, socket, interval, tx))?;
     let mut view = View::default();
-    let mut next_poll = Instant::now();
+    let mut last_answer = Instant::now();
+    let mut redraw = true;
     loop {
-        if Instant::now() >= next_poll {
-            let polled = match &observer {
-                Some(o) => o.status(),
-                None => Observer::connect(Some(socket)).and_then(|o| {
-                    let s = o.status();
-                    observer = Some(o);
-                    s
-                }),
-            };
+        while let Ok(polled) = reports.try_recv() {
+            last_answer = Instant::now();
             match polled {
-                Ok(r) => view.update(r, Instant::now()),
-                Err(e) => {
-                    view.error = Some(format!("{e} (retrying)"));
-                    observer = None;
-                }
+                Ok(r) => view.update(r, last_answer),
+                Err(e) => view.error = Some(e),
             }
-            next_poll = Instant::now() + interval;
+            redraw = true;
         }
-        terminal.draw(|f| draw(f, &view))?;
-        let wait = next_poll.saturating_duration_since(Instant::now());
-        if event::poll(wait)? {
+        let silent = last_answer.elapsed();
+        if silent > SLOW_ANSWER.max(interval * 2) {
+            let said = format!(
+                "the daemon has not answered for {} s (the figures below are from then)",
+                silent.as_secs()
+            );
+            if view.error.as_deref() != Some(said.as_str()) {
+                view.error = Some(said);
+                redraw = true;
+            }
+        }
+        if redraw {
+            terminal.draw(|f| draw(f, &view))?;
+            redraw = false;
+        }
+        if event::poll(TICK)? {
             if let Event::Key(k) = event::read()? {
                 if k.kind == KeyEventKind::Press && !view.key(k) {
                     return Ok(());
                 }
+                redraw = true;
+            } else {
+                // A resize, say.
+                redraw = true;
             }
         }
+    }
+}
+
+/// Polls the daemon every `interval` and sends each report, or why there is none, until the
+/// screen is gone. A lost connection is made again at the next poll.
+fn poll(
+    observer: Observer,
+    socket: PathBuf,
+    interval: Duration,
+    tx: mpsc::Sender<Result<StatusReport, String>>,
+) {
+    let mut observer = Some(observer);
+    loop {
+        let polled = match &observer {
+            Some(o) => o.status(),
+            None => Observer::connect(Some(&socket)).and_then(|o| {
+                let s = o.status();
+                observer = Some(o);
+                s
+            }),
+        };
+        let sent = match polled {
+            Ok(r) => tx.send(Ok(r)),
+            Err(e) => {
+                observer = None;
+                tx.send(Err(format!("{e} (retrying)")))
+            }
+        };
+        if sent.is_err() {
+            return;
+        }
+        std::thread::sleep(interval);
     }
 }
 
