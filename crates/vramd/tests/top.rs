@@ -61,6 +61,31 @@ impl Screen {
         }
     }
 
+    /// `vramd top` on `d`'s socket, polling every 0.2 s.
+    fn top(d: &Daemon) -> Screen {
+        Screen::spawn(&[
+            "top".as_ref(),
+            "--socket".as_ref(),
+            d.socket.as_os_str(),
+            "--interval".as_ref(),
+            "0.2".as_ref(),
+        ])
+    }
+
+    /// The program's exit status once it has exited, within 5 s; `None` if it has not.
+    fn exited(&mut self) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     fn text(&self) -> String {
         self.parser.screen().contents()
     }
@@ -108,14 +133,7 @@ fn top_shows_tenants_sorts_on_keys_and_quits_on_q() {
     assert_eq!(large.cmd("take 1GiB")["event"], "took");
     assert_eq!(large.cmd("cache 512MiB")["event"], "cached");
 
-    let socket = d.socket.as_os_str();
-    let mut top = Screen::spawn(&[
-        "top".as_ref(),
-        "--socket".as_ref(),
-        socket,
-        "--interval".as_ref(),
-        "0.2".as_ref(),
-    ]);
+    let mut top = Screen::top(&d);
     // Largest holder first.
     let s = top.wait_for("both tenants, by held", |s| {
         above(s, "large-one", "small-one") && s.contains("HELD▼")
@@ -140,14 +158,7 @@ fn top_shows_tenants_sorts_on_keys_and_quits_on_q() {
     });
 
     top.press("q");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let status = loop {
-        if let Some(s) = top.child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "top did not quit on q");
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = top.exited().expect("top did not quit on q");
     assert!(status.success(), "top exited with {status}");
     small.exit();
     large.exit();
@@ -161,14 +172,7 @@ fn top_answers_keys_while_the_daemon_does_not_answer() {
     use rustix::process::{kill_process, Pid, Signal};
 
     let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
-    let socket = d.socket.as_os_str();
-    let mut top = Screen::spawn(&[
-        "top".as_ref(),
-        "--socket".as_ref(),
-        socket,
-        "--interval".as_ref(),
-        "0.2".as_ref(),
-    ]);
+    let mut top = Screen::top(&d);
     top.wait_for("the daemon's figures", |s| s.contains("tenant(s)"));
     let pid = Pid::from_raw(d.pid() as i32).unwrap();
     kill_process(pid, Signal::STOP).unwrap();
@@ -180,18 +184,9 @@ fn top_answers_keys_while_the_daemon_does_not_answer() {
         "the last figures stay on the screen: {s}"
     );
     top.press("q");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let status = loop {
-        if let Some(s) = top.child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() >= deadline {
-            kill_process(pid, Signal::CONT).unwrap();
-            panic!("top did not quit on q while the daemon was stopped");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
+    let status = top.exited();
     kill_process(pid, Signal::CONT).unwrap();
+    let status = status.expect("top did not quit on q while the daemon was stopped");
     assert!(status.success(), "top exited with {status}");
     d.stop();
 }
