@@ -179,8 +179,8 @@ fn find_runtime_symbol(name: &CStr) -> Option<*mut c_void> {
 /// it, or `libcudart-<hash>.so*` as a wheel renames the runtime it bundles.
 fn is_runtime_file(file: &[u8]) -> bool {
     file.starts_with(b"libcudart.so")
-        || (file.starts_with(b"libcudart-") && file.windows(4).any(|w| w == b".so."))
-        || (file.starts_with(b"libcudart-") && file.ends_with(b".so"))
+        || (file.starts_with(b"libcudart-")
+            && (file.ends_with(b".so") || file.windows(4).any(|w| w == b".so.")))
 }
 
 /// The paths of the loaded objects whose file is a CUDA runtime's ([`is_runtime_file`]).

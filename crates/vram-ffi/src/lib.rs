@@ -447,32 +447,22 @@ pub extern "C" fn vram_disconnect() -> c_int {
             ));
         }
         t.alloc.trim();
-        let s = t.alloc.stats();
         let b = client.budget().map_err(|e| format!("vramd: {e}"))?;
         // What the daemon holds for the tenant beyond the allocator's handles is its shared
         // buffers' versions, mapped nowhere in this process (no handle is open): they end with it.
         // So do the charges of exported handles this process let go (an importer's now).
         let let_go = Bytes(interpose::vmm::exported_let_go());
         let charged = b.charged.saturating_sub(let_go);
-        let in_use = |s: &vram_client::alloc::CachingStats| {
-            s.in_use > Bytes::ZERO || s.core.held > Bytes::ZERO || charged > Bytes::ZERO
-        };
-        let refusal = |s: &vram_client::alloc::CachingStats| {
-            format!(
-                "vramd: tenant `{name}` cannot end while its memory is in use: {} allocated and \
-                 not freed ({} mapped), {charged} charged; free it first",
-                s.in_use, s.core.held
-            )
-        };
-        if in_use(&s) {
-            return Err(refusal(&s));
-        }
-        // Checked again with the allocator's core held, and the connection taken out of use
-        // before it is let go: another thread's growth since the check above would otherwise map
-        // handles of a connection about to close (the daemon then takes them back as at a crash).
+        // Checked with the allocator's core held, and the connection taken out of use before it
+        // is let go: another thread's growth meanwhile would otherwise map handles of a
+        // connection about to close (the daemon then takes them back as at a crash).
         t.alloc.with_stats_held(|s| {
-            if in_use(&s) {
-                return Err(refusal(&s));
+            if s.in_use > Bytes::ZERO || s.core.held > Bytes::ZERO || charged > Bytes::ZERO {
+                return Err(format!(
+                    "vramd: tenant `{name}` cannot end while its memory is in use: {} allocated \
+                     and not freed ({} mapped), {charged} charged; free it first",
+                    s.in_use, s.core.held
+                ));
             }
             t.connected.store(false, Ordering::Release);
             t.slot.replace(None);
@@ -623,8 +613,9 @@ pub extern "C" fn vram_pool_release(device: c_int, pool_a: u64, pool_b: u64) -> 
 }
 
 /// The C ABI's version: raised whenever a function of `include/vram.h` changes its signature or
-/// meaning, or goes, or comes (a caller that needs it must not load a library without it), so that a caller built for another (the Python package) can refuse this
-/// library with the reason rather than call it wrongly.
+/// meaning, goes, or comes (a caller that needs it must not load a library without it), so that
+/// a caller built for another (the Python package) can refuse this library with the reason
+/// rather than call it wrongly.
 pub const ABI_VERSION: u32 = 2;
 
 /// See `include/vram.h`.

@@ -515,8 +515,11 @@ impl<S: HandleSource> CachingAllocator<S> {
     /// ([`CaptureNotices`]) none can be known not to be underway, and a released pool's memory
     /// stays the pool's.
     pub fn pool_release(&self, pool: PoolId) {
-        self.core().pool_release(pool);
-        let unsettled = self.core().unsettled_pools();
+        let unsettled = {
+            let mut core = self.core();
+            core.pool_release(pool);
+            core.unsettled_pools()
+        };
         if unsettled > 0 && self.events.none_capturing() && self.events.synchronize() {
             self.core().settle_pools(unsettled);
         }
@@ -552,11 +555,11 @@ impl<S: HandleSource> CachingAllocator<S> {
     fn free_to_core(&self, offset: u64, stream: StreamId, how: AtFree, pooled: bool) {
         let events = self.events.as_ref();
         let mut core = self.core();
-        // A pool in use takes its block back whatever the fencing: no event is recorded for it.
-        let how = if pooled && core.in_active_pool(offset) {
-            AtFree::Never
-        } else {
-            how
+        // The core gives a block of a pool in use back to its pool whatever the fencing: no event
+        // is recorded at its free.
+        let how = match how {
+            AtFree::Now if pooled && core.in_active_pool(offset) => AtFree::Deferred,
+            how => how,
         };
         let r = match how {
             AtFree::Done => core.free(offset, stream, Fence(0), events),
