@@ -307,7 +307,14 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
 
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused> {
         self.timed(Call::Map, |b| {
-            let (handle, _) = &b.handles[&grant];
+            // A handle whose unmap failed stays where it is (see `unmap`); the allocator, which
+            // took it as unmapped, may try to map it elsewhere.
+            let Some((handle, _)) = b.handles.get(&grant) else {
+                return Err(Refused {
+                    bytes: Bytes::ZERO,
+                    reason: format!("{grant:?} failed to unmap before and stays where it was"),
+                });
+            };
             b.device
                 .map(&b.res, Bytes(va), handle, Access::ReadWrite)
                 .map_err(|e| Refused {
