@@ -324,7 +324,7 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
         })
     }
 
-    fn unmap(&mut self, grant: GrantId, va: u64) {
+    fn unmap(&mut self, grant: GrantId, va: u64) -> bool {
         let size = self.handles[&grant].0.size();
         if let Err(e) = self.timed(Call::Unmap, |b| b.device.unmap(&b.res, Bytes(va), size)) {
             tracing::error!(
@@ -334,7 +334,9 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
             if let Some(h) = self.handles.remove(&grant) {
                 self.stuck.push(h);
             }
+            return false;
         }
+        true
     }
 
     fn release(&mut self, grants: &[GrantId]) {

@@ -27,8 +27,9 @@ pub trait Backing {
     fn grant(&mut self, sizes: &[Bytes]) -> Result<Vec<GrantId>, Refused>;
     /// Maps the whole handle at `va` (granularity-aligned) with read-write access.
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused>;
-    /// Unmaps the handle, which is mapped at `va`.
-    fn unmap(&mut self, grant: GrantId, va: u64);
+    /// Unmaps the handle, which is mapped at `va`. False when that failed: the handle then stays
+    /// mapped there, is never given back, and its range is never mapped again.
+    fn unmap(&mut self, grant: GrantId, va: u64) -> bool;
     /// Gives the (unmapped) handles back to the daemon, in one request.
     fn release(&mut self, grants: &[GrantId]);
     /// What the calls have cost so far and what they cost each ([`CallCost`]), given the
@@ -89,6 +90,8 @@ pub struct ModelBacking {
     peak_held: u64,
     counts: BackingCounts,
     pricing: Option<CostModel>,
+    /// Addresses whose unmap fails (a failing driver, in tests).
+    failing_unmaps: Vec<u64>,
 }
 
 impl ModelBacking {
@@ -115,6 +118,12 @@ impl ModelBacking {
 
     pub fn counts(&self) -> BackingCounts {
         self.counts
+    }
+
+    /// Makes the unmap of whatever is mapped at `va` fail from now on, as a failing driver's
+    /// would: the handle stays mapped.
+    pub fn fail_unmaps_at(&mut self, va: u64) {
+        self.failing_unmaps.push(va);
     }
 
     /// Bytes granted and not yet released.
@@ -190,7 +199,10 @@ impl Backing for ModelBacking {
         Ok(())
     }
 
-    fn unmap(&mut self, grant: GrantId, va: u64) {
+    fn unmap(&mut self, grant: GrantId, va: u64) -> bool {
+        if self.failing_unmaps.contains(&va) {
+            return false;
+        }
         let (_, at) = self
             .grants
             .get_mut(&grant)
@@ -199,6 +211,7 @@ impl Backing for ModelBacking {
         *at = None;
         self.mappings.remove(&va);
         self.counts.unmaps += 1;
+        true
     }
 
     fn release(&mut self, grants: &[GrantId]) {

@@ -125,12 +125,7 @@ impl<B: Backing> Allocator<B> {
         };
         let mut pieces: Vec<Mapped> = moves
             .iter()
-            .map(|m| {
-                let mapped = self.heaps.get_mut(m.heap).remove(m.va);
-                self.backing.unmap(mapped.grant, m.va);
-                self.stats.unmaps += 1;
-                mapped
-            })
+            .filter_map(|m| self.unmap_free(m.heap, m.va))
             .collect();
         pieces.extend(grants);
         self.map_at_site(kind, &site, pieces, len)

@@ -2,7 +2,7 @@
 //! the handles mapped there, the unmapped gaps, and the free regions of mapped memory.
 //!
 //! Invariants: handles never overlap and lie inside the heap; every byte of the heap is in exactly
-//! one of a handle or a gap; free regions lie in mapped memory, so a free region's neighbours by
+//! one of a handle, a gap, or a range set aside (a handle whose unmap failed stays mapped there); free regions lie in mapped memory, so a free region's neighbours by
 //! address are mapped too, and merging them (across handles that were never adjacent before) is
 //! sound.
 
@@ -150,19 +150,7 @@ impl Heap {
 
     /// Maps `m` at `va` (inside a gap) and adds its bytes to the free regions.
     pub(crate) fn place(&mut self, va: u64, m: Mapped, owner: Owner, seq: Seq) {
-        let (&g, &glen) = self
-            .gaps
-            .range(..=va)
-            .next_back()
-            .expect("placing outside a gap");
-        assert!(va + m.len <= g + glen, "placing across a mapped handle");
-        self.gaps.remove(&g);
-        if va > g {
-            self.gaps.insert(g, va - g);
-        }
-        if va + m.len < g + glen {
-            self.gaps.insert(va + m.len, g + glen - (va + m.len));
-        }
+        self.take_gap(va, m.len);
         self.handles.insert(va, m);
         self.mapped += m.len;
         self.free.insert(va, m.len, owner, seq);
@@ -190,6 +178,32 @@ impl Heap {
         }
         self.gaps.insert(start, len);
         m
+    }
+
+    /// Takes `[va, va + len)`, which lies in a gap, out of the gaps for good: a handle whose unmap
+    /// failed stays mapped there.
+    pub(crate) fn set_aside(&mut self, va: u64, len: u64) {
+        self.take_gap(va, len);
+    }
+
+    /// Takes `[va, va + len)` out of the gap it lies in.
+    fn take_gap(&mut self, va: u64, len: u64) {
+        let (&g, &glen) = self
+            .gaps
+            .range(..=va)
+            .next_back()
+            .expect("taking a range outside a gap");
+        assert!(
+            va + len <= g + glen,
+            "taking a range across a mapped handle"
+        );
+        self.gaps.remove(&g);
+        if va > g {
+            self.gaps.insert(g, va - g);
+        }
+        if va + len < g + glen {
+            self.gaps.insert(va + len, g + glen - (va + len));
+        }
     }
 
     /// Free bytes in handles that hold no live block, and in handles that also hold one.

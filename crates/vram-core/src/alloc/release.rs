@@ -4,6 +4,8 @@
 
 use super::backing::{Backing, GrantId};
 use super::growth::FreeHandle;
+use super::heap::Mapped;
+use super::placement::HeapKind;
 use super::Allocator;
 
 /// The peak of a value over the last one to two windows of `width`.
@@ -70,32 +72,49 @@ impl<B: Backing> Allocator<B> {
             })
             .collect();
         handles.sort_by_key(|c| std::cmp::Reverse(c.len));
-        let mut released = 0;
+        let mut chosen_bytes = 0;
         let mut chosen = Vec::new();
         for h in handles {
-            if released + h.len > budget {
+            if chosen_bytes + h.len > budget {
                 continue;
             }
-            released += h.len;
+            chosen_bytes += h.len;
             chosen.push(h);
         }
-        self.return_handles(&chosen);
-        released
+        self.return_handles(&chosen)
     }
 
-    /// Unmaps the wholly free handles and gives them back in one request.
-    pub(super) fn return_handles(&mut self, handles: &[FreeHandle]) {
+    /// Unmaps the wholly free handles and gives them back in one request; returns the bytes given
+    /// back (a handle whose unmap fails stays).
+    pub(super) fn return_handles(&mut self, handles: &[FreeHandle]) -> u64 {
         if handles.is_empty() {
-            return;
+            return 0;
         }
+        let mut returned = 0;
         let mut grants: Vec<GrantId> = Vec::with_capacity(handles.len());
         for h in handles {
-            let m = self.heaps.get_mut(h.heap).remove(h.va);
-            self.backing.unmap(m.grant, h.va);
-            self.stats.unmaps += 1;
-            self.stats.on_return(m.len);
-            grants.push(m.grant);
+            if let Some(m) = self.unmap_free(h.heap, h.va) {
+                self.stats.on_return(m.len);
+                returned += m.len;
+                grants.push(m.grant);
+            }
         }
-        self.backing.release(&grants);
+        if !grants.is_empty() {
+            self.backing.release(&grants);
+        }
+        returned
+    }
+
+    /// Takes the wholly free handle at `va` out of `heap` and unmaps it. When the unmap fails, the
+    /// handle stays mapped and held, and its range is set aside for good (never mapped again,
+    /// which would fail), so `None`.
+    pub(super) fn unmap_free(&mut self, heap: HeapKind, va: u64) -> Option<Mapped> {
+        let m = self.heaps.get_mut(heap).remove(va);
+        self.stats.unmaps += 1;
+        if self.backing.unmap(m.grant, va) {
+            return Some(m);
+        }
+        self.heaps.get_mut(heap).set_aside(va, m.len);
+        None
     }
 }

@@ -441,6 +441,34 @@ fn reset_peaks_starts_over_from_now() {
     );
 }
 
+/// A handle whose unmap fails stays mapped and held: it is not given back, and its range is
+/// never mapped again (the model backing panics on a mapping over another), whether it was being
+/// given back or moved.
+#[test]
+fn a_handle_whose_unmap_fails_keeps_its_range() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let first = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    let held = a.stats().held;
+    let stuck: Vec<u64> = a.handles().iter().map(|&(va, _)| va).collect();
+    for &va in &stuck {
+        a.backing_mut().fail_unmaps_at(va);
+    }
+    a.free(first.offset, StreamId(1), Fence(0), &AlwaysComplete)
+        .unwrap();
+    assert_eq!(a.trim(&fences), Bytes::ZERO, "nothing could be given back");
+    assert_eq!(a.stats().held, held, "the stuck handles stay held");
+    // New blocks go elsewhere, through growth at the cap (a move would try the stuck ones too).
+    for _ in 0..4 {
+        a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    }
+    assert!(
+        a.handles().iter().all(|(va, _)| !stuck.contains(va)),
+        "the stuck handles' ranges are never mapped again"
+    );
+    assert_eq!(a.backing().counts().releases, 0);
+}
+
 /// Settings as large as `set` takes (any finite fraction) saturate: no overflow, and growth
 /// grows rather than treating every step as past the cap.
 #[test]
