@@ -192,43 +192,45 @@ def timings(size, reps):
                 ts.setdefault(k, []).append(v)
         rows[name] = {k: med(v) for k, v in ts.items()}
 
-    def whole():
-        t0 = now(); check(cmap(va, size, 0, h), "map")
-        t1 = now(); check(access(va, size), "access")
-        t2 = now(); check(unmap(va, size), "unmap")
+    def phases(do_map, do_access, do_unmap):
+        t0 = now(); do_map()
+        t1 = now(); do_access()
+        t2 = now(); do_unmap()
         t3 = now()
         return {"map": t1 - t0, "access": t2 - t1, "unmap": t3 - t2, "total": t3 - t0}
 
-    def granules_one_access():
-        t0 = now()
+    def map_granules():
         for i in range(g):
             check(cmap(va + i * GRAN, GRAN, i * GRAN, h), "map")
-        t1 = now(); check(access(va, size), "access")
-        t2 = now(); check(unmap(va, size), "unmap")
-        t3 = now()
-        return {"map": t1 - t0, "access": t2 - t1, "unmap": t3 - t2, "total": t3 - t0}
 
-    def granules_access_each():
-        t0 = now()
-        for i in range(g):
-            check(cmap(va + i * GRAN, GRAN, i * GRAN, h), "map")
-        t1 = now()
+    def unmap_granules():
+        # One call over the mappings where the driver takes that, else one call each.
+        if unmap(va, size) != 0:
+            for i in range(g):
+                check(unmap(va + i * GRAN, GRAN), "unmap")
+
+    def access_each():
         for i in range(g):
             check(access(va + i * GRAN, GRAN), "access")
-        t2 = now()
-        for i in range(g):
-            check(unmap(va + i * GRAN, GRAN), "unmap")
-        t3 = now()
-        return {"map": t1 - t0, "access": t2 - t1, "unmap": t3 - t2, "total": t3 - t0}
 
-    def one_piece_while_rest_mapped():
-        # Granules 1.. mapped with access; granule 0 mapped, accessed and unmapped alone (what
-        # moving one granule of a handle costs while the rest of it is in use).
-        t0 = now(); check(cmap(va, GRAN, 0, h), "map")
-        t1 = now(); check(access(va, GRAN), "access")
-        t2 = now(); check(unmap(va, GRAN), "unmap")
-        t3 = now()
-        return {"map": t1 - t0, "access": t2 - t1, "unmap": t3 - t2, "total": t3 - t0}
+    whole = lambda: phases(
+        lambda: check(cmap(va, size, 0, h), "map"),
+        lambda: check(access(va, size), "access"),
+        lambda: check(unmap(va, size), "unmap"),
+    )
+    granules_one_access = lambda: phases(
+        map_granules, lambda: check(access(va, size), "access"), unmap_granules
+    )
+    granules_access_each = lambda: phases(
+        map_granules, access_each, lambda: [check(unmap(va + i * GRAN, GRAN), "unmap") for i in range(g)]
+    )
+    # Granules 1.. mapped with access; granule 0 mapped, accessed and unmapped alone (what moving
+    # one granule of a handle costs while the rest of it is in use).
+    one_piece_while_rest_mapped = lambda: phases(
+        lambda: check(cmap(va, GRAN, 0, h), "map"),
+        lambda: check(access(va, GRAN), "access"),
+        lambda: check(unmap(va, GRAN), "unmap"),
+    )
 
     run("whole handle", whole)
     run("granule mappings, one set-access", granules_one_access)
@@ -242,19 +244,13 @@ def timings(size, reps):
     # The same bytes as separate handles of one granule each.
     hs = [create(GRAN) for _ in range(g)]
 
-    def separate_handles():
-        t0 = now()
+    def map_handles():
         for i, hi in enumerate(hs):
             check(cmap(va + i * GRAN, GRAN, 0, hi), "map")
-        t1 = now(); rc = access(va, size)
-        t2 = now()
-        urc = unmap(va, size)
-        if urc != 0:
-            for i in range(g):
-                unmap(va + i * GRAN, GRAN)
-        t3 = now()
-        check(rc, "access over separate handles")
-        return {"map": t1 - t0, "access": t2 - t1, "unmap": t3 - t2, "total": t3 - t0}
+
+    separate_handles = lambda: phases(
+        map_handles, lambda: check(access(va, size), "access over separate handles"), unmap_granules
+    )
 
     run("separate one-granule handles, one set-access", separate_handles)
     for hi in hs:
