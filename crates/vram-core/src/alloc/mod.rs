@@ -24,7 +24,7 @@
 //! block is mapped; a block is never handed to another stream before the fence of its free
 //! completed; memory that work may still use (a free whose fence is pending) is never unmapped or
 //! returned; after every block is freed, its fences completed and `trim` ran, every handle is
-//! returned.
+//! returned (but one whose unmap failed, which stays held and mapped where it was).
 
 mod backing;
 mod budget;
