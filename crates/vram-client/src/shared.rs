@@ -64,11 +64,22 @@ impl Client {
         })
     }
 
-    /// The shared buffers this tenant may read or write.
+    /// The shared buffers this tenant may read or write, asked a page at a time.
     pub fn list_shared(&self) -> Result<Vec<BufferInfo>, ClientError> {
-        match self.caller().shared(SharedRequest::List)?.0 {
-            SharedReply::Buffers(b) => Ok(b),
-            other => Err(unexpected("List", &other)),
+        let mut all = Vec::new();
+        let mut after = None;
+        loop {
+            match self.caller().shared(SharedRequest::List { after })?.0 {
+                SharedReply::Buffers { buffers, next } => {
+                    all.extend(buffers);
+                    // Pages move forward in id order; a page that does not is the last.
+                    match next.filter(|&n| after.is_none_or(|a| n > a)) {
+                        Some(n) => after = Some(n),
+                        None => return Ok(all),
+                    }
+                }
+                other => return Err(unexpected("List", &other)),
+            }
         }
     }
 

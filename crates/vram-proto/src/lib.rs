@@ -28,7 +28,7 @@ pub use status::{
 pub use vram_device::BackendKind;
 
 /// The protocol version this build speaks. A peer speaking another gets an error and is closed.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// The largest payload accepted, in bytes. Anything larger is refused and the connection closed.
 pub const MAX_PAYLOAD: usize = 256 * 1024;

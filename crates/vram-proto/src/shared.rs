@@ -27,8 +27,12 @@ pub enum SharedRequest {
     Open {
         name: String,
     },
-    /// The buffers this tenant may read or write.
-    List,
+    /// The buffers this tenant may read or write, in id order from the first after `after` (from
+    /// the first when `None`): as many as one reply carries, `Buffers::next` saying where the
+    /// next page starts.
+    List {
+        after: Option<BufferId>,
+    },
     /// Owner only. Pinned versions stay until released.
     Delete {
         buffer: BufferId,
@@ -74,7 +78,11 @@ pub enum SharedRequest {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SharedReply {
     Buffer(Box<BufferInfo>),
-    Buffers(Vec<BufferInfo>),
+    /// A page of `List`: `next` is the `after` of the next page, `None` on the last.
+    Buffers {
+        buffers: Vec<BufferInfo>,
+        next: Option<BufferId>,
+    },
     /// The lease is this tenant's for `ttl_ms` more.
     Lease {
         ttl_ms: u64,

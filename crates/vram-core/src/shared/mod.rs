@@ -369,16 +369,25 @@ impl SharedBuffers {
         Ok((self.buffers[&id].info(id), Vec::new()))
     }
 
-    /// The buffers `who` may read or write.
-    pub fn list(&self, broker: &Broker, who: TenantId) -> Vec<BufferInfo> {
-        let Some(t) = broker.tenant(who) else {
-            return Vec::new();
+    /// The buffers `who` may read or write whose ids come after `after` (all when `None`), in
+    /// id order, each made only when the caller takes it.
+    pub fn list<'a>(
+        &'a self,
+        broker: &'a Broker,
+        who: TenantId,
+        after: Option<BufferId>,
+    ) -> impl Iterator<Item = BufferInfo> + 'a {
+        let from = match after {
+            Some(id) => std::ops::Bound::Excluded(id),
+            None => std::ops::Bound::Unbounded,
         };
+        let tenant = broker.tenant(who);
         self.buffers
-            .iter()
-            .filter(|(_, b)| !b.deleted && b.can_read(who, t, broker.policy()))
+            .range((from, std::ops::Bound::Unbounded))
+            .filter(move |(_, b)| {
+                tenant.is_some_and(|t| !b.deleted && b.can_read(who, t, broker.policy()))
+            })
             .map(|(id, b)| b.info(*id))
-            .collect()
     }
 
     /// Every buffer, deleted ones still holding memory included (for status).

@@ -151,7 +151,7 @@ impl Session {
                 // Buffers, versions, pins and leases are memory the tenant holds: while a program
                 // is joined they are the program's, and go back when it ends.
                 let who = self.registered().and_then(|(slot, t)| {
-                    if !matches!(r, SharedRequest::List | SharedRequest::Open { .. }) {
+                    if !matches!(r, SharedRequest::List { .. } | SharedRequest::Open { .. }) {
                         self.daemon.slots[slot].memory_side(t, self.conn_id)?;
                     }
                     Ok((slot, t))

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use vram_core::broker::{Broker, TenantId};
 use vram_core::shared::{
-    BufferId, BufferSpec, Checksummer, Freed, SharedBuffers, SharedError, Version,
+    BufferId, BufferInfo, BufferSpec, Checksummer, Freed, SharedBuffers, SharedError, Version,
 };
 use vram_core::Bytes;
 use vram_device::{Access, ByteAccess, Device, DeviceError, Handle};
@@ -395,6 +395,27 @@ impl Op<'_> {
 
 type Answer = Result<(SharedReply, Option<FdOf>), ErrorReply>;
 
+/// The encoded bytes of buffer descriptions one `List` reply carries at most: half a message, so
+/// the reply's framing always fits beside them.
+const LIST_PAGE_BYTES: usize = vram_proto::MAX_PAYLOAD / 2;
+
+/// The first buffers of `infos` whose encoded size stays within [`LIST_PAGE_BYTES`] (at least
+/// one), and the id after which the next page starts when any are left.
+fn list_page(infos: impl Iterator<Item = BufferInfo>) -> (Vec<BufferInfo>, Option<BufferId>) {
+    let mut page: Vec<BufferInfo> = Vec::new();
+    let mut bytes = 0;
+    for info in infos {
+        let len = vram_proto::payload_len(0, &info).unwrap_or(LIST_PAGE_BYTES);
+        if let Some(last) = page.last().filter(|_| bytes + len > LIST_PAGE_BYTES) {
+            let next = last.id;
+            return (page, Some(next));
+        }
+        bytes += len;
+        page.push(info);
+    }
+    (page, None)
+}
+
 impl Op<'_> {
     fn shared(&self) -> &SharedServer {
         &self.daemon.shared
@@ -447,9 +468,11 @@ impl Op<'_> {
             SharedRequest::Open { name } => plain(SharedReply::Buffer(Box::new(
                 self.books(|b, c, now| c.open(b, t, &name, now))?,
             ))),
-            SharedRequest::List => plain(SharedReply::Buffers(
-                self.books(|b, c, _| Ok((c.list(b, t), Vec::new())))?,
-            )),
+            SharedRequest::List { after } => {
+                let (buffers, next) =
+                    self.books(|b, c, _| Ok((list_page(c.list(b, t, after)), Vec::new())))?;
+                plain(SharedReply::Buffers { buffers, next })
+            }
             SharedRequest::Delete { buffer } => {
                 self.books(|b, c, _| Ok(((), c.delete(b, t, buffer)?)))?;
                 plain(SharedReply::Done)

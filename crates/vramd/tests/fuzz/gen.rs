@@ -7,7 +7,7 @@ use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use proptest::sample::select;
-use vram_core::shared::{Acl, Principal};
+use vram_core::shared::{Acl, BufferId, Principal};
 use vram_core::Bytes;
 use vram_proto::{ExitStatus, GrantId, Hello, LeaseOp, Request, Resume, Role, SharedRequest};
 
@@ -166,7 +166,8 @@ fn plain() -> impl Strategy<Value = Request> {
         2 => (buffer_name(), size(), acl())
             .prop_map(|(name, size, acl)| Request::Shared(SharedRequest::Create { name, size, acl })),
         1 => buffer_name().prop_map(|name| Request::Shared(SharedRequest::Open { name })),
-        1 => Just(Request::Shared(SharedRequest::List)),
+        1 => option::of(any::<u64>())
+            .prop_map(|after| Request::Shared(SharedRequest::List { after: after.map(BufferId) })),
     ]
 }
 

@@ -839,8 +839,8 @@ impl<'a> Peer<'a> {
                             seen.versions.insert(info.id, v);
                         }
                     }
-                    SharedReply::Buffers(list) => {
-                        for info in list {
+                    SharedReply::Buffers { buffers, .. } => {
+                        for info in buffers {
                             remember(&mut seen.buffers, info.id);
                         }
                     }
