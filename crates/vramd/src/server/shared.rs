@@ -129,14 +129,89 @@ impl Books {
     }
 }
 
+/// Readers waiting for a newer version (`WaitNewer`), by device slot and buffer: a publish wakes
+/// only the waits on its own buffer.
+#[derive(Default)]
+struct Waits {
+    by_buffer: Mutex<HashMap<(usize, BufferId), Arc<Wait>>>,
+}
+
+/// The waits on one buffer: its publishes counted under the lock the waits sleep on, so that a
+/// publish between a wait's look at the books and its sleep is not missed.
+#[derive(Default)]
+struct Wait {
+    publishes: Mutex<u64>,
+    wake: Condvar,
+}
+
+impl Waits {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<(usize, BufferId), Arc<Wait>>> {
+        self.by_buffer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The waits on `key`'s buffer, which a wait joins before it looks at the books and leaves
+    /// when the guard drops (the last one takes the buffer's entry away).
+    fn join(&self, key: (usize, BufferId)) -> Joined<'_> {
+        let wait = Arc::clone(self.lock().entry(key).or_default());
+        Joined {
+            waits: self,
+            key,
+            wait: Some(wait),
+        }
+    }
+
+    /// A version of `key`'s buffer was published: its waits wake, no other.
+    fn published(&self, key: (usize, BufferId)) {
+        let Some(wait) = self.lock().get(&key).cloned() else {
+            return;
+        };
+        *wait.publishes.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        wait.wake.notify_all();
+    }
+
+    fn wake_all(&self) {
+        let waits: Vec<Arc<Wait>> = self.lock().values().cloned().collect();
+        for wait in waits {
+            let _guard = wait.publishes.lock().unwrap_or_else(|p| p.into_inner());
+            wait.wake.notify_all();
+        }
+    }
+}
+
+/// One wait's place among the waits on its buffer (see [`Waits::join`]).
+struct Joined<'a> {
+    waits: &'a Waits,
+    key: (usize, BufferId),
+    wait: Option<Arc<Wait>>,
+}
+
+impl std::ops::Deref for Joined<'_> {
+    type Target = Wait;
+    fn deref(&self) -> &Wait {
+        self.wait.as_ref().expect("held until drop")
+    }
+}
+
+impl Drop for Joined<'_> {
+    fn drop(&mut self) {
+        let mut by_buffer = self.waits.lock();
+        drop(self.wait.take());
+        if by_buffer
+            .get(&self.key)
+            .is_some_and(|w| Arc::strong_count(w) == 1)
+        {
+            by_buffer.remove(&self.key);
+        }
+    }
+}
+
 /// Daemon-wide shared-buffer state: settings, counters, and the wake-up for waiting readers.
 pub struct SharedServer {
     epoch: Instant,
     scrub_rate: AtomicU64,
     max_lease_ms: AtomicU64,
-    /// Bumped at every publish; readers waiting for a newer version sleep on it.
-    published: Mutex<u64>,
-    wake: Condvar,
+    /// Readers waiting for a newer version, by buffer.
+    waits: Waits,
     publishes: AtomicU64,
     publish_bytes: AtomicU64,
     conflicts: AtomicU64,
@@ -158,8 +233,7 @@ impl Default for SharedServer {
             epoch: Instant::now(),
             scrub_rate: AtomicU64::new(cfg.scrub_rate.get()),
             max_lease_ms: AtomicU64::new(cfg.max_lease_ms),
-            published: Mutex::new(0),
-            wake: Condvar::new(),
+            waits: Waits::default(),
             publishes: AtomicU64::new(0),
             publish_bytes: AtomicU64::new(0),
             conflicts: AtomicU64::new(0),
@@ -178,16 +252,10 @@ impl SharedServer {
         self.scrub_rate.load(Ordering::Relaxed)
     }
 
-    fn notify_published(&self) {
-        *self.published.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        self.wake.notify_all();
-    }
-
     /// Wakes every wait for a newer version without a publish, so that waits of a connection
     /// that ended see it at once.
     pub(super) fn wake_waiters(&self) {
-        let _guard = self.published.lock().unwrap_or_else(|p| p.into_inner());
-        self.wake.notify_all();
+        self.waits.wake_all();
     }
 
     /// Puts the `[shared]` settings (scrub rate, longest lease) in force; what changed.
@@ -630,7 +698,7 @@ impl Op<'_> {
         let s = self.shared();
         s.publishes.fetch_add(1, Ordering::Relaxed);
         s.publish_bytes.fetch_add(size.get(), Ordering::Relaxed);
-        s.notify_published();
+        s.waits.published((self.slot, buffer));
         tracing::debug!(buffer = buffer.0, %version, checksum = format!("{checksum:016x}"),
             micros = started.elapsed().as_micros() as u64, "published");
         Ok((SharedReply::Published { version, checksum }, None))
@@ -703,8 +771,8 @@ fn wait_newer(
     timeout: Duration,
 ) -> Result<Reply, ErrorReply> {
     let deadline = Instant::now() + timeout;
-    let s = &daemon.shared;
-    let mut generation = s.published.lock().unwrap_or_else(|p| p.into_inner());
+    let wait = daemon.shared.waits.join((slot, buffer));
+    let mut generation = wait.publishes.lock().unwrap_or_else(|p| p.into_inner());
     loop {
         let current = daemon.slots[slot]
             .with_shared(|b, books| {
@@ -723,7 +791,7 @@ fn wait_newer(
         let seen = *generation;
         while *generation == seen && !deadline.saturating_duration_since(Instant::now()).is_zero() {
             let left = deadline.saturating_duration_since(Instant::now());
-            generation = s
+            generation = wait
                 .wake
                 .wait_timeout(generation, left.min(Duration::from_millis(500)))
                 .unwrap_or_else(|p| p.into_inner())
@@ -852,5 +920,41 @@ fn shared_error(e: &SharedError) -> ErrorReply {
         code,
         reason: Some(e.reason().to_string()),
         message: e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn publishes(w: &Wait) -> u64 {
+        *w.publishes.lock().unwrap()
+    }
+
+    #[test]
+    fn a_publish_wakes_only_the_waits_on_its_buffer() {
+        let waits = Waits::default();
+        let (a, b) = ((0, BufferId(1)), (0, BufferId(2)));
+        let on_a = waits.join(a);
+        let also_on_a = waits.join(a);
+        let on_b = waits.join(b);
+        let other_slot = waits.join((1, BufferId(1)));
+        waits.published(b);
+        assert_eq!(
+            (publishes(&on_a), publishes(&on_b), publishes(&other_slot)),
+            (0, 1, 0)
+        );
+        waits.published(a);
+        assert_eq!((publishes(&on_a), publishes(&also_on_a)), (1, 1));
+        // A publish with no wait on its buffer makes no entry.
+        waits.published((0, BufferId(3)));
+        assert_eq!(waits.lock().len(), 3);
+        drop(on_a);
+        assert_eq!(waits.lock().len(), 3, "another wait is still on it");
+        drop((also_on_a, on_b, other_slot));
+        assert!(
+            waits.lock().is_empty(),
+            "the last wait takes its entry away"
+        );
     }
 }
