@@ -2,9 +2,9 @@
 //! the handles mapped there, the unmapped gaps, and the free regions of mapped memory.
 //!
 //! Invariants: handles never overlap and lie inside the heap; every byte of the heap is in exactly
-//! one of a handle, a gap, or a range set aside (a handle whose unmap failed stays mapped there); free regions lie in mapped memory, so a free region's neighbours by
-//! address are mapped too, and merging them (across handles that were never adjacent before) is
-//! sound.
+//! one of a handle, a gap, or a range set aside (a handle whose unmap failed stays mapped there);
+//! free regions lie in mapped memory, so a free region's neighbours by address are mapped too, and
+//! merging them (across handles that were never adjacent before) is sound.
 
 use std::collections::BTreeMap;
 
