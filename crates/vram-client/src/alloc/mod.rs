@@ -573,6 +573,16 @@ impl<S: HandleSource> CachingAllocator<S> {
         debug_assert!(r.is_ok(), "live table and core disagree: {r:?}");
     }
 
+    /// `stream` is about to be destroyed (before the driver's call): the blocks freed on it, which
+    /// it could reuse at once, are fenced now and kept from any stream until that fence completes,
+    /// so that a stream created later with the same handle waits for the destroyed one's work
+    /// like any other stream ([`vram_core::alloc::Allocator::retire_stream`]). The thread caches
+    /// are emptied into the core first: they hold blocks by stream too.
+    pub fn stream_destroyed(&self, stream: StreamId) {
+        self.flush_caches();
+        self.core().retire_stream(stream, self.events.as_ref());
+    }
+
     /// Returns every idle byte to the daemon now (its reclaim request): the thread caches are
     /// emptied into the core, which gives back every wholly free handle. Returns the bytes, once
     /// the daemon has them (returns while allocating are not waited for; see

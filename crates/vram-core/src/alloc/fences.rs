@@ -47,7 +47,14 @@ pub(super) struct Fencing {
     /// The stream of the latest allocation, and the count of allocations when it last changed.
     pub last_stream: Option<StreamId>,
     pub switched_at: Option<u64>,
+    /// Streams retired so far (see [`RETIRED_STREAMS`]).
+    pub retired: u64,
 }
+
+/// The stream ids that the frees of destroyed streams are handed to (`Allocator::retire_stream`):
+/// `RETIRED_STREAMS.start + n`, beside the pools' ([`super::POOL_STREAMS`]) and, like theirs,
+/// outside every stream handle a caller passes.
+pub const RETIRED_STREAMS: std::ops::Range<u64> = (1 << 62) + (1 << 32)..(1 << 62) + (1 << 33);
 
 impl<B: Backing> Allocator<B> {
     /// Notes that an allocation is for `stream`, and polls fences if it is time.
@@ -110,6 +117,30 @@ impl<B: Backing> Allocator<B> {
             self.fencing.unsealed.remove(&stream);
             self.fencing.pending.push(stream, latest, fence);
         }
+    }
+
+    /// `stream` is being destroyed (before the driver's call): its frees, reusable at once by
+    /// `stream` or once its fences complete, go to a stream id of their own, fenced now. A stream
+    /// created later may get the same handle, and must not take them before the work queued on
+    /// the destroyed one is done. False, doing nothing, while `stream` is being captured: no
+    /// fence can be recorded on it, and its frees stay its own.
+    pub fn retire_stream<F: Fences + ?Sized>(&mut self, stream: StreamId, fences: &F) -> bool {
+        self.seal_stream(stream, fences);
+        if self.fencing.unsealed.contains_key(&stream) {
+            return false;
+        }
+        let span = RETIRED_STREAMS.end - RETIRED_STREAMS.start;
+        let retired = StreamId(RETIRED_STREAMS.start + self.fencing.retired % span);
+        self.fencing.retired += 1;
+        for heap in self.heaps.iter_mut() {
+            heap.free.rename(stream, retired);
+        }
+        self.fencing.pending.rename(stream, retired);
+        if self.fencing.last_stream == Some(stream) {
+            self.fencing.last_stream = None;
+        }
+        self.poll(fences);
+        true
     }
 
     /// Asks which pending fences completed, and lets every stream use what they cover.

@@ -192,6 +192,29 @@ impl FreeList {
         }
     }
 
+    /// Gives every region of stream `from` to stream `to`, which owns none, with its sequence
+    /// number: what `from` could reuse at once, or once its fences complete, is `to`'s now.
+    pub(crate) fn rename(&mut self, from: StreamId, to: StreamId) {
+        let owner = Owner::Stream(from);
+        let starts: Vec<u64> = self
+            .by_size
+            .range((owner, 0, 0)..=(owner, u64::MAX, u64::MAX))
+            .map(|&(_, _, start)| start)
+            .collect();
+        self.waiting.remove(&from);
+        for start in starts {
+            let r = self.by_addr[&start];
+            self.unlink(start);
+            self.link(
+                start,
+                Region {
+                    owner: Owner::Stream(to),
+                    ..r
+                },
+            );
+        }
+    }
+
     fn link(&mut self, start: u64, r: Region) {
         self.by_addr.insert(start, r);
         self.by_size.insert((r.owner, r.len, start));

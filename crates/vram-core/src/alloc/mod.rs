@@ -46,7 +46,7 @@ use std::collections::HashMap;
 
 pub use backing::{Backing, BackingCounts, CallCost, GrantId, ModelBacking, Refused};
 pub use config::AllocConfig;
-pub use fences::{MIXED_WINDOW, POLL_EVERY, SEAL_EVERY};
+pub use fences::{MIXED_WINDOW, POLL_EVERY, RETIRED_STREAMS, SEAL_EVERY};
 pub use layout::{BlockState, Segment, SegmentBlock};
 pub use placement::SMALL_LIMIT;
 pub use pools::{PoolId, POOL_STREAMS};

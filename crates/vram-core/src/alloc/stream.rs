@@ -70,6 +70,13 @@ impl PendingFences {
         self.queues.is_empty()
     }
 
+    /// Moves the fences pending on stream `from` to stream `to`, which has none.
+    pub(crate) fn rename(&mut self, from: StreamId, to: StreamId) {
+        if let Some(queue) = self.queues.remove(&from) {
+            self.queues.insert(to, queue);
+        }
+    }
+
     /// For each stream, the latest sequence number whose fence has completed. Stops at a stream's
     /// first incomplete fence: later ones cannot be complete before it. `queries` counts the
     /// fences asked about.

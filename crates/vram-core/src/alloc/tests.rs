@@ -907,6 +907,36 @@ fn deferred_frees_are_fenced_together_when_another_stream_needs_the_memory() {
     );
 }
 
+/// A stream destroyed with frees pending: a stream created later with the same handle does not
+/// take their memory before the fence recorded at the destroy completes; then every stream may.
+#[test]
+fn a_destroyed_streams_frees_wait_for_its_work_whoever_gets_its_handle() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let fences = TestFences::default();
+    let x = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    a.free_deferred(x.offset, StreamId(1), &fences).unwrap();
+    assert!(a.retire_stream(StreamId(1), &fences));
+    assert_eq!(fences.recorded(1), 1, "the frees are fenced at the destroy");
+    let reborn = a.alloc(Bytes::mib(8), StreamId(1), &fences).unwrap();
+    assert!(
+        !overlaps(reborn.offset, reborn.size.get(), x.offset, x.size.get()),
+        "a new stream with the old handle waits like any other"
+    );
+    fences.complete(1, 1);
+    let later = a.alloc(Bytes::mib(8), StreamId(3), &fences).unwrap();
+    assert_eq!(
+        later.offset, x.offset,
+        "once the fence completed, any stream may"
+    );
+    // A stream being captured cannot be fenced: nothing changes.
+    let z = a.alloc(Bytes::mib(8), StreamId(4), &fences).unwrap();
+    a.free_deferred(z.offset, StreamId(4), &fences).unwrap();
+    fences.set_capturing(4, true);
+    assert!(!a.retire_stream(StreamId(4), &fences));
+    let same = a.alloc(Bytes::mib(8), StreamId(4), &fences).unwrap();
+    assert_eq!(same.offset, z.offset, "its frees are still its own");
+}
+
 #[test]
 fn one_stream_records_no_fence_until_memory_is_needed_elsewhere() {
     let mut a = Allocator::new(small_config(), ModelBacking::new());

@@ -96,6 +96,28 @@ fn name(hook: Hook) -> &'static str {
     }
 }
 
+/// See [`vram_client::alloc::CachingAllocator::stream_destroyed`]: before the driver destroys an
+/// explicit stream, the frees vramd booked on it are fenced and kept from any stream until that
+/// fence completes, so that a stream created later with the same handle cannot reuse memory the
+/// destroyed one's work may still use. The default streams are never destroyed.
+///
+/// # Safety
+/// As for the driver's `cuStreamDestroy_v2`.
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamDestroy_v2(stream: CuStream) -> CuResult {
+    let Some(destroy) = real::driver().stream_destroy else {
+        return CUDA_ERROR_NOT_FOUND;
+    };
+    if let Some(t) = current().filter(|_| stream as usize > super::LAST_DEFAULT_STREAM) {
+        guarded((), || {
+            t.alloc.stream_destroyed(stream_id(stream, false));
+            Ok(())
+        });
+    }
+    // SAFETY: the driver's own function with the caller's argument.
+    unsafe { destroy(stream) }
+}
+
 /// The stream an asynchronous call means: stream 0 of a `_ptsz` call, and `CU_STREAM_PER_THREAD`
 /// in any call, is the calling thread's per-thread stream.
 fn stream_id(stream: CuStream, per_thread: bool) -> StreamId {

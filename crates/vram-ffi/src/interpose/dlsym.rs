@@ -100,6 +100,7 @@ pub(crate) fn hook_for(name: &[u8]) -> Option<*mut c_void> {
         b"cuMemUnmap" => vmm::cuMemUnmap as *mut c_void,
         b"cuMemAllocManaged" => charged::cuMemAllocManaged as *mut c_void,
         b"cuMemGetInfo_v2" => info::cuMemGetInfo_v2 as *mut c_void,
+        b"cuStreamDestroy_v2" => alloc::cuStreamDestroy_v2 as *mut c_void,
         b"nvmlDeviceGetMemoryInfo" => nvml::nvmlDeviceGetMemoryInfo as *mut c_void,
         b"nvmlDeviceGetMemoryInfo_v2" => nvml::nvmlDeviceGetMemoryInfo_v2 as *mut c_void,
         _ => return None,

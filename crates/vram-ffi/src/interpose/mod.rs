@@ -55,6 +55,10 @@ pub(crate) type CuResult = c_int;
 pub(crate) type CuDevicePtr = u64;
 /// `CUstream`.
 pub(crate) type CuStream = *mut c_void;
+
+/// `CU_STREAM_PER_THREAD`, the largest of the default streams' handles (0, `CU_STREAM_LEGACY`,
+/// `CU_STREAM_PER_THREAD`).
+pub(crate) const LAST_DEFAULT_STREAM: usize = 2;
 /// `CUcontext`.
 pub(crate) type CuContext = *mut c_void;
 
@@ -120,8 +124,6 @@ pub(crate) fn current_gpu(t: &Tenant) -> Gpu {
 /// decides. (`cuStreamGetDevice` is not asked: some drivers refuse it during a graph capture,
 /// which ends the capture; the context calls here are allowed then.)
 pub(crate) fn stream_gpu(t: &Tenant, stream: CuStream) -> Gpu {
-    /// `CU_STREAM_PER_THREAD`, the largest of the default streams' handles.
-    const LAST_DEFAULT_STREAM: usize = 2;
     if t.device.backend != BackendKind::Cuda || stream as usize <= LAST_DEFAULT_STREAM {
         return current_gpu(t);
     }

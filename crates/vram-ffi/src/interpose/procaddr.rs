@@ -8,7 +8,8 @@
 //!
 //! Should a driver hand out addresses other than its exported symbols', the name and version
 //! asked for decide instead: `cuMemAlloc`, `cuMemAllocPitch`, `cuMemFree` and `cuMemGetInfo`
-//! are the `_v2` functions from CUDA 3.2 on, `cuGetProcAddress` the `_v2` one from CUDA 12.0;
+//! are the `_v2` functions from CUDA 3.2 on, `cuStreamDestroy` from CUDA 4.0,
+//! `cuGetProcAddress` the `_v2` one from CUDA 12.0;
 //! the stream-ordered calls take their `_ptsz` form when the caller asks for per-thread default
 //! stream semantics. `vram_interposer_stats_json` counts which of the two ways matched.
 
@@ -44,6 +45,7 @@ fn hook_by_name(name: &[u8], version: c_int, flags: u64) -> Option<*mut c_void> 
         b"cuMemAllocPitch" if version >= 3020 => alloc::cuMemAllocPitch_v2 as _,
         b"cuMemFree" if version >= 3020 => alloc::cuMemFree_v2 as _,
         b"cuMemGetInfo" if version >= 3020 => info::cuMemGetInfo_v2 as _,
+        b"cuStreamDestroy" if version >= 4000 => alloc::cuStreamDestroy_v2 as _,
         b"cuMemAllocAsync" if per_thread => alloc::cuMemAllocAsync_ptsz as _,
         b"cuMemAllocAsync" => alloc::cuMemAllocAsync as _,
         b"cuMemFreeAsync" if per_thread => alloc::cuMemFreeAsync_ptsz as _,

@@ -17,6 +17,7 @@ pub(crate) type MemAllocPitch =
 pub(crate) type MemFree = unsafe extern "C" fn(CuDevicePtr) -> CuResult;
 pub(crate) type MemAllocAsync = unsafe extern "C" fn(*mut CuDevicePtr, usize, CuStream) -> CuResult;
 pub(crate) type MemFreeAsync = unsafe extern "C" fn(CuDevicePtr, CuStream) -> CuResult;
+pub(crate) type StreamDestroy = unsafe extern "C" fn(CuStream) -> CuResult;
 pub(crate) type MemAllocFromPoolAsync =
     unsafe extern "C" fn(*mut CuDevicePtr, usize, *mut c_void, CuStream) -> CuResult;
 pub(crate) type MemPoolCreate =
@@ -86,6 +87,7 @@ pub(crate) struct Driver {
     pub ctx_push_current: Option<CtxPushCurrent>,
     pub ctx_pop_current: Option<CtxPopCurrent>,
     pub stream_get_ctx: Option<StreamGetCtx>,
+    pub stream_destroy: Option<StreamDestroy>,
     pub device_get: Option<DeviceGet>,
     pub device_get_uuid: Option<DeviceGetUuid>,
     pub get_proc_address: Option<GetProcAddress>,
@@ -158,6 +160,7 @@ pub(crate) fn driver() -> &'static Driver {
                 ctx_push_current: function(lib, c"cuCtxPushCurrent_v2"),
                 ctx_pop_current: function(lib, c"cuCtxPopCurrent_v2"),
                 stream_get_ctx: function(lib, c"cuStreamGetCtx"),
+                stream_destroy: function(lib, c"cuStreamDestroy_v2"),
                 device_get: function(lib, c"cuDeviceGet"),
                 device_get_uuid: function(lib, c"cuDeviceGetUuid_v2")
                     .or_else(|| function(lib, c"cuDeviceGetUuid")),
@@ -196,6 +199,7 @@ const HOOKED: &[&CStr] = &[
     c"cuMemUnmap",
     c"cuMemAllocManaged",
     c"cuMemGetInfo_v2",
+    c"cuStreamDestroy_v2",
 ];
 
 /// The hook for a function pointer the driver handed out, if the pointer is the real address of

@@ -169,6 +169,12 @@ int main(int argc, char **argv) {
     alloc_fn alloc2 = NULL;
     CHECK(proc_v1("cuMemAlloc", (void **)&alloc2, 11030, 0) == 0 && alloc2 == alloc);
     CHECK(proc("cuMemCreate", &f, 12000, 0, NULL) == 0 && f == sym("cuMemCreate"));
+    /* A stream's destroy goes through vramd (which fences the frees booked on it) to the
+     * driver's. */
+    typedef CUresult (*destroy_fn)(void *);
+    CHECK(proc("cuStreamDestroy", &f, 12000, 0, NULL) == 0);
+    CHECK(f != own("cuStreamDestroy_v2") && f == dlsym(RTLD_DEFAULT, "cuStreamDestroy_v2"));
+    CHECK(((destroy_fn)f)((void *)0x5000) == 0 && calls("cuStreamDestroy_v2") == 1);
 
     /* Allocations through both routes are vramd's: writable, distinct, never the driver's. */
     size_t len = (size_t)64 << 20;

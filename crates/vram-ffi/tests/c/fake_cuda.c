@@ -30,6 +30,7 @@ enum {
     C_MEM_ALLOC_FROM_POOL,
     C_MEM_POOL_CREATE,
     C_MEM_POOL_DESTROY,
+    C_STREAM_DESTROY,
     C_COUNT
 };
 static const char *const NAMES[C_COUNT] = {
@@ -37,6 +38,7 @@ static const char *const NAMES[C_COUNT] = {
     "cuMemFree_v2",     "cuMemAllocAsync",  "cuMemFreeAsync",   "cuMemAllocManaged",
     "cuMemCreate",      "cuMemRelease",     "cuMemGetInfo_v2",  "cuMemMap",
     "cuMemUnmap",       "cuMemAllocFromPoolAsync", "cuMemPoolCreate", "cuMemPoolDestroy",
+    "cuStreamDestroy_v2",
 };
 static int calls[C_COUNT];
 
@@ -51,6 +53,12 @@ static void count(int i) { __atomic_add_fetch(&calls[i], 1, __ATOMIC_SEQ_CST); }
 
 CUresult cuInit(unsigned int flags) {
     (void)flags;
+    return 0;
+}
+
+CUresult cuStreamDestroy_v2(void *stream) {
+    (void)stream;
+    count(C_STREAM_DESTROY);
     return 0;
 }
 
@@ -367,6 +375,7 @@ static const struct entry TABLE[] = {
     {"cuMemGetMemPool", 13000, 0, (void *)cuMemGetMemPool},
     {"cuMemSetMemPool", 13000, 0, (void *)cuMemSetMemPool},
     {"cuDeviceGetUuid", 11040, 0, (void *)cuDeviceGetUuid_v2},
+    {"cuStreamDestroy", 4000, 0, (void *)cuStreamDestroy_v2},
     {"cuGetProcAddress", 11030, 0, (void *)cuGetProcAddress},
     {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2},
 };
