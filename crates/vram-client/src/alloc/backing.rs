@@ -307,8 +307,8 @@ impl<S: HandleSource> Backing for MappedBacking<S> {
 
     fn map(&mut self, grant: GrantId, va: u64) -> Result<(), Refused> {
         self.timed(Call::Map, |b| {
-            // A handle whose unmap failed stays where it is (see `unmap`); the allocator, which
-            // took it as unmapped, may try to map it elsewhere.
+            // A handle whose unmap failed stays where it is (see `unmap`): the allocator, told so,
+            // never maps it again, and a caller that did is refused rather than obeyed.
             let Some((handle, _)) = b.handles.get(&grant) else {
                 return Err(Refused {
                     bytes: Bytes::ZERO,

@@ -770,7 +770,8 @@ fn a_handle_whose_unmap_failed_is_not_given_back() {
     // stays mapped, so it must not go back; the second's succeeds and goes back.
     b.unmap(grants[0], 2 << 30);
     b.unmap(grants[1], 4 << 20);
-    // The allocator takes the first as unmapped and may move it: that map is refused, not a panic.
+    // Mapping the first elsewhere (which the allocator, told of the failure, never asks) is
+    // refused, not a panic.
     let moved = b.map(grants[0], 8 << 20);
     assert!(
         moved

@@ -55,12 +55,12 @@ pub(crate) type CuResult = c_int;
 pub(crate) type CuDevicePtr = u64;
 /// `CUstream`.
 pub(crate) type CuStream = *mut c_void;
+/// `CUcontext`.
+pub(crate) type CuContext = *mut c_void;
 
 /// `CU_STREAM_PER_THREAD`, the largest of the default streams' handles (0, `CU_STREAM_LEGACY`,
 /// `CU_STREAM_PER_THREAD`).
 pub(crate) const LAST_DEFAULT_STREAM: usize = 2;
-/// `CUcontext`.
-pub(crate) type CuContext = *mut c_void;
 
 pub(crate) const CUDA_SUCCESS: CuResult = 0;
 pub(crate) const CUDA_ERROR_INVALID_VALUE: CuResult = 1;

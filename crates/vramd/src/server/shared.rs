@@ -156,22 +156,22 @@ impl Waits {
         Joined {
             waits: self,
             key,
-            wait: Some(wait),
+            wait,
         }
     }
 
-    /// A version of `key`'s buffer was published: its waits wake, no other.
+    /// A version of `key`'s buffer was published: its waits wake, no other. The registry's lock
+    /// is held throughout (before a `Wait`'s, the one order both are taken in), so the only
+    /// references to a `Wait` are the registry's and its joined waits'.
     fn published(&self, key: (usize, BufferId)) {
-        let Some(wait) = self.lock().get(&key).cloned() else {
-            return;
-        };
-        *wait.publishes.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        wait.wake.notify_all();
+        if let Some(wait) = self.lock().get(&key) {
+            *wait.publishes.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+            wait.wake.notify_all();
+        }
     }
 
     fn wake_all(&self) {
-        let waits: Vec<Arc<Wait>> = self.lock().values().cloned().collect();
-        for wait in waits {
+        for wait in self.lock().values() {
             let _guard = wait.publishes.lock().unwrap_or_else(|p| p.into_inner());
             wait.wake.notify_all();
         }
@@ -182,24 +182,21 @@ impl Waits {
 struct Joined<'a> {
     waits: &'a Waits,
     key: (usize, BufferId),
-    wait: Option<Arc<Wait>>,
+    wait: Arc<Wait>,
 }
 
 impl std::ops::Deref for Joined<'_> {
     type Target = Wait;
     fn deref(&self) -> &Wait {
-        self.wait.as_ref().expect("held until drop")
+        &self.wait
     }
 }
 
 impl Drop for Joined<'_> {
     fn drop(&mut self) {
         let mut by_buffer = self.waits.lock();
-        drop(self.wait.take());
-        if by_buffer
-            .get(&self.key)
-            .is_some_and(|w| Arc::strong_count(w) == 1)
-        {
+        // This wait's reference and the registry's: it is the last.
+        if Arc::strong_count(&self.wait) == 2 {
             by_buffer.remove(&self.key);
         }
     }
