@@ -399,6 +399,27 @@ fn pytorch_figures_come_from_the_readme_beside_the_trace_and_scales_are_summed_u
         "one line per trace over its scales: {table}"
     );
     assert!(small[0].split_whitespace().nth(1) == Some("2"), "{table}");
+    // Its means are the replays' own figures averaged: fragmentation, then driver time.
+    let percents = |line: &str| -> Vec<f64> {
+        line.split_whitespace()
+            .filter_map(|w| w.strip_suffix('%')?.parse::<f64>().ok())
+            .collect()
+    };
+    let replays: Vec<Vec<f64>> = table
+        .lines()
+        .take_while(|l| !l.is_empty())
+        .filter(|l| l.starts_with("small"))
+        .map(percents)
+        .collect();
+    assert_eq!(replays.len(), 2, "{table}");
+    let over = percents(small[0]);
+    for (column, at) in [(0, 0), (1, 2)] {
+        let mean = (replays[0][column] + replays[1][column]) / 2.0;
+        assert!(
+            (over[at] - mean).abs() < 0.011,
+            "{over:?} against {replays:?}: {table}"
+        );
+    }
     // Where the memory held lay at its peak: a row per replay whose shares add up to 100 %.
     let at_peak: Vec<&str> = table
         .lines()

@@ -584,10 +584,8 @@ fn scale_summary(outcomes: &[Outcome]) -> String {
             .collect();
         let n = runs.len() as f64;
         let frag: Vec<f64> = runs.iter().map(|r| r.fragmentation * 100.0).collect();
-        let driver: Option<Vec<f64>> = runs
-            .iter()
-            .map(|r| r.modelled_driver_time_share.map(|s| s * 100.0))
-            .collect();
+        // Shares: `percent` writes them as percentages.
+        let driver: Option<Vec<f64>> = runs.iter().map(|r| r.modelled_driver_time_share).collect();
         let worst = |v: &[f64]| v.iter().copied().fold(f64::MIN, f64::max);
         let (driver_mean, driver_worst) = match driver {
             Some(d) => (
