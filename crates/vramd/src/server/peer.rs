@@ -280,6 +280,31 @@ mod tests {
     }
 
     #[test]
+    fn a_reply_too_large_for_a_frame_is_answered_with_an_error_and_the_connection_stays() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let peer = Peer::new(Arc::new(Conn::new(a)), 0, 0, vec![0]);
+        let client = Conn::new(b);
+        let huge = vram_proto::Reply::Error(vram_proto::ErrorReply {
+            code: vram_proto::ErrorCode::Device,
+            reason: None,
+            message: "x".repeat(vram_proto::MAX_PAYLOAD + 1),
+        });
+        peer.reply(7, &huge, &[]).unwrap();
+        let got = client.recv::<vram_proto::Reply>().unwrap();
+        let vram_proto::Reply::Error(e) = got.msg else {
+            panic!("{:?}", got.msg)
+        };
+        assert_eq!(got.id, 7);
+        assert_eq!(e.code, vram_proto::ErrorCode::Refused);
+        assert_eq!(e.reason.as_deref(), Some("reply_too_large"), "{e}");
+        assert!(e.message.contains("could not send its reply"), "{e}");
+        // The next reply goes through on the same connection.
+        peer.reply(8, &vram_proto::Reply::Pong, &[]).unwrap();
+        let got = client.recv::<vram_proto::Reply>().unwrap();
+        assert!(got.id == 8 && matches!(got.msg, vram_proto::Reply::Pong));
+    }
+
+    #[test]
     fn slow_slots_are_bounded_and_given_back() {
         let (a, _b) = UnixStream::pair().unwrap();
         let peer = Arc::new(Peer::new(Arc::new(Conn::new(a)), 0, 0, vec![0]));
