@@ -49,7 +49,8 @@ class AccessDesc(ctypes.Structure):
     _fields_ = [("location", Location), ("flags", ctypes.c_int)]
 
 
-cu = ctypes.CDLL("libcuda.so.1")
+# The driver and the allocation properties, set by main() (so that --help needs no driver).
+cu = PROP = GRAN = None
 U64 = ctypes.c_uint64
 
 
@@ -73,7 +74,6 @@ def setup():
     return prop, gran.value
 
 
-PROP, GRAN = setup()
 ACCESS = AccessDesc(Location(1, 0), 3)  # READWRITE
 
 
@@ -264,6 +264,9 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", help="write the results here as JSON too")
     args = ap.parse_args()
+    global cu, PROP, GRAN
+    cu = ctypes.CDLL("libcuda.so.1")
+    PROP, GRAN = setup()
     result = {"granularity": GRAN, "correctness": correctness(), "timings_us": {}}
     print(json.dumps(result["correctness"], indent=1))
     for mib in (2, 8, 64, 512):
