@@ -11,6 +11,10 @@ frees skipped instead — and prints:
 - the "own granules" bound: at that peak, the memory a placement needs that gives every block of at
   least 1 MiB granules of its own (no two such blocks sharing a 2 MiB granule; smaller blocks
   packed perfectly), and the fragmentation that implies (1 - live / that);
+- with --scale, the same bound with every request's size multiplied by each factor (truncated to
+  whole bytes, as `vramd replay --scale` scales them), and its mean over the trace as recorded and
+  those factors: the bound moves with the sizes (a size a whole number of granules as recorded
+  is seldom one scaled), so a goal judged over scales is compared with the bound over the same;
 - the live sizes that make up the peak, largest share first;
 - the "climb" bound, for each fragmentation F of --climb-frag: an allocator that keeps its
   fragmentation at most F whatever the program does next may hold at most peak-so-far / (1 - F)
@@ -23,7 +27,7 @@ frees skipped instead — and prints:
   two goals cannot both be promised on that trace.
 
 Usage: python3 scripts/trace_bounds.py ../shared/traces/*.pickle.gz [--granule-mib 2] [--top 8]
-       [--climb-frag 3,1]
+       [--climb-frag 3,1] [--scale 0.9,0.95,0.98,1.02,1.05,1.1]
 """
 import argparse
 import collections
@@ -110,20 +114,19 @@ def climb_growths(events, granule, frag):
     return growths
 
 
-def analyse(path, granule, top, window_only, climb_frags):
+def analyse(path, granule, top, window_only, climb_frags, scales):
     snapshot = load(path)
     found = devices(snapshot)
     if not found:
         sys.exit(f"{path}: no device's history records an allocation or a free")
     for device in found:
         name = path.rsplit("/", 1)[-1] + (f":cuda{device}" if len(found) > 1 else "")
-        analyse_device(name, snapshot, device, granule, top, window_only, climb_frags)
+        analyse_device(name, snapshot, device, granule, top, window_only, climb_frags, scales)
 
 
-def analyse_device(name, snapshot, device, granule, top, window_only, climb_frags):
-    events, n_before, before_bytes = replayable(snapshot, device, window_only)
-    times = [e["time_us"] for e in snapshot["device_traces"][device] if "time_us" in e]
-    wall_us = max(times) - min(times) if times else 0
+def own_granules(events, granule):
+    """The peak of live requested bytes (bytes, event count), the sizes live there, and the
+    own-granules bound at it in bytes."""
     requested = 0
     peak = (0, 0)
     for n, (action, _, size) in enumerate(events, 1):
@@ -140,7 +143,14 @@ def analyse_device(name, snapshot, device, granule, top, window_only, climb_frag
     sizes = list(live.values())
     large = sum(-(-s // granule) * granule for s in sizes if s >= MIB)
     small = sum(s for s in sizes if s < MIB)
-    bound = large + -(-small // granule) * granule
+    return peak, sizes, large + -(-small // granule) * granule
+
+
+def analyse_device(name, snapshot, device, granule, top, window_only, climb_frags, scales):
+    events, n_before, before_bytes = replayable(snapshot, device, window_only)
+    times = [e["time_us"] for e in snapshot["device_traces"][device] if "time_us" in e]
+    wall_us = max(times) - min(times) if times else 0
+    peak, sizes, bound = own_granules(events, granule)
     if n_before:
         print(f"{name}: {n_before} blocks ({before_bytes / MIB:.1f} MiB) live before the history, allocated first")
     print(f"{name}: peak live {peak[0] / MIB:.1f} MiB at event {peak[1]}; "
@@ -148,6 +158,17 @@ def analyse_device(name, snapshot, device, granule, top, window_only, climb_frag
     by_size = collections.Counter(sizes)
     for size, count in sorted(by_size.items(), key=lambda kv: -kv[0] * kv[1])[:top]:
         print(f"    {size / MIB:10.3f} MiB x {count:4d} = {size * count / MIB:9.1f} MiB")
+    if scales:
+        frags = [1 - peak[0] / bound]
+        cells = []
+        for f in scales:
+            scaled = [(action, addr, int(size * f)) for action, addr, size in events]
+            p, _, b = own_granules(scaled, granule)
+            frags.append(1 - p[0] / b if b else 0.0)
+            cells.append(f"{f:g}: {100 * frags[-1]:.2f} %")
+        print(f"{name}: own-granules bound at scales {', '.join(cells)}; "
+              f"mean with the trace as recorded {100 * sum(frags) / len(frags):.2f} %, "
+              f"worst {100 * max(frags):.2f} %")
     for frag in climb_frags:
         n = climb_growths(events, granule, frag / 100)
         share = f"{100 * n * GROWTH_US / wall_us:.2f} % of its {wall_us / 1e6:.1f} s" if wall_us else "-"
@@ -166,6 +187,17 @@ def percents(text):
     return frags
 
 
+def factors(text):
+    """Comma-separated request-size factors, each above 0 and at most 16 (as vramd replay's)."""
+    try:
+        fs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if any(not 0 < f <= 16 for f in fs):
+        raise argparse.ArgumentTypeError(f"each must be above 0 and at most 16, got {text!r}")
+    return fs
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("traces", nargs="+")
@@ -173,11 +205,14 @@ def main():
     p.add_argument("--top", type=int, default=8)
     p.add_argument("--climb-frag", default="3,1", metavar="PERCENTS", type=percents,
                    help="fragmentations (percent, comma-separated) to give the climb bound for")
+    p.add_argument("--scale", default=[], metavar="FACTORS", type=factors,
+                   help="also give the own-granules bound with request sizes scaled by these "
+                        "(comma-separated, as vramd replay --scale)")
     p.add_argument("--window-only", action="store_true",
                    help="replay the recorded events alone, as vramd replay --window-only")
     a = p.parse_args()
     for t in a.traces:
-        analyse(t, a.granule_mib * MIB, a.top, a.window_only, a.climb_frag)
+        analyse(t, a.granule_mib * MIB, a.top, a.window_only, a.climb_frag, a.scale)
 
 
 if __name__ == "__main__":
