@@ -270,11 +270,6 @@ def worker_compat(args):
         raise AssertionError("no OutOfMemoryError past PyTorch's memory fraction")
 
     _check(r, "oom_catchable", oom_is_catchable)
-    if vramd_torch.installed() == "full":  # pool mode: PyTorch's own allocator keeps the blocks
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "h200"))
-        from destroyed_stream import destroyed_stream_frees_wait
-
-        _check(r, "destroyed_stream_frees_wait", lambda: destroyed_stream_frees_wait(torch))
     if vramd_torch.installed() == "pool":
         _check(r, "oom_of_pytorchs_own", oom_of_pytorchs_own)
     print("RESULT " + json.dumps(r), flush=True)

@@ -2,10 +2,15 @@
 """A block freed on a stream that is then destroyed with work still queued: a stream created next
 (the driver may give it the same handle) must not get the block before that work is done.
 
-`scripts/torch_on_vramd.py` runs the check in full mode (vramd's allocator; libvram hooks
-cuStreamDestroy_v2). Run alone, it shows what PyTorch's own caching allocator does:
+Under vramd's allocator (full mode; libvram hooks cuStreamDestroy_v2), with a daemon running:
+
+    vramd run --torch-mode full -- python3 scripts/h200/destroyed_stream.py
+
+and alone, what PyTorch's own caching allocator does:
 
     python3 scripts/h200/destroyed_stream.py
+
+It prints one JSON line: {"ok": true, "detail": {"same_handle": ...}} or {"ok": false, "error": ...}.
 
 The streams are the driver's own (cuStreamCreate and cuStreamDestroy_v2 through ctypes; under
 `vramd run`, libvram's dlsym hook answers the lookup).
