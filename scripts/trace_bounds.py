@@ -176,26 +176,25 @@ def analyse_device(name, snapshot, device, granule, top, window_only, climb_frag
               f"{n * GROWTH_US / 1000:.1f} ms of driver time, {share}")
 
 
-def percents(text):
-    """Comma-separated fragmentations in percent, each at least 0 and below 100."""
+def numbers(text, ok, rule):
+    """Comma-separated numbers, each of which `ok` accepts (`rule` says which in the error)."""
     try:
-        frags = [float(x) for x in text.split(",") if x.strip()]
+        xs = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
-    if any(not 0 <= f < 100 for f in frags):
-        raise argparse.ArgumentTypeError(f"each must be at least 0 and below 100 %, got {text!r}")
-    return frags
+    if any(not ok(x) for x in xs):
+        raise argparse.ArgumentTypeError(f"each must be {rule}, got {text!r}")
+    return xs
+
+
+def percents(text):
+    """Comma-separated fragmentations in percent, each at least 0 and below 100."""
+    return numbers(text, lambda f: 0 <= f < 100, "at least 0 and below 100 %")
 
 
 def factors(text):
     """Comma-separated request-size factors, each above 0 and at most 16 (as vramd replay's)."""
-    try:
-        fs = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
-    if any(not 0 < f <= 16 for f in fs):
-        raise argparse.ArgumentTypeError(f"each must be above 0 and at most 16, got {text!r}")
-    return fs
+    return numbers(text, lambda f: 0 < f <= 16, "above 0 and at most 16")
 
 
 def main():

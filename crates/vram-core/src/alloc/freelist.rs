@@ -170,11 +170,8 @@ impl FreeList {
     /// capture, or into a private pool) usable by all streams. The caller knows that no work
     /// queued so far can use them any more.
     pub(crate) fn release_never(&mut self, stream: StreamId) {
-        let owner = Owner::Stream(stream);
         let starts: Vec<u64> = self
-            .by_size
-            .range((owner, 0, 0)..=(owner, u64::MAX, u64::MAX))
-            .map(|&(_, _, start)| start)
+            .starts_of(stream)
             .filter(|start| self.by_addr[start].seq == Seq::MAX)
             .collect();
         // Each becomes `Any` and merges with `Any` neighbours only: the stream's other regions
@@ -195,12 +192,7 @@ impl FreeList {
     /// Gives every region of stream `from` to stream `to`, which owns none, with its sequence
     /// number: what `from` could reuse at once, or once its fences complete, is `to`'s now.
     pub(crate) fn rename(&mut self, from: StreamId, to: StreamId) {
-        let owner = Owner::Stream(from);
-        let starts: Vec<u64> = self
-            .by_size
-            .range((owner, 0, 0)..=(owner, u64::MAX, u64::MAX))
-            .map(|&(_, _, start)| start)
-            .collect();
+        let starts: Vec<u64> = self.starts_of(from).collect();
         self.waiting.remove(&from);
         for start in starts {
             let r = self.by_addr[&start];
@@ -213,6 +205,14 @@ impl FreeList {
                 },
             );
         }
+    }
+
+    /// The starts of the regions `stream` owns.
+    fn starts_of(&self, stream: StreamId) -> impl Iterator<Item = u64> + '_ {
+        let owner = Owner::Stream(stream);
+        self.by_size
+            .range((owner, 0, 0)..=(owner, u64::MAX, u64::MAX))
+            .map(|&(_, _, start)| start)
     }
 
     fn link(&mut self, start: u64, r: Region) {
