@@ -10,7 +10,9 @@
 //!
 //! Calls not served here go on to the CUDA runtime's own functions: a free of memory vramd did
 //! not hand out, `cudaFree(NULL)` (which programs use to create the context), an allocation on
-//! another GPU than the tenant's, and everything outside pool mode (full mode loads the same
+//! another GPU than the tenant's, a `cudaMallocAsync` whose stream's device has a pool current
+//! that vramd's memory cannot stand in for ([`crate::interpose::pools`]), and everything outside
+//! pool mode (full mode loads the same
 //! library; its frees are `vram_free`'s). The runtime then calls the driver, whose allocation
 //! calls libvram.so interposes as well ([`crate::interpose`]): an allocation that passes through
 //! here is served there, by the same allocator, and one served here never reaches the driver.
@@ -344,10 +346,19 @@ pub unsafe extern "C" fn cudaMallocAsync(
     if dev_ptr.is_null() {
         return CUDA_ERROR_INVALID_VALUE;
     }
-    let sid = vram_client::alloc::stream_of(stream as u64, false);
-    match serve(Hook::CudaMallocAsync, "cudaMallocAsync", size, sid, || {
-        stream_device(stream)
-    }) {
+    // The runtime takes from its stream's device's current pool, as `cuMemAllocAsync` does: a
+    // pool vramd cannot stand in for made current there is the driver's, so the call goes on to
+    // the runtime, whose `cuMemAllocAsync` libvram.so charges for that pool.
+    let served = if pool_mode() && crate::interpose::pools::current_drivers(stream).is_some() {
+        stats::passed(Hook::CudaMallocAsync);
+        Served::Pass
+    } else {
+        let sid = vram_client::alloc::stream_of(stream as u64, false);
+        serve(Hook::CudaMallocAsync, "cudaMallocAsync", size, sid, || {
+            stream_device(stream)
+        })
+    };
+    match served {
         Served::Done(ptr) => {
             // SAFETY: the caller passes a pointer valid for one write (checked non-null).
             unsafe { *dev_ptr = ptr as *mut c_void };

@@ -19,6 +19,7 @@ mod cprog;
 fn stand_ins(dir: &Path) {
     cprog::build_shared("fake_cuda", "libcuda.so.1", dir);
     cprog::build_shared("fake_nvml", "libnvidia-ml.so.1", dir);
+    cprog::build_shared("fake_cudart", "libcudart.so.13", dir);
 }
 
 /// `driver.c` run with libvram.so preloaded and the stand-ins on the library path.
@@ -28,7 +29,8 @@ fn driver_command(exe: &Path, libs: &Path, socket: &Path) -> Command {
         .env("LD_LIBRARY_PATH", libs)
         .env("VRAMD_SOCKET", socket)
         .env("VRAMD_TENANT", "c-driver")
-        .env("VRAMD_LIMIT", "256MiB");
+        .env("VRAMD_LIMIT", "256MiB")
+        .env("VRAMD_TORCH_MODE", "pool");
     cmd
 }
 

@@ -31,7 +31,9 @@
 //! `cuMemAllocAsync` takes from the current pool of its stream's device. Where a program made a
 //! pool vramd's memory cannot stand in for current on the tenant's GPU (`cuDeviceSetMemPool`,
 //! `cuMemSetMemPool`), its allocations there are the driver's and charged as that pool's are;
-//! otherwise vramd serves them.
+//! otherwise vramd serves them. Pool mode's `cudaMallocAsync` ([`crate::cudart`]) asks
+//! [`current_drivers`] too, and passes such a call on to the runtime, which reaches the driver's
+//! `cuMemAllocAsync` here.
 
 use std::collections::HashMap;
 use std::ffi::{c_int, c_uint, c_void};

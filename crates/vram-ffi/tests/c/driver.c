@@ -1,8 +1,9 @@
 /* libvram.so's driver-level interposition, as a program that loads the driver itself sees it.
  * Run by tests/driver_abi.rs with LD_PRELOAD=libvram.so, LD_LIBRARY_PATH naming the directory of
- * the stand-in driver and NVML (fake_cuda.c, fake_nvml.c: mechanics only, the proof on a real
- * driver is the GPU run), VRAMD_LIMIT=256MiB, against a host-backend daemon, whose memory the
- * program can write with memset.
+ * the stand-in driver, NVML and runtime (fake_cuda.c, fake_nvml.c, fake_cudart.c: mechanics only,
+ * the proof on a real driver is the GPU run), VRAMD_LIMIT=256MiB, VRAMD_TORCH_MODE=pool (which
+ * only the runtime's calls heed), against a host-backend daemon, whose memory the program can
+ * write with memset.
  *
  *   driver            every hook; prints "driver: ok", then waits for a line on stdin while the
  *                     test reads the daemon's status (66 MiB charged through cuMemCreate)
@@ -304,10 +305,32 @@ int main(int argc, char **argv) {
     CHECK(pool_info(&now, &pool_total) == 0 && now == before - mib32);
     CHECK(free_async(ca, stream) == 0);
     CHECK(pool_info(&now, &pool_total) == 0 && now == before);
+    /* Pool mode's cudaMallocAsync takes from the same pool: the call goes on to the runtime
+     * (the stand-in, loaded as a Python extension loads it), whose cuMemAllocAsync is the
+     * driver's, charged by the pool's reservation. */
+    void *runtime = dlopen("libcudart.so.13", RTLD_NOW | RTLD_LOCAL);
+    CHECK(runtime != NULL);
+    int (*runtime_calls)(void) = (int (*)(void))dlsym(runtime, "fake_cudart_calls");
+    int (*cuda_malloc_async)(void **, size_t, void *) =
+        (int (*)(void **, size_t, void *))dlsym(RTLD_DEFAULT, "cudaMallocAsync");
+    int (*cuda_free_async)(void *, void *) =
+        (int (*)(void *, void *))dlsym(RTLD_DEFAULT, "cudaFreeAsync");
+    CHECK(runtime_calls && cuda_malloc_async && cuda_free_async);
+    CHECK(cuda_malloc_async != dlsym(runtime, "cudaMallocAsync"));
+    void *on_device0 = (void *)0x5678, *rt = NULL;
+    CHECK(cuda_malloc_async(&rt, (size_t)8 << 20, on_device0) == 0 && rt != NULL);
+    CHECK(runtime_calls() == 1 && calls("cuMemAllocAsync") == async_calls + 3);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before - mib32);
+    CHECK(cuda_free_async(rt, on_device0) == 0 && runtime_calls() == 2);
+    CHECK(pool_info(&now, &pool_total) == 0 && now == before);
     CHECK(mem_set(&device0, 1, device_pool) == 0);
     CHECK(alloc_async(&cb, 1 << 20, stream) == 0 && cb != 0);
-    CHECK(calls("cuMemAllocAsync") == async_calls + 2);
+    CHECK(calls("cuMemAllocAsync") == async_calls + 3);
     CHECK(free_async(cb, stream) == 0);
+    /* With vramd's pool current again, vramd serves the runtime's call. */
+    CHECK(cuda_malloc_async(&rt, 1 << 20, on_device0) == 0 && rt != NULL);
+    CHECK(runtime_calls() == 2 && calls("cuMemAllocAsync") == async_calls + 3);
+    CHECK(cuda_free_async(rt, on_device0) == 0 && runtime_calls() == 2);
 
     /* A pool destroyed while an allocation from it is out: the driver frees its memory once
      * that is freed, and the charge stays until then. */
@@ -403,7 +426,7 @@ int main(int argc, char **argv) {
     printf("stats: %s\n", stats);
     vram_string_free(stats);
     printf("interposed calls: %llu\n", vram_interposed_calls());
-    CHECK(vram_interposed_calls() == 16); /* the allocations and frees vramd served */
+    CHECK(vram_interposed_calls() == 18); /* the allocations and frees vramd served */
     printf("driver: ok\n");
     fflush(stdout);
     /* The test reads the daemon's status meanwhile, then writes a line or closes stdin. */
