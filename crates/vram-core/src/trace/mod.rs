@@ -1,9 +1,8 @@
 //! Allocation traces: PyTorch memory snapshots (`torch.cuda.memory._snapshot()`, pickled,
 //! optionally gzipped) read into a plain list of allocations and frees.
 //!
-//! Input is bytes, so this module does no I/O. The pickle is decoded strictly: any class or other
-//! global reference (`GLOBAL`, `STACK_GLOBAL`, `REDUCE` on anything but the builtin containers
-//! serde-pickle knows, such as `set`) is an error, never a call. Each device's history
+//! Input is bytes, so this module does no I/O. The pickle is read as plain data (`pickle.rs`):
+//! any class, object or call in it is an error, never run. Each device's history
 //! (`device_traces[i]`) is a trace of its own: its `alloc` events paired by address with
 //! `free_completed`. A process that ran on one GPU has events on that one alone, whichever its
 //! index ([`parse_snapshot`]); [`parse_devices`] gives every device whose history has any.
@@ -18,7 +17,10 @@
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
 
-use serde::Deserialize;
+use pickle::{Pickle, Value};
+pub use pickle::PickleError;
+
+mod pickle;
 
 /// What an event does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
@@ -112,7 +114,9 @@ pub enum TraceError {
     #[error("not a gzip stream that decompresses: {0}")]
     Gzip(#[source] std::io::Error),
     #[error("not a PyTorch memory snapshot pickle (classes are refused): {0}")]
-    Pickle(#[from] serde_pickle::Error),
+    Pickle(#[from] PickleError),
+    #[error("not a PyTorch memory snapshot: {0}")]
+    Shape(String),
     #[error(
         "the snapshot's device histories ({devices} of them) record no allocation or free (was \
          torch.cuda.memory._record_memory_history() on before the program allocated?)"
@@ -133,52 +137,144 @@ pub enum TraceError {
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 
-#[derive(Deserialize)]
+/// The parts of a snapshot a trace is made of. Everything else in it (frames, annotations, the
+/// allocator's settings) is left unread.
 struct Snapshot {
     device_traces: Vec<Vec<RawEvent>>,
     /// Read leniently: a `segments` list of another shape (another PyTorch version's) only hides
     /// the blocks still allocated that no event names; the events replay all the same.
-    #[serde(default, deserialize_with = "lenient_segments")]
     segments: Vec<RawSegment>,
-}
-
-fn lenient_segments<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<RawSegment>, D::Error> {
-    let value = serde_pickle::Value::deserialize(d)?;
-    Ok(serde_pickle::from_value(value).unwrap_or_default())
 }
 
 /// A segment of the allocator's state when the snapshot was taken: its blocks lie side by side
 /// from `address`.
-#[derive(Deserialize)]
 struct RawSegment {
-    #[serde(default)]
     device: u64,
     address: u64,
-    #[serde(default)]
     stream: u64,
-    #[serde(default)]
     blocks: Vec<RawBlock>,
 }
 
-#[derive(Deserialize)]
 struct RawBlock {
     size: u64,
-    #[serde(default)]
     requested_size: Option<u64>,
     state: String,
 }
 
-#[derive(Deserialize)]
 struct RawEvent {
     action: String,
-    #[serde(default)]
     addr: u64,
-    #[serde(default)]
     size: u64,
-    #[serde(default)]
     stream: u64,
-    #[serde(default)]
     time_us: u64,
+}
+
+impl Snapshot {
+    fn read(p: &Pickle) -> Result<Snapshot, String> {
+        let root = p.root();
+        let traces = p.get(root, "device_traces").ok_or_else(|| {
+            format!(
+                "its top value is {} without `device_traces`",
+                Pickle::kind(root)
+            )
+        })?;
+        let device_traces = list(p, traces, "device_traces")?
+            .iter()
+            .enumerate()
+            .map(|(d, &history)| {
+                let at = format!("device_traces[{d}]");
+                list(p, history, &at)?
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &e)| RawEvent::read(p, e, &format!("{at}[{i}]")))
+                    .collect()
+            })
+            .collect::<Result<_, String>>()?;
+        let segments = p
+            .get(root, "segments")
+            .and_then(|s| p.items(s))
+            .and_then(|s| s.iter().map(|&seg| RawSegment::read(p, seg)).collect())
+            .unwrap_or_default();
+        Ok(Snapshot {
+            device_traces,
+            segments,
+        })
+    }
+}
+
+impl RawSegment {
+    fn read(p: &Pickle, seg: Value) -> Option<RawSegment> {
+        let blocks = match p.get(seg, "blocks") {
+            Some(b) => p
+                .items(b)?
+                .iter()
+                .map(|&b| {
+                    Some(RawBlock {
+                        size: uint(p.get(b, "size")?)?,
+                        requested_size: match p.get(b, "requested_size") {
+                            None | Some(Value::None) => None,
+                            Some(v) => Some(uint(v)?),
+                        },
+                        state: p.str(p.get(b, "state")?)?.to_owned(),
+                    })
+                })
+                .collect::<Option<_>>()?,
+            None => Vec::new(),
+        };
+        let or_zero = |key| p.get(seg, key).map_or(Some(0), uint);
+        Some(RawSegment {
+            device: or_zero("device")?,
+            address: uint(p.get(seg, "address")?)?,
+            stream: or_zero("stream")?,
+            blocks,
+        })
+    }
+}
+
+impl RawEvent {
+    /// Event `e` (found at `at`): its `action`, and its numbers (0 where one is missing).
+    fn read(p: &Pickle, e: Value, at: &str) -> Result<RawEvent, String> {
+        if !matches!(e, Value::Dict(_)) {
+            return Err(format!("{at} is {}, not a dict", Pickle::kind(e)));
+        }
+        let action = p
+            .get(e, "action")
+            .ok_or_else(|| format!("{at} has no `action`"))?;
+        let action = p
+            .str(action)
+            .ok_or_else(|| format!("{at}.action is {}, not a str", Pickle::kind(action)))?;
+        let number = |key: &str| match p.get(e, key) {
+            None => Ok(0),
+            Some(v) => uint(v).ok_or_else(|| {
+                format!(
+                    "{at}.{key} is {}, not an int of 0 to 2^64-1",
+                    Pickle::kind(v)
+                )
+            }),
+        };
+        Ok(RawEvent {
+            action: action.to_owned(),
+            addr: number("addr")?,
+            size: number("size")?,
+            stream: number("stream")?,
+            time_us: number("time_us")?,
+        })
+    }
+}
+
+/// `v`'s items, where it is a list (or tuple), else what it is instead.
+fn list<'p>(p: &'p Pickle, v: Value, at: &str) -> Result<&'p [Value], String> {
+    p.items(v)
+        .ok_or_else(|| format!("{at} is {}, not a list", Pickle::kind(v)))
+}
+
+/// `v` as an unsigned 64-bit integer, if it is one.
+fn uint(v: Value) -> Option<u64> {
+    match v {
+        Value::Int(i) => u64::try_from(i).ok(),
+        Value::UInt(u) => Some(u),
+        _ => None,
+    }
 }
 
 /// One device's trace in a snapshot.
@@ -216,7 +312,7 @@ pub fn parse_devices(bytes: &[u8]) -> Result<Vec<DeviceTrace>, TraceError> {
     } else {
         bytes
     };
-    let snapshot: Snapshot = serde_pickle::from_slice(pickle, serde_pickle::DeOptions::new())?;
+    let snapshot = Snapshot::read(&pickle::read(pickle)?).map_err(TraceError::Shape)?;
     let mut traces = Vec::new();
     for (device, raw) in snapshot.device_traces.iter().enumerate() {
         if !raw.iter().any(|e| e.is_alloc() || e.is_free()) {

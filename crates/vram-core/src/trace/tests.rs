@@ -94,6 +94,77 @@ fn refuses_classes_and_calls() {
     assert!(parse_snapshot(call).is_err());
 }
 
+/// Frames shared as a snapshot recorded with stacks shares them (one frame in two tracebacks,
+/// one traceback in two events), an address of 2^40 bytes and a stream above 2^63:
+/// `pickle.dumps(d, protocol=4)`, then the same with protocol 2.
+const SHARED_FRAMES_HEX: [&str; 2] = [
+    "80049543010000000000007d94288c087365676d656e7473945d948c0d6465766963655f747261636573945d945d94287d94288c06616374696f6e948c05616c6c6f63948c0461646472944d00208c0473697a65944b648c0673747265616d944b078c0774696d655f7573944b0a8c066672616d6573945d94287d94288c0866696c656e616d65948c04782e7079948c046c696e65944b018c046e616d65948c016694757d942868108c04792e70799468124b0268138c0167947565757d94286807680868094d0030680a8a06000000000001680b8a09050000000000008000680c4b0b680d5d94286815680f65757d942868078c0e667265655f636f6d706c657465649468094d0020680a4b64680b4b07680c4b0c680d680e757d94286807681b68094d0030680a8a06000000000001680b8a09050000000000008000680c4b0d680d5d94680f61756561752e",
+    "80027d71002858080000007365676d656e747371015d7102580d0000006465766963655f74726163657371035d71045d7105287d7106285806000000616374696f6e71075805000000616c6c6f63710858040000006164647271094d0020580400000073697a65710a4b64580600000073747265616d710b4b07580700000074696d655f7573710c4b0a58060000006672616d6573710d5d710e287d710f28580800000066696c656e616d6571105804000000782e7079711158040000006c696e6571124b0158040000006e616d6571135801000000667114757d71152868105804000000792e7079711668124b02681358010000006771177565757d7118286807680868094d0030680a8a06000000000001680b8a09050000000000008000680c4b0b680d5d7119286815680f65757d711a286807580e000000667265655f636f6d706c65746564711b68094d0020680a4b64680b4b07680c4b0c680d680e757d711c286807681b68094d0030680a8a06000000000001680b8a09050000000000008000680c4b0d680d5d711d680f61756561752e",
+];
+
+#[test]
+fn frames_shared_among_events_are_read_once_and_large_integers_whole() {
+    use Action::{Alloc, Free};
+    let stream = (1 << 63) + 5;
+    for hex in SHARED_FRAMES_HEX {
+        let t = parse_snapshot(&unhex(hex)).unwrap();
+        assert_eq!(
+            t.events,
+            vec![
+                ev(Alloc, 0x2000, 100, 7, 10),
+                ev(Alloc, 0x3000, 1 << 40, stream, 11),
+                ev(Free, 0x2000, 100, 7, 12),
+                ev(Free, 0x3000, 1 << 40, stream, 13),
+            ]
+        );
+    }
+}
+
+/// `pickle.dumps(d, protocol=0)` of an alloc of 64 bytes at 0x1000 and its free (no segments).
+const PROTOCOL_0_HEX: &str = "286470300a566465766963655f7472616365730a70310a286c70320a286c70330a286470340a56616374696f6e0a70350a56616c6c6f630a70360a7356616464720a70370a49343039360a735673697a650a70380a4936340a735673747265616d0a70390a49300a735674696d655f75730a7031300a49310a736128647031310a67350a56667265655f636f6d706c657465640a7031320a7367370a49343039360a7367380a4936340a7367390a49300a736731300a49330a736161732e";
+
+#[test]
+fn a_protocol_0_snapshot_is_refused_with_the_protocol_to_use() {
+    // Protocol 0 writes strings as `V` (raw-unicode-escape), which is refused with the reason.
+    let err = parse_snapshot(&unhex(PROTOCOL_0_HEX)).unwrap_err();
+    assert!(err.to_string().contains("protocol 2 or later"), "{err}");
+}
+
+#[test]
+fn cut_or_corrupted_pickles_are_errors_never_panics() {
+    let whole = unhex(SHARED_FRAMES_HEX[0]);
+    for len in 0..whole.len() {
+        assert!(parse_snapshot(&whole[..len]).is_err(), "cut at {len}");
+    }
+    for i in 0..whole.len() {
+        for byte in [0x00, 0x28, 0x2e, 0x61, 0x68, 0x75, 0x8a, 0x94, 0xff] {
+            let mut b = whole.clone();
+            b[i] = byte;
+            let _ = parse_snapshot(&b);
+        }
+    }
+}
+
+#[test]
+fn what_is_not_a_snapshot_says_where_it_differs() {
+    // `pickle.dumps({"device_traces": [[{"action": 5}]]}, protocol=4)`
+    let hex = concat!(
+        "80049528000000000000007d948c0d6465766963655f747261636573945d945d947d948c06616374696f6e",
+        "944b05736161732e"
+    );
+    let err = parse_snapshot(&unhex(hex)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "not a PyTorch memory snapshot: device_traces[0][0].action is an int, not a str"
+    );
+    // `pickle.dumps([1], protocol=4)`
+    let err = parse_snapshot(&unhex("80049506000000000000005d944b01612e")).unwrap_err();
+    assert!(
+        err.to_string().contains("a list without `device_traces`"),
+        "{err}"
+    );
+}
+
 #[test]
 fn rejects_garbage_and_truncated_gzip() {
     assert!(parse_snapshot(b"not a pickle").is_err());

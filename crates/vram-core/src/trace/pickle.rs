@@ -1,0 +1,562 @@
+//! A reader of pickles of plain data: dicts, lists, tuples, sets, strings, bytes, integers,
+//! floats, booleans and `None`, the form a PyTorch memory snapshot takes.
+//!
+//! It runs the pickle machine's data opcodes (protocols 0 to 5) and refuses every opcode that
+//! names a class, builds an object or calls anything (`GLOBAL`, `STACK_GLOBAL`, `REDUCE`,
+//! `BUILD`, `NEWOBJ`, `INST`, `OBJ`, persistent ids, extension codes, out-of-band buffers), so
+//! reading a snapshot never runs code and never meets a value it cannot represent.
+//!
+//! A value the pickle refers to more than once (through its memo) is held once and shared, as
+//! Python holds it: containers live in an arena and a [`Value`] names them by index. A snapshot
+//! recorded with stacks shares each frame among every traceback that holds it and each traceback
+//! among the events that have it; a reader that copies a shared value at each reference (as
+//! serde-pickle 1.x does, whose per-reference counts then also fail such a pickle with "recursive
+//! structure found") multiplies them. A container that contains itself is only a cycle of
+//! indices here.
+
+use std::collections::HashMap;
+
+/// What the pickle could not be read as.
+#[derive(Debug, thiserror::Error)]
+pub enum PickleError {
+    #[error("the pickle ends inside an opcode at byte {0}")]
+    Truncated(usize),
+    #[error(
+        "opcode {name} at byte {pos} names a class or calls one (only plain data is read: \
+         dicts, lists, tuples, sets, strings, bytes, numbers, booleans, None)"
+    )]
+    Class { name: &'static str, pos: usize },
+    #[error("byte {pos}: {byte:#04x} is not a pickle opcode this reader knows")]
+    Opcode { byte: u8, pos: usize },
+    #[error("byte {pos}: {what}")]
+    Malformed { what: String, pos: usize },
+    #[error("the pickle ends without its STOP opcode")]
+    NoStop,
+}
+
+/// Index of a string, bytes object, sequence or dict in a [`Pickle`]'s arena.
+type Id = u32;
+
+/// A value of the pickle: a scalar, or a container (or string) held in the [`Pickle`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Value {
+    None,
+    Bool(bool),
+    Int(i64),
+    /// An integer above `i64::MAX` that fits in 64 bits.
+    UInt(u64),
+    /// An integer beyond 64 bits: its value is not kept.
+    BigInt,
+    Float(f64),
+    Str(Id),
+    Bytes(Id),
+    /// A list, set or frozenset.
+    List(Id),
+    Tuple(Id),
+    Dict(Id),
+}
+
+/// A decoded pickle: its top value and the arena its containers live in.
+#[derive(Debug, Default)]
+pub struct Pickle {
+    strings: Vec<Box<str>>,
+    bytes: Vec<Box<[u8]>>,
+    /// Lists, sets and tuples.
+    seqs: Vec<Vec<Value>>,
+    /// Dicts as their items in insertion order; a key set again is looked up from the end.
+    dicts: Vec<Vec<(Value, Value)>>,
+    root: Option<Value>,
+}
+
+impl Pickle {
+    /// The value the pickle stops with.
+    pub fn root(&self) -> Value {
+        self.root.unwrap_or(Value::None)
+    }
+
+    /// `v`'s text, if it is a string.
+    pub fn str(&self, v: Value) -> Option<&str> {
+        match v {
+            Value::Str(id) => Some(&self.strings[id as usize]),
+            _ => None,
+        }
+    }
+
+    /// `v`'s items, if it is a list, set or tuple.
+    pub fn items(&self, v: Value) -> Option<&[Value]> {
+        match v {
+            Value::List(id) | Value::Tuple(id) => Some(&self.seqs[id as usize]),
+            _ => None,
+        }
+    }
+
+    /// The value of `key` in `dict`, if `dict` is a dict that has it (the last one set, as in
+    /// Python).
+    pub fn get(&self, dict: Value, key: &str) -> Option<Value> {
+        let Value::Dict(id) = dict else {
+            return None;
+        };
+        self.dicts[id as usize]
+            .iter()
+            .rev()
+            .find(|(k, _)| self.str(*k) == Some(key))
+            .map(|&(_, v)| v)
+    }
+
+    /// What `v` is, in Python's words, for messages.
+    pub fn kind(v: Value) -> &'static str {
+        match v {
+            Value::None => "None",
+            Value::Bool(_) => "a bool",
+            Value::Int(_) | Value::UInt(_) | Value::BigInt => "an int",
+            Value::Float(_) => "a float",
+            Value::Str(_) => "a str",
+            Value::Bytes(_) => "bytes",
+            Value::List(_) => "a list",
+            Value::Tuple(_) => "a tuple",
+            Value::Dict(_) => "a dict",
+        }
+    }
+}
+
+/// Reads one pickle from `input` (what follows its `STOP` is ignored, as Python ignores it).
+pub fn read(input: &[u8]) -> Result<Pickle, PickleError> {
+    let mut m = Machine {
+        input,
+        pos: 0,
+        stack: Vec::new(),
+        marks: Vec::new(),
+        memo: HashMap::new(),
+        out: Pickle::default(),
+    };
+    m.run()?;
+    Ok(m.out)
+}
+
+struct Machine<'a> {
+    input: &'a [u8],
+    pos: usize,
+    stack: Vec<Value>,
+    /// Stack lengths at each `MARK` not yet taken.
+    marks: Vec<usize>,
+    memo: HashMap<u64, Value>,
+    out: Pickle,
+}
+
+/// The opcodes that build objects or call: refused, by name.
+fn class_opcode(op: u8) -> Option<&'static str> {
+    Some(match op {
+        b'c' => "GLOBAL",
+        0x93 => "STACK_GLOBAL",
+        b'R' => "REDUCE",
+        b'b' => "BUILD",
+        0x81 => "NEWOBJ",
+        0x92 => "NEWOBJ_EX",
+        b'i' => "INST",
+        b'o' => "OBJ",
+        b'P' => "PERSID",
+        b'Q' => "BINPERSID",
+        0x82 => "EXT1",
+        0x83 => "EXT2",
+        0x84 => "EXT4",
+        0x97 => "NEXT_BUFFER",
+        0x98 => "READONLY_BUFFER",
+        _ => return None,
+    })
+}
+
+impl<'a> Machine<'a> {
+    fn run(&mut self) -> Result<(), PickleError> {
+        while self.pos < self.input.len() {
+            let at = self.pos;
+            let op = self.input[at];
+            self.pos += 1;
+            if let Some(name) = class_opcode(op) {
+                return Err(PickleError::Class { name, pos: at });
+            }
+            match op {
+                0x80 => {
+                    let proto = self.take(1)?[0];
+                    if proto > 5 {
+                        return Err(self.malformed(at, format!("protocol {proto} (5 at most)")));
+                    }
+                }
+                0x95 => {
+                    self.take(8)?;
+                }
+                b'.' => {
+                    let root = self.pop(at)?;
+                    self.out.root = Some(root);
+                    return Ok(());
+                }
+                b'(' => self.marks.push(self.stack.len()),
+                b'0' => {
+                    self.pop(at)?;
+                }
+                b'1' => {
+                    self.pop_mark(at)?;
+                }
+                b'2' => {
+                    let top = self.top(at)?;
+                    self.stack.push(top);
+                }
+                b'}' => self.push_dict(Vec::new(), at)?,
+                b']' | 0x8f => self.push_seq(Vec::new(), false, at)?,
+                b')' => self.push_seq(Vec::new(), true, at)?,
+                b'd' => {
+                    let items = self.pop_mark(at)?;
+                    let pairs = self.pairs(items, at)?;
+                    self.push_dict(pairs, at)?;
+                }
+                b'l' | 0x91 => {
+                    let items = self.pop_mark(at)?;
+                    self.push_seq(items, false, at)?;
+                }
+                b't' => {
+                    let items = self.pop_mark(at)?;
+                    self.push_seq(items, true, at)?;
+                }
+                0x85..=0x87 => {
+                    let n = usize::from(op - 0x84);
+                    if self.stack.len() < self.floor() + n {
+                        return Err(self.malformed(at, "TUPLE of items the stack lacks".into()));
+                    }
+                    let items = self.stack.split_off(self.stack.len() - n);
+                    self.push_seq(items, true, at)?;
+                }
+                b's' => {
+                    let v = self.pop(at)?;
+                    let k = self.pop(at)?;
+                    self.dict_of_top(at)?.push((k, v));
+                }
+                b'u' => {
+                    let items = self.pop_mark(at)?;
+                    let pairs = self.pairs(items, at)?;
+                    self.dict_of_top(at)?.extend(pairs);
+                }
+                b'a' => {
+                    let v = self.pop(at)?;
+                    self.seq_of_top(at)?.push(v);
+                }
+                b'e' | 0x90 => {
+                    let items = self.pop_mark(at)?;
+                    self.seq_of_top(at)?.extend(items);
+                }
+                b'N' => self.stack.push(Value::None),
+                0x88 => self.stack.push(Value::Bool(true)),
+                0x89 => self.stack.push(Value::Bool(false)),
+                b'J' => {
+                    let v = i32::from_le_bytes(self.take_array()?);
+                    self.stack.push(Value::Int(v.into()));
+                }
+                b'K' => {
+                    let v = self.take(1)?[0];
+                    self.stack.push(Value::Int(v.into()));
+                }
+                b'M' => {
+                    let v = u16::from_le_bytes(self.take_array()?);
+                    self.stack.push(Value::Int(v.into()));
+                }
+                0x8a => {
+                    let n = self.take(1)?[0];
+                    let b = self.take(n.into())?;
+                    self.stack.push(long(b));
+                }
+                0x8b => {
+                    let n = self.len32(at)?;
+                    let b = self.take(n)?;
+                    self.stack.push(long(b));
+                }
+                b'G' => {
+                    let v = f64::from_be_bytes(self.take_array()?);
+                    self.stack.push(Value::Float(v));
+                }
+                b'I' | b'L' => {
+                    let line = self.line()?;
+                    let v = text_int(line).ok_or_else(|| self.malformed(at, "an INT".into()))?;
+                    self.stack.push(v);
+                }
+                b'F' => {
+                    let line = self.line()?;
+                    let v = std::str::from_utf8(line)
+                        .ok()
+                        .and_then(|s| s.trim().parse().ok())
+                        .ok_or_else(|| self.malformed(at, "a FLOAT".into()))?;
+                    self.stack.push(Value::Float(v));
+                }
+                b'X' => {
+                    let n = self.len32(at)?;
+                    self.push_str(n, at)?;
+                }
+                0x8c => {
+                    let n = self.take(1)?[0];
+                    self.push_str(n.into(), at)?;
+                }
+                0x8d => {
+                    let n = self.len64(at)?;
+                    self.push_str(n, at)?;
+                }
+                b'C' | b'U' => {
+                    let n = self.take(1)?[0];
+                    self.push_bytes(n.into(), op == b'U', at)?;
+                }
+                b'B' | b'T' => {
+                    let n = self.len32(at)?;
+                    self.push_bytes(n, op == b'T', at)?;
+                }
+                0x8e | 0x96 => {
+                    let n = self.len64(at)?;
+                    self.push_bytes(n, false, at)?;
+                }
+                0x94 => {
+                    let top = self.top(at)?;
+                    let index = self.memo.len() as u64;
+                    self.memo.insert(index, top);
+                }
+                b'q' => {
+                    let index = self.take(1)?[0];
+                    self.put(index.into(), at)?;
+                }
+                b'r' => {
+                    let index = u32::from_le_bytes(self.take_array()?);
+                    self.put(index.into(), at)?;
+                }
+                b'p' => {
+                    let index = self.line_index(at)?;
+                    self.put(index, at)?;
+                }
+                b'h' => {
+                    let index = self.take(1)?[0];
+                    self.get(index.into(), at)?;
+                }
+                b'j' => {
+                    let index = u32::from_le_bytes(self.take_array()?);
+                    self.get(index.into(), at)?;
+                }
+                b'g' => {
+                    let index = self.line_index(at)?;
+                    self.get(index, at)?;
+                }
+                b'S' | b'V' => {
+                    return Err(self.malformed(
+                        at,
+                        "a protocol 0 string (write the snapshot with protocol 2 or later)".into(),
+                    ))
+                }
+                byte => return Err(PickleError::Opcode { byte, pos: at }),
+            }
+        }
+        Err(PickleError::NoStop)
+    }
+
+    fn malformed(&self, pos: usize, what: String) -> PickleError {
+        PickleError::Malformed { what, pos }
+    }
+
+    /// The next `n` bytes, an opcode's argument.
+    fn take(&mut self, n: usize) -> Result<&'a [u8], PickleError> {
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&end| end <= self.input.len())
+            .ok_or(PickleError::Truncated(self.pos))?;
+        let b = &self.input[self.pos..end];
+        self.pos = end;
+        Ok(b)
+    }
+
+    fn take_array<const N: usize>(&mut self) -> Result<[u8; N], PickleError> {
+        let mut a = [0; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn len32(&mut self, at: usize) -> Result<usize, PickleError> {
+        let n = i32::from_le_bytes(self.take_array()?);
+        usize::try_from(n).map_err(|_| self.malformed(at, format!("a negative length {n}")))
+    }
+
+    fn len64(&mut self, at: usize) -> Result<usize, PickleError> {
+        let n = u64::from_le_bytes(self.take_array()?);
+        usize::try_from(n).map_err(|_| self.malformed(at, format!("a length of {n} bytes")))
+    }
+
+    /// The text up to the next newline (protocol 0's arguments).
+    fn line(&mut self) -> Result<&'a [u8], PickleError> {
+        let rest = &self.input[self.pos..];
+        let n = rest
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or(PickleError::Truncated(self.pos))?;
+        self.pos += n + 1;
+        Ok(&rest[..n])
+    }
+
+    fn line_index(&mut self, at: usize) -> Result<u64, PickleError> {
+        let line = self.line()?;
+        std::str::from_utf8(line)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .ok_or_else(|| self.malformed(at, "a memo index".into()))
+    }
+
+    /// The lowest stack index the current mark leaves to the opcodes after it.
+    fn floor(&self) -> usize {
+        self.marks.last().copied().unwrap_or(0)
+    }
+
+    fn pop(&mut self, at: usize) -> Result<Value, PickleError> {
+        if self.stack.len() <= self.floor() {
+            return Err(self.malformed(at, "an opcode takes from an empty stack".into()));
+        }
+        Ok(self.stack.pop().expect("checked above"))
+    }
+
+    fn top(&self, at: usize) -> Result<Value, PickleError> {
+        match self.stack.last() {
+            Some(&v) if self.stack.len() > self.floor() => Ok(v),
+            _ => Err(self.malformed(at, "an opcode reads an empty stack".into())),
+        }
+    }
+
+    fn pop_mark(&mut self, at: usize) -> Result<Vec<Value>, PickleError> {
+        let mark = self.marks.pop().ok_or_else(|| {
+            self.malformed(at, "an opcode takes to a MARK there is none of".into())
+        })?;
+        Ok(self.stack.split_off(mark))
+    }
+
+    fn pairs(&self, items: Vec<Value>, at: usize) -> Result<Vec<(Value, Value)>, PickleError> {
+        if !items.len().is_multiple_of(2) {
+            return Err(self.malformed(at, "a dict's items are an odd count".into()));
+        }
+        Ok(items.chunks_exact(2).map(|p| (p[0], p[1])).collect())
+    }
+
+    fn next_id(&self, len: usize, at: usize) -> Result<Id, PickleError> {
+        Id::try_from(len).map_err(|_| self.malformed(at, "too many values".into()))
+    }
+
+    fn push_dict(&mut self, items: Vec<(Value, Value)>, at: usize) -> Result<(), PickleError> {
+        let id = self.next_id(self.out.dicts.len(), at)?;
+        self.out.dicts.push(items);
+        self.stack.push(Value::Dict(id));
+        Ok(())
+    }
+
+    fn push_seq(&mut self, items: Vec<Value>, tuple: bool, at: usize) -> Result<(), PickleError> {
+        let id = self.next_id(self.out.seqs.len(), at)?;
+        self.out.seqs.push(items);
+        self.stack.push(if tuple {
+            Value::Tuple(id)
+        } else {
+            Value::List(id)
+        });
+        Ok(())
+    }
+
+    fn push_str(&mut self, n: usize, at: usize) -> Result<(), PickleError> {
+        let text = std::str::from_utf8(self.take(n)?)
+            .map_err(|e| self.malformed(at, format!("a string that is not UTF-8 ({e})")))?
+            .into();
+        let id = self.next_id(self.out.strings.len(), at)?;
+        self.out.strings.push(text);
+        self.stack.push(Value::Str(id));
+        Ok(())
+    }
+
+    /// Bytes, or for Python 2's `str` (`text`) a string where they are UTF-8.
+    fn push_bytes(&mut self, n: usize, text: bool, at: usize) -> Result<(), PickleError> {
+        let b = self.take(n)?;
+        if text {
+            if let Ok(s) = std::str::from_utf8(b) {
+                let s: Box<str> = s.into();
+                let id = self.next_id(self.out.strings.len(), at)?;
+                self.out.strings.push(s);
+                self.stack.push(Value::Str(id));
+                return Ok(());
+            }
+        }
+        let b: Box<[u8]> = b.into();
+        let id = self.next_id(self.out.bytes.len(), at)?;
+        self.out.bytes.push(b);
+        self.stack.push(Value::Bytes(id));
+        Ok(())
+    }
+
+    fn put(&mut self, index: u64, at: usize) -> Result<(), PickleError> {
+        let top = self.top(at)?;
+        self.memo.insert(index, top);
+        Ok(())
+    }
+
+    fn get(&mut self, index: u64, at: usize) -> Result<(), PickleError> {
+        let v = *self
+            .memo
+            .get(&index)
+            .ok_or_else(|| self.malformed(at, format!("memo {index} was never stored")))?;
+        self.stack.push(v);
+        Ok(())
+    }
+
+    fn dict_of_top(&mut self, at: usize) -> Result<&mut Vec<(Value, Value)>, PickleError> {
+        match self.top(at)? {
+            Value::Dict(id) => Ok(&mut self.out.dicts[id as usize]),
+            v => Err(self.malformed(at, format!("SETITEM on {}", Pickle::kind(v)))),
+        }
+    }
+
+    fn seq_of_top(&mut self, at: usize) -> Result<&mut Vec<Value>, PickleError> {
+        match self.top(at)? {
+            Value::List(id) => Ok(&mut self.out.seqs[id as usize]),
+            v => Err(self.malformed(at, format!("APPEND to {}", Pickle::kind(v)))),
+        }
+    }
+}
+
+/// `LONG1`/`LONG4`'s little-endian two's complement integer.
+fn long(b: &[u8]) -> Value {
+    if b.is_empty() {
+        return Value::Int(0);
+    }
+    if b.len() > 16 {
+        return Value::BigInt;
+    }
+    let negative = b[b.len() - 1] & 0x80 != 0;
+    let mut bytes = [if negative { 0xff } else { 0 }; 16];
+    bytes[..b.len()].copy_from_slice(b);
+    let v = i128::from_le_bytes(bytes);
+    if let Ok(v) = i64::try_from(v) {
+        Value::Int(v)
+    } else if let Ok(v) = u64::try_from(v) {
+        Value::UInt(v)
+    } else {
+        Value::BigInt
+    }
+}
+
+/// Protocol 0's `INT` and `LONG` text: `00` and `01` are False and True, a trailing `L` is
+/// Python 2's long.
+fn text_int(line: &[u8]) -> Option<Value> {
+    let s = std::str::from_utf8(line).ok()?.trim();
+    match s {
+        "00" => return Some(Value::Bool(false)),
+        "01" => return Some(Value::Bool(true)),
+        _ => {}
+    }
+    let s = s.strip_suffix('L').unwrap_or(s);
+    let digits = s.strip_prefix('-').unwrap_or(s);
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let Ok(v) = s.parse::<i128>() else {
+        return Some(Value::BigInt);
+    };
+    Some(if let Ok(v) = i64::try_from(v) {
+        Value::Int(v)
+    } else if let Ok(v) = u64::try_from(v) {
+        Value::UInt(v)
+    } else {
+        Value::BigInt
+    })
+}
