@@ -17,8 +17,8 @@
 use std::collections::{HashMap, HashSet};
 use std::io::Read;
 
-use pickle::{Pickle, Value};
 pub use pickle::PickleError;
+use pickle::{Pickle, Value};
 
 mod pickle;
 
@@ -118,6 +118,11 @@ pub enum TraceError {
     #[error("not a PyTorch memory snapshot: {0}")]
     Shape(String),
     #[error(
+        "a zip archive (what torch.save writes), not a pickled snapshot: write it with \
+         torch.cuda.memory._dump_snapshot(path) or pickle.dump(torch.cuda.memory._snapshot(), f)"
+    )]
+    Zip,
+    #[error(
         "the snapshot's device histories ({devices} of them) record no allocation or free (was \
          torch.cuda.memory._record_memory_history() on before the program allocated?)"
     )]
@@ -136,6 +141,8 @@ pub enum TraceError {
 }
 
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
+/// A zip archive's first bytes: what `torch.save` writes.
+const ZIP_MAGIC: [u8; 4] = *b"PK\x03\x04";
 
 /// The parts of a snapshot a trace is made of. Everything else in it (frames, annotations, the
 /// allocator's settings) is left unread.
@@ -302,6 +309,9 @@ pub fn parse_snapshot(bytes: &[u8]) -> Result<Trace, TraceError> {
 /// empty history is never replayed as a workload that allocated nothing).
 pub fn parse_devices(bytes: &[u8]) -> Result<Vec<DeviceTrace>, TraceError> {
     let inflated;
+    if bytes.starts_with(&ZIP_MAGIC) {
+        return Err(TraceError::Zip);
+    }
     let pickle = if bytes.starts_with(&GZIP_MAGIC) {
         let mut out = Vec::new();
         flate2::read::MultiGzDecoder::new(bytes)

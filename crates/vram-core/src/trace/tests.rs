@@ -166,6 +166,13 @@ fn what_is_not_a_snapshot_says_where_it_differs() {
 }
 
 #[test]
+fn a_torch_save_archive_is_told_apart_with_the_call_that_writes_a_snapshot() {
+    let err = parse_snapshot(b"PK\x03\x04\x00\x00archive/data.pkl").unwrap_err();
+    assert!(matches!(err, TraceError::Zip), "{err}");
+    assert!(err.to_string().contains("_dump_snapshot"), "{err}");
+}
+
+#[test]
 fn rejects_garbage_and_truncated_gzip() {
     assert!(parse_snapshot(b"not a pickle").is_err());
     let gz = gzip(&unhex(SNAPSHOT_HEX));
