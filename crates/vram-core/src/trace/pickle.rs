@@ -22,8 +22,9 @@ pub enum PickleError {
     #[error("the pickle ends inside an opcode at byte {0}")]
     Truncated(usize),
     #[error(
-        "opcode {name} at byte {pos} names a class or calls one (only plain data is read: \
-         dicts, lists, tuples, sets, strings, bytes, numbers, booleans, None)"
+        "opcode {name} at byte {pos} is refused: only plain data is read (dicts, lists, tuples, \
+         sets, strings, bytes, numbers, booleans, None), never a class, an object, a call or a \
+         buffer from outside the pickle"
     )]
     Class { name: &'static str, pos: usize },
     #[error("byte {pos}: {byte:#04x} is not a pickle opcode this reader knows")]
@@ -143,7 +144,8 @@ struct Machine<'a> {
     out: Pickle,
 }
 
-/// The opcodes that build objects or call: refused, by name.
+/// The opcodes that name a class, build an object, call, or take a value from outside the
+/// pickle: refused, by name.
 fn class_opcode(op: u8) -> Option<&'static str> {
     Some(match op {
         b'c' => "GLOBAL",
