@@ -459,10 +459,13 @@ impl<'a> Machine<'a> {
 
     fn push_str(&mut self, n: usize, at: usize) -> Result<(), PickleError> {
         let text = std::str::from_utf8(self.take(n)?)
-            .map_err(|e| self.malformed(at, format!("a string that is not UTF-8 ({e})")))?
-            .into();
+            .map_err(|e| self.malformed(at, format!("a string that is not UTF-8 ({e})")))?;
+        self.push_text(text, at)
+    }
+
+    fn push_text(&mut self, text: &str, at: usize) -> Result<(), PickleError> {
         let id = self.next_id(self.out.strings.len(), at)?;
-        self.out.strings.push(text);
+        self.out.strings.push(text.into());
         self.stack.push(Value::Str(id));
         Ok(())
     }
@@ -470,20 +473,15 @@ impl<'a> Machine<'a> {
     /// Bytes, or for Python 2's `str` (`text`) a string where they are UTF-8.
     fn push_bytes(&mut self, n: usize, text: bool, at: usize) -> Result<(), PickleError> {
         let b = self.take(n)?;
-        if text {
-            if let Ok(s) = std::str::from_utf8(b) {
-                let s: Box<str> = s.into();
-                let id = self.next_id(self.out.strings.len(), at)?;
-                self.out.strings.push(s);
-                self.stack.push(Value::Str(id));
-                return Ok(());
+        match std::str::from_utf8(b) {
+            Ok(s) if text => self.push_text(s, at),
+            _ => {
+                let id = self.next_id(self.out.bytes.len(), at)?;
+                self.out.bytes.push(b.into());
+                self.stack.push(Value::Bytes(id));
+                Ok(())
             }
         }
-        let b: Box<[u8]> = b.into();
-        let id = self.next_id(self.out.bytes.len(), at)?;
-        self.out.bytes.push(b);
-        self.stack.push(Value::Bytes(id));
-        Ok(())
     }
 
     fn put(&mut self, index: u64, at: usize) -> Result<(), PickleError> {
@@ -527,7 +525,11 @@ fn long(b: &[u8]) -> Value {
     let negative = b[b.len() - 1] & 0x80 != 0;
     let mut bytes = [if negative { 0xff } else { 0 }; 16];
     bytes[..b.len()].copy_from_slice(b);
-    let v = i128::from_le_bytes(bytes);
+    int(i128::from_le_bytes(bytes))
+}
+
+/// An integer as the narrowest [`Value`] that holds it.
+fn int(v: i128) -> Value {
     if let Ok(v) = i64::try_from(v) {
         Value::Int(v)
     } else if let Ok(v) = u64::try_from(v) {
@@ -551,14 +553,100 @@ fn text_int(line: &[u8]) -> Option<Value> {
     if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    let Ok(v) = s.parse::<i128>() else {
-        return Some(Value::BigInt);
-    };
-    Some(if let Ok(v) = i64::try_from(v) {
-        Value::Int(v)
-    } else if let Ok(v) = u64::try_from(v) {
-        Value::UInt(v)
-    } else {
-        Value::BigInt
-    })
+    Some(s.parse::<i128>().map_or(Value::BigInt, int))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn scalars_of_every_width_read_as_python_wrote_them() {
+        // `pickle.dumps((1, 2, 3, 4, -5, 2**64, 2**63, -2**63, 2**200, 1.5, True, None, b"ab",
+        // "é"), protocol=4)`: a tuple of more than three items (MARK ... TUPLE).
+        let p = read(&unhex(concat!(
+            "8004956200000000000000284b014b024b034b044afbffffff8a09000000000000000001",
+            "8a090000000000000080008a0800000000000000808a1a00000000000000000000000000",
+            "00000000000000000000000001473ff8000000000000884e43026162948c02c3a99474942e"
+        )))
+        .unwrap();
+        let items = p.items(p.root()).unwrap();
+        assert!(matches!(p.root(), Value::Tuple(_)));
+        assert_eq!(
+            items[..12],
+            [
+                Value::Int(1),
+                Value::Int(2),
+                Value::Int(3),
+                Value::Int(4),
+                Value::Int(-5),
+                Value::BigInt,
+                Value::UInt(1 << 63),
+                Value::Int(i64::MIN),
+                Value::BigInt,
+                Value::Float(1.5),
+                Value::Bool(true),
+                Value::None,
+            ]
+        );
+        assert!(matches!(items[12], Value::Bytes(_)));
+        assert_eq!(p.str(items[13]), Some("é"));
+    }
+
+    #[test]
+    fn protocol_0_numbers_and_memo_and_a_list_that_holds_itself() {
+        // A list of 1, True, a long beyond 64 bits, 1.5 and itself (PUT 0, GET 0), then DUP and
+        // POP, which leave it as it was.
+        let p =
+            read(b"(lp0\nI1\naI01\naL123456789012345678901234567890L\naF1.5\nag0\na20.").unwrap();
+        let items = p.items(p.root()).unwrap();
+        assert_eq!(
+            items,
+            [
+                Value::Int(1),
+                Value::Bool(true),
+                Value::BigInt,
+                Value::Float(1.5),
+                p.root()
+            ]
+        );
+        assert_eq!(p.items(items[4]).unwrap().len(), 5);
+    }
+
+    #[test]
+    fn a_dict_keeps_the_last_value_of_a_key_set_twice() {
+        // `}` then SETITEMS of ("a", 1, "a", 2).
+        let p = read(b"}(\x8c\x01aK\x01\x8c\x01aK\x02u.").unwrap();
+        assert_eq!(p.get(p.root(), "a"), Some(Value::Int(2)));
+        assert_eq!(p.get(p.root(), "b"), None);
+    }
+
+    #[test]
+    fn refusals_name_the_opcode_and_where() {
+        let err = read(b"\x80\x04cos\nsystem\n.").unwrap_err();
+        assert_eq!(
+            err.to_string().split(':').next(),
+            Some("opcode GLOBAL at byte 2 is refused")
+        );
+        assert!(matches!(
+            read(b"]a."),
+            Err(PickleError::Malformed { pos: 1, .. })
+        ));
+        assert!(matches!(
+            read(b"\x8d\xff\xff\xff\xff\xff\xff\xff\x7f"),
+            Err(PickleError::Truncated(9))
+        ));
+        assert!(matches!(read(b"K\x01"), Err(PickleError::NoStop)));
+        assert!(matches!(
+            read(b"h\x05."),
+            Err(PickleError::Malformed { .. })
+        ));
+    }
 }
