@@ -339,10 +339,16 @@ impl<'a> Machine<'a> {
                     let index = self.line_index(at)?;
                     self.get(index, at)?;
                 }
-                b'S' | b'V' => {
+                b'V' => {
+                    let line = self.line()?;
+                    let text = raw_unicode_escape(line)
+                        .ok_or_else(|| self.malformed(at, "a UNICODE string".into()))?;
+                    self.push_text(&text, at)?;
+                }
+                b'S' => {
                     return Err(self.malformed(
                         at,
-                        "a protocol 0 string (write the snapshot with protocol 2 or later)".into(),
+                        "a Python 2 STRING (write the snapshot with Python 3)".into(),
                     ))
                 }
                 byte => return Err(PickleError::Opcode { byte, pos: at }),
@@ -528,6 +534,29 @@ fn long(b: &[u8]) -> Value {
     int(i128::from_le_bytes(bytes))
 }
 
+/// Protocol 0's `UNICODE` text: Latin-1 bytes, but for `\uXXXX` and `\UXXXXXXXX` escapes
+/// (Python writes a backslash itself as `\u005c`).
+fn raw_unicode_escape(line: &[u8]) -> Option<String> {
+    let mut out = String::with_capacity(line.len());
+    let mut i = 0;
+    while i < line.len() {
+        let digits = match line.get(i..i + 2) {
+            Some(b"\\u") => 4,
+            Some(b"\\U") => 8,
+            _ => 0,
+        };
+        if digits == 0 {
+            out.push(char::from(line[i]));
+            i += 1;
+            continue;
+        }
+        let hex = std::str::from_utf8(line.get(i + 2..i + 2 + digits)?).ok()?;
+        out.push(char::from_u32(u32::from_str_radix(hex, 16).ok()?)?);
+        i += 2 + digits;
+    }
+    Some(out)
+}
+
 /// An integer as the narrowest [`Value`] that holds it.
 fn int(v: i128) -> Value {
     if let Ok(v) = i64::try_from(v) {
@@ -618,6 +647,15 @@ mod tests {
             ]
         );
         assert_eq!(p.items(items[4]).unwrap().len(), 5);
+    }
+
+    #[test]
+    fn protocol_0_strings_are_latin_1_with_escapes() {
+        // `pickle.dumps(["é\\x\n", "\U0001F600"], protocol=0)`
+        let p = read(b"(lp0\nV\xe9\\u005cx\\u000a\np1\naV\\U0001f600\np2\na.").unwrap();
+        let items = p.items(p.root()).unwrap();
+        assert_eq!(p.str(items[0]), Some("é\\x\n"));
+        assert_eq!(p.str(items[1]), Some("\u{1F600}"));
     }
 
     #[test]
