@@ -18,6 +18,7 @@ The streams are the driver's own (cuStreamCreate and cuStreamDestroy_v2 through 
 
 import ctypes
 import json
+import sys
 
 SIZE = 64 * 2**20
 
@@ -25,7 +26,9 @@ SIZE = 64 * 2**20
 def destroyed_stream_frees_wait(torch):
     cu = ctypes.CDLL("libcuda.so.1")
     dev = torch.device("cuda")
-    torch.cuda.init()
+    # The runtime makes the device's primary context current on this thread at its first call
+    # that needs one; the driver's stream calls below need it current.
+    torch.zeros(1, device=dev)
 
     def create():
         h = ctypes.c_void_p()
@@ -63,3 +66,4 @@ if __name__ == "__main__":
         print(json.dumps({"ok": True, "detail": destroyed_stream_frees_wait(torch)}))
     except AssertionError as e:
         print(json.dumps({"ok": False, "error": str(e)}))
+        sys.exit(1)
