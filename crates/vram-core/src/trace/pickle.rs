@@ -658,6 +658,72 @@ mod tests {
         assert_eq!(p.str(items[1]), Some("\u{1F600}"));
     }
 
+    /// `v` in the canonical form `pickle_cases.py` prints.
+    fn canon(p: &Pickle, v: Value) -> serde_json::Value {
+        use serde_json::json;
+        let all = |items: &[Value]| items.iter().map(|&x| canon(p, x)).collect::<Vec<_>>();
+        match v {
+            Value::None => serde_json::Value::Null,
+            Value::Bool(b) => json!(b),
+            Value::Int(i) => json!({ "int": i.to_string() }),
+            Value::UInt(u) => json!({ "int": u.to_string() }),
+            Value::BigInt => json!("big"),
+            Value::Float(f) => json!({ "float": f }),
+            Value::Str(_) => json!({ "str": p.str(v).unwrap() }),
+            Value::Bytes(id) => {
+                let hex: String = p.bytes[id as usize]
+                    .iter()
+                    .map(|b| format!("{b:02x}"))
+                    .collect();
+                json!({ "bytes": hex })
+            }
+            Value::List(_) => json!({ "list": all(p.items(v).unwrap()) }),
+            Value::Tuple(_) => json!({ "tuple": all(p.items(v).unwrap()) }),
+            Value::Dict(id) => {
+                let pairs: Vec<_> = p.dicts[id as usize]
+                    .iter()
+                    .map(|&(k, x)| json!([canon(p, k), canon(p, x)]))
+                    .collect();
+                json!({ "dict": pairs })
+            }
+        }
+    }
+
+    /// Python's own pickles of random plain values (ints of every width, floats, strings with
+    /// escapes, bytes, nested and shared lists, tuples and dicts) at protocols 0 to 5 read as
+    /// Python reads them.
+    #[test]
+    fn reads_what_python_pickles_at_every_protocol() {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/src/trace/pickle_cases.py");
+        let mut cases = 0;
+        for seed in 1..=5 {
+            let out = std::process::Command::new("python3")
+                .arg(script)
+                .arg(seed.to_string())
+                .output()
+                .expect("python3 runs (it is on every machine the tests run on)");
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            for line in String::from_utf8(out.stdout).unwrap().lines() {
+                let mut parts = line.splitn(3, ' ');
+                let (protocol, hex, want) = (
+                    parts.next().unwrap(),
+                    parts.next().unwrap(),
+                    parts.next().unwrap(),
+                );
+                let p =
+                    read(&unhex(hex)).unwrap_or_else(|e| panic!("protocol {protocol} {hex}: {e}"));
+                let want: serde_json::Value = serde_json::from_str(want).unwrap();
+                assert_eq!(canon(&p, p.root()), want, "protocol {protocol} {hex}");
+                cases += 1;
+            }
+        }
+        assert_eq!(cases, 5 * 6 * 20);
+    }
+
     #[test]
     fn a_dict_keeps_the_last_value_of_a_key_set_twice() {
         // `}` then SETITEMS of ("a", 1, "a", 2).

@@ -143,7 +143,11 @@ fn a_snapshot_pytorch_recorded_with_stacks_is_read() {
         "/../../docs/results/2026-12-07-h100-snapshot-with-stacks.pickle"
     );
     let t = parse_snapshot(&std::fs::read(path).unwrap()).unwrap();
-    let allocs = t.events.iter().filter(|e| e.action == Action::Alloc).count();
+    let allocs = t
+        .events
+        .iter()
+        .filter(|e| e.action == Action::Alloc)
+        .count();
     assert_eq!((allocs, t.events.len() - allocs), (63, 21));
     assert_eq!((t.before_history, t.skipped_frees), (0, 0));
 }
