@@ -189,11 +189,10 @@ impl Snapshot {
             .iter()
             .enumerate()
             .map(|(d, &history)| {
-                let at = format!("device_traces[{d}]");
-                list(p, history, &at)?
+                list(p, history, &format!("device_traces[{d}]"))?
                     .iter()
                     .enumerate()
-                    .map(|(i, &e)| RawEvent::read(p, e, &format!("{at}[{i}]")))
+                    .map(|(i, &e)| RawEvent::read(p, e, (d, i)))
                     .collect()
             })
             .collect::<Result<_, String>>()?;
@@ -239,8 +238,10 @@ impl RawSegment {
 }
 
 impl RawEvent {
-    /// Event `e` (found at `at`): its `action`, and its numbers (0 where one is missing).
-    fn read(p: &Pickle, e: Value, at: &str) -> Result<RawEvent, String> {
+    /// Event `e`, `device_traces[d][i]`: its `action`, and its numbers (0 where one is
+    /// missing). The event's place is written out only for an error.
+    fn read(p: &Pickle, e: Value, (d, i): (usize, usize)) -> Result<RawEvent, String> {
+        let at = format_args!("device_traces[{d}][{i}]");
         if !matches!(e, Value::Dict(_)) {
             return Err(format!("{at} is {}, not a dict", Pickle::kind(e)));
         }

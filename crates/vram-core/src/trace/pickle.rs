@@ -58,27 +58,33 @@ pub enum Value {
 }
 
 /// A decoded pickle: its top value and the arena its containers live in.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Pickle {
+    arena: Arena,
+    root: Value,
+}
+
+/// What the [`Value`]s of a pickle name, by index.
+#[derive(Debug, Default)]
+struct Arena {
     strings: Vec<Box<str>>,
     bytes: Vec<Box<[u8]>>,
     /// Lists, sets and tuples.
     seqs: Vec<Vec<Value>>,
     /// Dicts as their items in insertion order; a key set again is looked up from the end.
     dicts: Vec<Vec<(Value, Value)>>,
-    root: Option<Value>,
 }
 
 impl Pickle {
     /// The value the pickle stops with.
     pub fn root(&self) -> Value {
-        self.root.unwrap_or(Value::None)
+        self.root
     }
 
     /// `v`'s text, if it is a string.
     pub fn str(&self, v: Value) -> Option<&str> {
         match v {
-            Value::Str(id) => Some(&self.strings[id as usize]),
+            Value::Str(id) => Some(&self.arena.strings[id as usize]),
             _ => None,
         }
     }
@@ -86,7 +92,7 @@ impl Pickle {
     /// `v`'s items, if it is a list, set or tuple.
     pub fn items(&self, v: Value) -> Option<&[Value]> {
         match v {
-            Value::List(id) | Value::Tuple(id) => Some(&self.seqs[id as usize]),
+            Value::List(id) | Value::Tuple(id) => Some(&self.arena.seqs[id as usize]),
             _ => None,
         }
     }
@@ -97,7 +103,7 @@ impl Pickle {
         let Value::Dict(id) = dict else {
             return None;
         };
-        self.dicts[id as usize]
+        self.arena.dicts[id as usize]
             .iter()
             .rev()
             .find(|(k, _)| self.str(*k) == Some(key))
@@ -128,10 +134,13 @@ pub fn read(input: &[u8]) -> Result<Pickle, PickleError> {
         stack: Vec::new(),
         marks: Vec::new(),
         memo: HashMap::new(),
-        out: Pickle::default(),
+        arena: Arena::default(),
     };
-    m.run()?;
-    Ok(m.out)
+    let root = m.run()?;
+    Ok(Pickle {
+        arena: m.arena,
+        root,
+    })
 }
 
 struct Machine<'a> {
@@ -141,7 +150,7 @@ struct Machine<'a> {
     /// Stack lengths at each `MARK` not yet taken.
     marks: Vec<usize>,
     memo: HashMap<u64, Value>,
-    out: Pickle,
+    arena: Arena,
 }
 
 /// The opcodes that name a class, build an object, call, or take a value from outside the
@@ -168,7 +177,8 @@ fn class_opcode(op: u8) -> Option<&'static str> {
 }
 
 impl<'a> Machine<'a> {
-    fn run(&mut self) -> Result<(), PickleError> {
+    /// Runs the pickle to its `STOP`: the value it stops with.
+    fn run(&mut self) -> Result<Value, PickleError> {
         while self.pos < self.input.len() {
             let at = self.pos;
             let op = self.input[at];
@@ -186,11 +196,7 @@ impl<'a> Machine<'a> {
                 0x95 => {
                     self.take(8)?;
                 }
-                b'.' => {
-                    let root = self.pop(at)?;
-                    self.out.root = Some(root);
-                    return Ok(());
-                }
+                b'.' => return self.pop(at),
                 b'(' => self.marks.push(self.stack.len()),
                 b'0' => {
                     self.pop(at)?;
@@ -446,15 +452,15 @@ impl<'a> Machine<'a> {
     }
 
     fn push_dict(&mut self, items: Vec<(Value, Value)>, at: usize) -> Result<(), PickleError> {
-        let id = self.next_id(self.out.dicts.len(), at)?;
-        self.out.dicts.push(items);
+        let id = self.next_id(self.arena.dicts.len(), at)?;
+        self.arena.dicts.push(items);
         self.stack.push(Value::Dict(id));
         Ok(())
     }
 
     fn push_seq(&mut self, items: Vec<Value>, tuple: bool, at: usize) -> Result<(), PickleError> {
-        let id = self.next_id(self.out.seqs.len(), at)?;
-        self.out.seqs.push(items);
+        let id = self.next_id(self.arena.seqs.len(), at)?;
+        self.arena.seqs.push(items);
         self.stack.push(if tuple {
             Value::Tuple(id)
         } else {
@@ -470,8 +476,8 @@ impl<'a> Machine<'a> {
     }
 
     fn push_text(&mut self, text: &str, at: usize) -> Result<(), PickleError> {
-        let id = self.next_id(self.out.strings.len(), at)?;
-        self.out.strings.push(text.into());
+        let id = self.next_id(self.arena.strings.len(), at)?;
+        self.arena.strings.push(text.into());
         self.stack.push(Value::Str(id));
         Ok(())
     }
@@ -482,8 +488,8 @@ impl<'a> Machine<'a> {
         match std::str::from_utf8(b) {
             Ok(s) if text => self.push_text(s, at),
             _ => {
-                let id = self.next_id(self.out.bytes.len(), at)?;
-                self.out.bytes.push(b.into());
+                let id = self.next_id(self.arena.bytes.len(), at)?;
+                self.arena.bytes.push(b.into());
                 self.stack.push(Value::Bytes(id));
                 Ok(())
             }
@@ -507,14 +513,14 @@ impl<'a> Machine<'a> {
 
     fn dict_of_top(&mut self, at: usize) -> Result<&mut Vec<(Value, Value)>, PickleError> {
         match self.top(at)? {
-            Value::Dict(id) => Ok(&mut self.out.dicts[id as usize]),
+            Value::Dict(id) => Ok(&mut self.arena.dicts[id as usize]),
             v => Err(self.malformed(at, format!("SETITEM on {}", Pickle::kind(v)))),
         }
     }
 
     fn seq_of_top(&mut self, at: usize) -> Result<&mut Vec<Value>, PickleError> {
         match self.top(at)? {
-            Value::List(id) => Ok(&mut self.out.seqs[id as usize]),
+            Value::List(id) => Ok(&mut self.arena.seqs[id as usize]),
             v => Err(self.malformed(at, format!("APPEND to {}", Pickle::kind(v)))),
         }
     }
@@ -671,7 +677,7 @@ mod tests {
             Value::Float(f) => json!({ "float": f }),
             Value::Str(_) => json!({ "str": p.str(v).unwrap() }),
             Value::Bytes(id) => {
-                let hex: String = p.bytes[id as usize]
+                let hex: String = p.arena.bytes[id as usize]
                     .iter()
                     .map(|b| format!("{b:02x}"))
                     .collect();
@@ -680,7 +686,7 @@ mod tests {
             Value::List(_) => json!({ "list": all(p.items(v).unwrap()) }),
             Value::Tuple(_) => json!({ "tuple": all(p.items(v).unwrap()) }),
             Value::Dict(id) => {
-                let pairs: Vec<_> = p.dicts[id as usize]
+                let pairs: Vec<_> = p.arena.dicts[id as usize]
                     .iter()
                     .map(|&(k, x)| json!([canon(p, k), canon(p, x)]))
                     .collect();
