@@ -95,7 +95,9 @@ def worker(model_name, steps, warmup, seed):
     end = vramd_counts()
     if end is not None and counts is not None:
         # What vramd's allocator did over the timed steps: growth, release and fences.
-        result["vramd_timed"] = {k: end[k] - counts[k] for k in end}
+        result["vramd_timed"] = {k: end[k] - counts[k] for k in end if not k.endswith("_peak")}
+        result["vramd_peaks"] = {k: end[k] for k in end if k.endswith("_peak")}
+        result["vramd_run"] = {k: end[k] for k in end if not k.endswith("_peak")}
     print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -110,11 +112,14 @@ def vramd_counts():
     stats = vramd_torch.stats()["stats"]
     core = stats["core"]
     keys = ("allocs", "grants", "grant_requests", "returns", "maps", "unmaps", "fences",
-            "fence_queries")
+            "fence_waits", "fence_queries")
     counts = {k: core[k] for k in keys if k in core}
     # Allocations the thread caches served, and the calls past them with their time (timed only
     # under VRAMD_TIME_CORE=1, `--time-core`; else 0).
     counts.update({k: stats[k] for k in ("fast_allocs", "core_ops", "core_ns") if k in stats})
+    # The run's peaks so far (bytes): requested and allocated by the program, held from the daemon.
+    counts.update({k: core[k] for k in ("requested_peak", "allocated_peak", "held_peak")
+                   if k in core})
     return counts
 
 

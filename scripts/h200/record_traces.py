@@ -12,7 +12,8 @@ OUT/README.md: the workloads, and a table of PyTorch's peak allocated and reserv
 fragmentation (1 - peak allocated / peak reserved, `memory_stats()` at the end of each run) in the
 layout `vramd replay --compare default,expandable` reads.
 
-Usage: python3 scripts/h200/record_traces.py --out $OUT/traces [--seconds 6] [--only NAME ...]
+Usage: python3 scripts/h200/record_traces.py --out $OUT/traces [--seconds 6 | --steps N]
+       [--only NAME ...]
        python3 scripts/h200/record_traces.py --list
 """
 import argparse
@@ -281,8 +282,49 @@ def lora_finetune(torch, dev, rng):
     return step
 
 
+def hf_training(model_name, torch, dev, rng):
+    """The step of scripts/h200/hf_training.py's worker: batch 8, sequence 512-1024 drawn per
+    step, bf16 autocast, AdamW, the token ids made on the host and copied over."""
+    import transformers
+
+    if model_name == "gpt2":
+        config = transformers.GPT2Config(n_positions=1024)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+            num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024)
+        model = transformers.LlamaForCausalLM(config)
+    model.to(dev).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+
+    def step(_):
+        ids = torch.randint(0, config.vocab_size, (8, rng.randint(512, 1024)), generator=g).to(dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def hf_gpt2_train(torch, dev, rng):
+    """GPT-2-small trained from config with transformers as scripts/h200/hf_training.py trains
+    it: batch 8, sequence 512-1024 per step, bf16 autocast, AdamW."""
+    return hf_training("gpt2", torch, dev, rng)
+
+
+def hf_llama_train(torch, dev, rng):
+    """The Llama-style model of scripts/h200/hf_training.py (16 layers, 1024 wide) trained from
+    config as it trains it: batch 8, sequence 512-1024 per step, bf16 autocast, AdamW."""
+    return hf_training("llama", torch, dev, rng)
+
+
 WORKLOADS = {f.__name__: f for f in (dcgan_train, vit_serve, unet_train, llama_generate,
-                                     gpt2_ckpt_train, gnn_train, dlrm_train, lora_finetune)}
+                                     gpt2_ckpt_train, gnn_train, dlrm_train, lora_finetune,
+                                     hf_gpt2_train, hf_llama_train)}
 
 
 def child(args):
@@ -396,7 +438,8 @@ def main():
     ap.add_argument("--list", action="store_true", help="list the workloads and exit")
     ap.add_argument("--child", choices=sorted(WORKLOADS), help=argparse.SUPPRESS)
     ap.add_argument("--record", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--steps", type=int, default=0,
+                    help="run this many steps instead of --seconds of them")
     args = ap.parse_args()
     if args.list:
         for name, f in WORKLOADS.items():
@@ -411,7 +454,7 @@ def main():
     for name in args.only or WORKLOADS:
         t = time.time()
         try:
-            rec = run_child(name, args, True, 0, {})
+            rec = run_child(name, args, True, args.steps, {})
             exp = run_child(name, args, False, rec["steps"],
                             {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
         except (RuntimeError, subprocess.TimeoutExpired) as e:

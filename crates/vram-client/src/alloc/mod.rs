@@ -204,6 +204,10 @@ impl Fences for HostEvents {
     fn record(&self, _: StreamId) -> Option<Fence> {
         Some(Fence(0))
     }
+
+    fn wait(&self, _: Fence) -> bool {
+        true
+    }
 }
 
 impl StreamEvents for HostEvents {
@@ -263,6 +267,14 @@ impl Fences for CudaEvents {
         // Another thread's per-thread stream: recorded later, on its own thread.
         let handle = cuda_handle(stream)?;
         self.pool.record(handle).ok().map(Fence)
+    }
+
+    fn wait(&self, fence: Fence) -> bool {
+        // Waiting on an event during a capture would invalidate it, as querying would.
+        if fence == Fence::NEVER || self.notices.some_underway() {
+            return false;
+        }
+        self.pool.wait(fence.0)
     }
 }
 

@@ -78,6 +78,31 @@ impl Heaps {
 }
 
 impl<B: Backing> Allocator<B> {
+    /// Before a growth of heap `kind`: where the heap holds free memory that waits on fences
+    /// (freed on a stream whose later work the device has not yet passed), waits for the pending
+    /// fences and lets every stream use what they cover. Such memory is usable at once only by its
+    /// own stream and only where it lies: it cannot be moved (a handle is unmapped only once no
+    /// queued work can touch it), merged with another stream's, or given back, so a growth that
+    /// could have moved it takes new memory instead. A device running behind the program would
+    /// otherwise have every growth do so while the program's own frees sit fenced: several
+    /// percent of a training step's peak (docs/benchmarks.md, "Frees the device has not passed").
+    /// The wait lasts until the device has passed the work queued so far, at most once per
+    /// growth. True if it waited.
+    fn wait_for_fenced<F: Fences + ?Sized>(&mut self, kind: HeapKind, fences: &F) -> bool {
+        if self.fencing.pending.is_empty() || self.heaps.get(kind).free.fenced_bytes() == 0 {
+            return false;
+        }
+        let mut waited = false;
+        for fence in self.fencing.pending.latest() {
+            waited |= fences.wait(fence);
+        }
+        if waited {
+            self.stats.fence_waits += 1;
+            self.poll(fences);
+        }
+        waited
+    }
+
     /// The start of a free region of heap `kind` where a block of `len` bytes fits for `stream`,
     /// growing the heap if none does.
     pub(super) fn place<F: Fences + ?Sized>(
@@ -96,6 +121,11 @@ impl<B: Backing> Allocator<B> {
         self.poll(fences);
         if let Some(start) = self.heaps.get(kind).free.best_fit(len, stream) {
             return Ok(start);
+        }
+        if self.wait_for_fenced(kind, fences) {
+            if let Some(start) = self.heaps.get(kind).free.best_fit(len, stream) {
+                return Ok(start);
+            }
         }
         if let Err(e) = self.grow_or_retry(kind, len, stream) {
             if matches!(e, AllocError::OutOfMemory { .. }) {

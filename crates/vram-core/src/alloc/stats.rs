@@ -31,6 +31,8 @@ pub struct AllocStats {
     /// Times the allocator asked whether a pending fence completed (a driver call each on CUDA).
     /// Neither counts a fence a caller passes to `free`.
     pub fence_queries: u64,
+    /// Growths put off to wait for pending fences whose memory could serve them instead.
+    pub fence_waits: u64,
     /// Allocations into private pools (CUDA graphs' captures), counted in `allocs` too.
     pub pool_allocs: u64,
     /// Frees of blocks no pool holds while their stream was being captured (`Fence::NEVER`):

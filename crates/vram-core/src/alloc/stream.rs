@@ -33,6 +33,13 @@ pub trait Fences {
     /// Records a fence on `stream` now, after all work queued on it so far; `None` when none can be
     /// recorded now (the stream is being captured into a graph): the allocator tries again later.
     fn record(&self, stream: StreamId) -> Option<Fence>;
+
+    /// Blocks until `fence` completes; false where it cannot be waited for now (nothing was
+    /// waited for then). The allocator waits only where the memory behind pending fences would
+    /// spare it a growth; callers that cannot block keep this default.
+    fn wait(&self, _fence: Fence) -> bool {
+        false
+    }
 }
 
 /// A `Fences` for callers whose frees are always already complete (trace replay, synchronous use).
@@ -46,6 +53,10 @@ impl Fences for AlwaysComplete {
 
     fn record(&self, _: StreamId) -> Option<Fence> {
         Some(Fence(0))
+    }
+
+    fn wait(&self, _: Fence) -> bool {
+        true
     }
 }
 
@@ -68,6 +79,15 @@ impl PendingFences {
 
     pub(crate) fn is_empty(&self) -> bool {
         self.queues.is_empty()
+    }
+
+    /// The latest pending fence of each stream: once it completes, so have the stream's earlier
+    /// ones.
+    pub(crate) fn latest(&self) -> Vec<Fence> {
+        self.queues
+            .values()
+            .filter_map(|q| q.back().map(|&(_, fence)| fence))
+            .collect()
     }
 
     /// Moves the fences pending on stream `from` to stream `to`, which has none.

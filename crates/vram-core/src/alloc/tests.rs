@@ -24,6 +24,8 @@ struct FenceBook {
     capturing: HashSet<u64>,
     /// Times the allocator asked whether a fence completed.
     queries: usize,
+    /// Whether `wait` may complete a fence (a device that can be waited for).
+    waitable: bool,
 }
 
 impl TestFences {
@@ -89,6 +91,27 @@ impl Fences for TestFences {
             return None;
         }
         Some(self.record_now(stream.0))
+    }
+
+    /// Completes `fence` and its stream's earlier ones, where the test allows waits.
+    fn wait(&self, fence: Fence) -> bool {
+        let (stream, n) = {
+            let b = self.inner.borrow();
+            if !b.waitable {
+                return false;
+            }
+            let found = b
+                .recorded
+                .iter()
+                .find_map(|(&s, all)| all.iter().position(|&f| f == fence.0).map(|i| (s, i + 1)));
+            let Some((s, upto)) = found else { return true };
+            (
+                s,
+                upto.saturating_sub(b.completed.get(&s).copied().unwrap_or(0)),
+            )
+        };
+        self.complete(stream, n);
+        true
     }
 }
 
@@ -622,6 +645,45 @@ fn growth_at_the_cap_reuses_free_handles_instead_of_adding_memory() {
     assert_eq!(releases, 0);
     assert!(unmaps >= 1, "{c:?}");
     assert!((4 << 20..=12 << 20).contains(&granted), "{granted}");
+}
+
+/// The same at the cap with the frees deferred and their fence pending, as on a device running
+/// behind the program: the freed handles can be moved only once the device has passed the
+/// fence, so the growth waits for it where it can, and takes new memory where it cannot.
+#[test]
+fn a_growth_waits_for_fenced_frees_that_can_serve_it_instead_of_taking_new_memory() {
+    for waitable in [false, true] {
+        let mut a = Allocator::new(small_config(), ModelBacking::new());
+        let f = TestFences::default();
+        f.inner.borrow_mut().waitable = waitable;
+        let s = StreamId(0);
+        let x = a.alloc(Bytes::mib(8), s, &f).unwrap();
+        let _pin = a.alloc(Bytes::mib(2), s, &f).unwrap();
+        a.free_deferred(x.offset, s, &f).unwrap();
+        let held = a.stats().held;
+        let big = a.alloc(Bytes::mib(12), s, &f).unwrap();
+        assert!(a.backing().is_mapped(big.offset, big.size.get()));
+        if waitable {
+            assert_eq!(a.stats().fence_waits, 1);
+            assert!(
+                a.stats().held <= held + Bytes::mib(4),
+                "reused the fenced 8 MiB"
+            );
+            assert_eq!(
+                f.completed(0),
+                f.recorded(0),
+                "waited for the growth's fence"
+            );
+        } else {
+            assert_eq!(a.stats().fence_waits, 0);
+            let now = a.stats().held;
+            assert!(
+                now > held + Bytes::mib(4),
+                "the fenced 8 MiB cannot move: {now}"
+            );
+            assert_eq!(f.completed(0), 0);
+        }
+    }
 }
 
 /// An allocator with no growth slack (held may not run above the peak in use while growth takes
