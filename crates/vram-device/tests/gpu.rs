@@ -401,6 +401,13 @@ fn events_complete_and_recycle() {
     let again = pool.record(vram_device::cuda::DEFAULT_STREAM).unwrap();
     assert!(!ids.contains(&again));
     assert!(pool.is_complete(ids[0]));
+    // A wait returns once the device has passed the event, well within its bound, and a
+    // completed (recycled) fence needs no wait.
+    let limit = std::time::Duration::from_secs(5);
+    let started = std::time::Instant::now();
+    assert!(pool.wait(again, limit), "an idle stream's event completes");
+    assert!(started.elapsed() < limit);
+    assert!(pool.wait(ids[0], std::time::Duration::ZERO));
 }
 
 vram_testing::gpu_main! {

@@ -224,6 +224,12 @@ impl StreamEvents for HostEvents {
     }
 }
 
+/// The longest the allocator waits for one fence before a growth (`Fences::wait`); past it, it
+/// grows as if it could not wait. Long enough for a device some steps behind the program; bounded
+/// so that work that cannot finish while the allocating thread waits (a collective whose peer
+/// that thread launches later) delays the allocation instead of hanging it.
+pub const FENCE_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
+
 /// CUDA: a fence is an event recorded on the freeing stream.
 pub struct CudaEvents {
     pool: vram_device::cuda::EventPool,
@@ -270,11 +276,11 @@ impl Fences for CudaEvents {
     }
 
     fn wait(&self, fence: Fence) -> bool {
-        // Waiting on an event during a capture would invalidate it, as querying would.
+        // Querying an event during a capture would invalidate it.
         if fence == Fence::NEVER || self.notices.some_underway() {
             return false;
         }
-        self.pool.wait(fence.0)
+        self.pool.wait(fence.0, FENCE_WAIT_LIMIT)
     }
 }
 

@@ -86,21 +86,21 @@ impl<B: Backing> Allocator<B> {
     /// could have moved it takes new memory instead. A device running behind the program would
     /// otherwise have every growth do so while the program's own frees sit fenced: several
     /// percent of a training step's peak (docs/benchmarks.md, "Frees the device has not passed").
-    /// The wait lasts until the device has passed the work queued so far, at most once per
-    /// growth. True if it waited.
+    /// The wait lasts until the device has passed the work queued so far (or the `Fences`'
+    /// bound), at most once per growth. True if a pending fence completed in it.
     fn wait_for_fenced<F: Fences + ?Sized>(&mut self, kind: HeapKind, fences: &F) -> bool {
         if self.fencing.pending.is_empty() || self.heaps.get(kind).free.fenced_bytes() == 0 {
             return false;
         }
-        let mut waited = false;
+        let mut completed = false;
         for fence in self.fencing.pending.latest() {
-            waited |= fences.wait(fence);
+            completed |= fences.wait(fence);
         }
-        if waited {
+        if completed {
             self.stats.fence_waits += 1;
             self.poll(fences);
         }
-        waited
+        completed
     }
 
     /// The start of a free region of heap `kind` where a block of `len` bytes fits for `stream`,

@@ -34,9 +34,9 @@ pub trait Fences {
     /// recorded now (the stream is being captured into a graph): the allocator tries again later.
     fn record(&self, stream: StreamId) -> Option<Fence>;
 
-    /// Blocks until `fence` completes; false where it cannot be waited for now (nothing was
-    /// waited for then). The allocator waits only where the memory behind pending fences would
-    /// spare it a growth; callers that cannot block keep this default.
+    /// Waits until `fence` completes: true if it did. An implementation may bound the wait, or
+    /// not wait at all (this default); the allocator then grows as it would have. The allocator
+    /// waits only where the memory behind pending fences could spare it a growth.
     fn wait(&self, _fence: Fence) -> bool {
         false
     }

@@ -6,6 +6,7 @@
 //! when it was recycled.
 
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use cudarc::driver::sys::{self, CUresult};
 
@@ -109,29 +110,24 @@ impl EventPool {
         Ok(((index as u64) << 32) | u64::from(slot.generation))
     }
 
-    /// Blocks until the GPU has passed the fence `id`; false if the wait failed (the fence then
-    /// stays pending). A slot recycled during the wait makes it cover later work too, never less.
-    pub fn wait(&self, id: u64) -> bool {
-        let (index, generation) = ((id >> 32) as usize, id as u32);
-        let event = {
-            let slab = self.slab.lock().unwrap_or_else(|p| p.into_inner());
-            match slab.slots.get(index) {
-                Some(slot) if slot.generation == generation && slot.in_flight => slot.event,
-                _ => return true,
+    /// Waits until the GPU has passed the fence `id`, for at most `limit`: true if it has. It
+    /// polls the event with a growing pause instead of blocking in the driver, so that a fence
+    /// that cannot complete while this thread waits (queued behind a collective whose peer this
+    /// thread has yet to launch) costs `limit`, never a hang.
+    pub fn wait(&self, id: u64, limit: Duration) -> bool {
+        let started = Instant::now();
+        let mut pause = Duration::from_micros(20);
+        loop {
+            if self.is_complete(id) {
+                return true;
             }
-        };
-        let Ok(_entered) = self.ctx.enter() else {
-            return false;
-        };
-        // SAFETY: events are destroyed only when the pool drops, which `&self` rules out, so
-        // `event` is live; its context is current. The slab lock is not held: other threads
-        // record and query while this one waits.
-        let r = unsafe { sys::cuEventSynchronize(event) };
-        if let Err(e) = check("cuEventSynchronize", r) {
-            tracing::warn!("vramd: cannot wait for a fence: {e}");
-            return false;
+            let left = limit.saturating_sub(started.elapsed());
+            if left.is_zero() {
+                return false;
+            }
+            std::thread::sleep(pause.min(left));
+            pause = (pause * 2).min(Duration::from_millis(1));
         }
-        self.is_complete(id)
     }
 
     /// Whether the GPU has passed the fence `id`. A completed event goes back to the pool.
