@@ -46,19 +46,25 @@ MODES = ("default", "expandable", "full")
 EXTRA_MODES = ("full-nopool", "full-alt", "pool")
 
 
-def worker(model_name, steps, warmup, seed):
-    import torch
+def build_model(model_name):
+    """The model `model_name` ("gpt2" or "llama") from config, random weights, on the host, and its
+    config."""
     import transformers
 
-    torch.manual_seed(seed)
     if model_name == "gpt2":
         config = transformers.GPT2Config(n_positions=1024)
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-            num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024)
-        model = transformers.LlamaForCausalLM(config)
+        return config, transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024)
+    return config, transformers.LlamaForCausalLM(config)
+
+
+def worker(model_name, steps, warmup, seed):
+    import torch
+
+    torch.manual_seed(seed)
+    config, model = build_model(model_name)
     dev = torch.device("cuda")
     model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

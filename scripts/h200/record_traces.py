@@ -285,16 +285,10 @@ def lora_finetune(torch, dev, rng):
 def hf_training(model_name, torch, dev, rng):
     """The step of scripts/h200/hf_training.py's worker: batch 8, sequence 512-1024 drawn per
     step, bf16 autocast, AdamW, the token ids made on the host and copied over."""
-    import transformers
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from hf_training import build_model
 
-    if model_name == "gpt2":
-        config = transformers.GPT2Config(n_positions=1024)
-        model = transformers.GPT2LMHeadModel(config)
-    else:
-        config = transformers.LlamaConfig(
-            vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-            num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=1024)
-        model = transformers.LlamaForCausalLM(config)
+    config, model = build_model(model_name)
     model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
