@@ -69,16 +69,6 @@ impl FreeList {
             .map(|&(_, len, start)| (start, len))
     }
 
-    /// Free bytes that only the stream that freed them may use until its fence completes (those
-    /// held for good, freed during a capture, left out: no fence releases them).
-    pub(crate) fn fenced_bytes(&self) -> u64 {
-        self.by_addr
-            .values()
-            .filter(|r| matches!(r.owner, Owner::Stream(_)) && r.seq != Seq::MAX)
-            .map(|r| r.len)
-            .sum()
-    }
-
     /// Start of the smallest region of at least `len` bytes that `stream` may use.
     pub(crate) fn best_fit(&self, len: u64, stream: StreamId) -> Option<u64> {
         let first = |owner| {

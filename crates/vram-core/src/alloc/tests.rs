@@ -686,6 +686,55 @@ fn a_growth_waits_for_fenced_frees_that_can_serve_it_instead_of_taking_new_memor
     }
 }
 
+/// A training-like loop on one stream with every free deferred (as on CUDA), run against `f`:
+/// the memory held at its peak and the backing's calls.
+fn deferred_loop<F: Fences>(f: &F) -> (Bytes, BackingCounts) {
+    let mut a = Allocator::new(AllocConfig::default(), ModelBacking::new());
+    let s = StreamId(0);
+    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut draw = |lo: u64, hi: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        lo + seed % (hi - lo)
+    };
+    let weights: Vec<_> = (0..50)
+        .map(|_| a.alloc(Bytes(draw(1 << 20, 96 << 20)), s, f).unwrap())
+        .collect();
+    // Steps of a size drawn each time (a batch or sequence length), their blocks freed in an
+    // order of their own: what one step frees, the next, larger or smaller, must place anew.
+    for _ in 0..40 {
+        let step = draw(1, 9);
+        let mut acts: Vec<_> = (0..60)
+            .map(|_| {
+                a.alloc(Bytes(step * draw(4 << 10, 20 << 20)), s, f)
+                    .unwrap()
+            })
+            .collect();
+        while !acts.is_empty() {
+            let b = acts.swap_remove(draw(0, acts.len() as u64 + 1) as usize % acts.len());
+            a.free_deferred(b.offset, s, f).unwrap();
+        }
+    }
+    for b in weights {
+        a.free_deferred(b.offset, s, f).unwrap();
+    }
+    (a.stats().held_peak, a.backing().counts())
+}
+
+/// Waiting for the pending fences before a growth makes a device that runs behind the program
+/// (fences that complete only when waited for) decide as one that keeps pace (every fence
+/// complete at once), growth for growth; without the waits it holds more.
+#[test]
+fn growths_that_wait_for_fences_decide_as_if_the_device_kept_pace() {
+    let paced = deferred_loop(&AlwaysComplete);
+    let behind = TestFences::default();
+    behind.inner.borrow_mut().waitable = true;
+    assert_eq!(deferred_loop(&behind), paced);
+    let (held, _) = deferred_loop(&TestFences::default());
+    assert!(held > paced.0, "{held} against {}", paced.0);
+}
+
 /// An allocator with no growth slack (held may not run above the peak in use while growth takes
 /// new memory) holding a 1 GiB block, which gives it 16 MiB handles (`max_handle`), and a 16 MiB
 /// block beside it in a handle of its own; returns the allocator and that block.
