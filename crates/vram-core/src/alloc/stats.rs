@@ -31,8 +31,8 @@ pub struct AllocStats {
     /// Times the allocator asked whether a pending fence completed (a driver call each on CUDA).
     /// Neither counts a fence a caller passes to `free`.
     pub fence_queries: u64,
-    /// Growths put off to wait for pending fences whose memory could serve them instead (counted
-    /// where a fence completed in the wait).
+    /// Waits for the pending fences before a growth, so that the memory behind them could serve
+    /// it instead (counted where a fence completed in the wait).
     pub fence_waits: u64,
     /// Allocations into private pools (CUDA graphs' captures), counted in `allocs` too.
     pub pool_allocs: u64,

@@ -36,7 +36,7 @@ pub trait Fences {
 
     /// Waits until `fence` completes: true if it did. An implementation may bound the wait, or
     /// not wait at all (this default); the allocator then grows as it would have. The allocator
-    /// waits only where the memory behind pending fences could spare it a growth.
+    /// waits only before a growth, for the latest pending fence of each stream.
     fn wait(&self, _fence: Fence) -> bool {
         false
     }
