@@ -225,9 +225,9 @@ impl StreamEvents for HostEvents {
 }
 
 /// The longest the allocator waits for one stream's fence before a growth (`Fences::wait`); past
-/// it, it grows as if it could not wait. Long enough for a device some steps behind the program; bounded
-/// so that work that cannot finish while the allocating thread waits (a collective whose peer
-/// that thread launches later) delays the allocation instead of hanging it.
+/// it, it grows as if it could not wait. Long enough for a device some steps behind the program;
+/// bounded so that work that cannot finish while the allocating thread waits (a collective whose
+/// peer that thread launches later) delays the allocation instead of hanging it.
 pub const FENCE_WAIT_LIMIT: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// CUDA: a fence is an event recorded on the freeing stream.
