@@ -19,11 +19,12 @@ use vram_core::trace::{parse_snapshot, Action, Trace};
 use vram_core::Bytes;
 
 /// Fences that complete `lag` µs of trace time after they are recorded, or when waited for if
-/// `waits`.
+/// `waits`; the device runs its work in the order it was queued, so a fence waited for completes
+/// every fence recorded before it too.
 struct Lagged {
     now: Cell<u64>,
     lag: u64,
-    /// When each fence was recorded (its index is its id); 0 once waited for.
+    /// When each fence was recorded (its index is its id); 0 once complete by a wait.
     recorded: RefCell<Vec<u64>>,
     waits: bool,
 }
@@ -41,7 +42,9 @@ impl Fences for Lagged {
 
     fn wait(&self, f: Fence) -> bool {
         if self.waits {
-            self.recorded.borrow_mut()[f.0 as usize] = 0;
+            for t in &mut self.recorded.borrow_mut()[..=f.0 as usize] {
+                *t = 0;
+            }
         }
         self.waits
     }

@@ -69,6 +69,13 @@ impl FreeList {
             .map(|&(_, len, start)| (start, len))
     }
 
+    /// Whether `stream` owns free regions that one of its fences would give every stream (not
+    /// those freed during a capture, which no fence releases).
+    pub(crate) fn fenced(&self, stream: StreamId) -> bool {
+        self.starts_of(stream)
+            .any(|start| self.by_addr[&start].seq != Seq::MAX)
+    }
+
     /// Start of the smallest region of at least `len` bytes that `stream` may use.
     pub(crate) fn best_fit(&self, len: u64, stream: StreamId) -> Option<u64> {
         let first = |owner| {

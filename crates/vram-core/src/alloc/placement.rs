@@ -78,8 +78,9 @@ impl Heaps {
 }
 
 impl<B: Backing> Allocator<B> {
-    /// Before a growth: where fences are pending (frees on a stream whose queued work the device
-    /// has not yet passed), waits for them and lets every stream use what they cover. Memory
+    /// Before a growth: where fences are pending on streams with free memory behind them (frees
+    /// whose queued work the device has not yet passed), waits for them and lets every stream use
+    /// what they cover. Memory
     /// behind a pending fence is usable at once only by its own stream and only where it lies: it
     /// cannot be moved (a handle is unmapped only once no queued work can touch it), merged with
     /// another stream's, or given back, so a growth that could have moved it would take new
@@ -94,8 +95,11 @@ impl<B: Backing> Allocator<B> {
             return false;
         }
         let mut completed = false;
-        for fence in self.fencing.pending.latest() {
-            completed |= fences.wait(fence);
+        for (stream, fence) in self.fencing.pending.latest() {
+            // A stream none of whose free memory waits on its fences has nothing to give.
+            if self.heaps.iter().any(|(_, h)| h.free.fenced(stream)) {
+                completed |= fences.wait(fence);
+            }
         }
         if completed {
             self.stats.fence_waits += 1;

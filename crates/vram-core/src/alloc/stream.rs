@@ -83,10 +83,10 @@ impl PendingFences {
 
     /// The latest pending fence of each stream: once it completes, so have the stream's earlier
     /// ones.
-    pub(crate) fn latest(&self) -> Vec<Fence> {
+    pub(crate) fn latest(&self) -> Vec<(StreamId, Fence)> {
         self.queues
-            .values()
-            .filter_map(|q| q.back().map(|&(_, fence)| fence))
+            .iter()
+            .filter_map(|(&stream, q)| q.back().map(|&(_, fence)| (stream, fence)))
             .collect()
     }
 

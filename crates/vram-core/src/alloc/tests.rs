@@ -735,6 +735,29 @@ fn growths_that_wait_for_fences_decide_as_if_the_device_kept_pace() {
     assert!(held > paced.0, "{held} against {}", paced.0);
 }
 
+/// A growth waits only for the streams whose free memory waits on their fences: one whose freed
+/// block was taken again by its own stream has a fence pending and nothing behind it.
+#[test]
+fn a_growth_waits_only_for_streams_with_fenced_free_memory() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let f = TestFences::default();
+    f.inner.borrow_mut().waitable = true;
+    let (one, two) = (StreamId(1), StreamId(2));
+    let x = a.alloc(Bytes::mib(8), one, &f).unwrap();
+    let _pin = a.alloc(Bytes::mib(2), one, &f).unwrap();
+    let y = a.alloc(Bytes::mib(2), two, &f).unwrap();
+    a.free_deferred(x.offset, one, &f).unwrap();
+    a.free_deferred(y.offset, two, &f).unwrap();
+    // Stream 2 takes its freed block again: no free memory of it waits on a fence.
+    let y2 = a.alloc(Bytes::mib(2), two, &f).unwrap();
+    assert_eq!(y2.offset, y.offset);
+    let _big = a.alloc(Bytes::mib(12), one, &f).unwrap();
+    assert_eq!(f.recorded(2), 1, "stream 2's free fenced before the growth");
+    assert_eq!(f.completed(2), 0, "and not waited for");
+    assert_eq!(f.completed(1), f.recorded(1), "stream 1's waited for");
+    assert_eq!(a.stats().fence_waits, 1);
+}
+
 /// An allocator with no growth slack (held may not run above the peak in use while growth takes
 /// new memory) holding a 1 GiB block, which gives it 16 MiB handles (`max_handle`), and a 16 MiB
 /// block beside it in a handle of its own; returns the allocator and that block.
