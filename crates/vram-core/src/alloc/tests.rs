@@ -202,6 +202,8 @@ fn overlaps(a: u64, alen: u64, b: u64, blen: u64) -> bool {
 struct Drawn {
     grow_slack: f64,
     min_grow: Bytes,
+    /// Whether the allocator may wait for fences before a growth.
+    waitable: bool,
 }
 
 fn run_ops(ops: Vec<Op>, drawn: Drawn) {
@@ -212,6 +214,7 @@ fn run_ops(ops: Vec<Op>, drawn: Drawn) {
     };
     let mut a = Allocator::new(config, ModelBacking::new());
     let fences = TestFences::default();
+    fences.inner.borrow_mut().waitable = drawn.waitable;
     // Live blocks: offset -> (size, stream). Each is freed on its stream, as PyTorch does.
     let mut live: BTreeMap<u64, (u64, u64)> = BTreeMap::new();
     let mut freed: Vec<Freed> = Vec::new();
@@ -525,8 +528,9 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..300),
         grow_slack in prop_oneof![Just(0.0), Just(0.01), Just(0.5)],
         min_grow in prop_oneof![Just(Bytes::mib(2)), Just(Bytes::mib(4)), Just(Bytes::mib(16))],
+        waitable in any::<bool>(),
     ) {
-        let drawn = Drawn { grow_slack, min_grow };
+        let drawn = Drawn { grow_slack, min_grow, waitable };
         run_ops(ops, drawn);
     }
 }
