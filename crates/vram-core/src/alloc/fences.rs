@@ -42,6 +42,9 @@ pub(super) struct Fencing {
     pub unsealed: BTreeMap<StreamId, Unsealed>,
     /// Whether an allocation or free happened since the last tick.
     pub busy_since_tick: bool,
+    /// Whether the next allocation fences the deferred frees: a tick found memory due to go back
+    /// behind frees that no fence covers, which a busy program's tick may not fence itself.
+    pub seal_soon: bool,
     /// Allocations since pending fences were last polled.
     pub allocs_since_poll: u32,
     /// The stream of the latest allocation, and the count of allocations when it last changed.
@@ -59,6 +62,11 @@ pub const RETIRED_STREAMS: std::ops::Range<u64> = (1 << 62) + (1 << 32)..(1 << 6
 impl<B: Backing> Allocator<B> {
     /// Notes that an allocation is for `stream`, and polls fences if it is time.
     pub(super) fn note_alloc<F: Fences + ?Sized>(&mut self, stream: StreamId, fences: &F) {
+        if self.fencing.seal_soon {
+            self.seal(fences);
+            // A stream under capture takes no fence now: asked again at the next allocation.
+            self.fencing.seal_soon = !self.fencing.unsealed.is_empty();
+        }
         let f = &mut self.fencing;
         f.busy_since_tick = true;
         if f.last_stream != Some(stream) {

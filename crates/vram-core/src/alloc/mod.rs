@@ -327,7 +327,16 @@ impl<B: Backing> Allocator<B> {
         self.poll(fences);
         match self.release_due(now_us) {
             0 => Bytes::ZERO,
-            due => Bytes(self.release_free(due)),
+            due => {
+                let released = self.release_free(due);
+                // What is due may lie behind frees no fence covers yet (a busy program on one
+                // stream fences only before a growth): the program's next allocation fences
+                // them, and a later tick gives back what they covered.
+                if released < due && !self.fencing.unsealed.is_empty() {
+                    self.fencing.seal_soon = true;
+                }
+                Bytes(released)
+            }
         }
     }
 

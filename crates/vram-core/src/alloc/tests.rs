@@ -739,6 +739,34 @@ fn growths_that_wait_for_fences_decide_as_if_the_device_kept_pace() {
     assert!(held > paced.0, "{held} against {}", paced.0);
 }
 
+/// A program busy on one stream (no tick finds it idle, no growth fences its frees) still gives
+/// back the memory above its recent peak: a release that finds it behind unfenced frees has the
+/// next allocation fence them, and a later tick gives back what the fence covered.
+#[test]
+fn a_busy_programs_memory_above_its_peak_goes_back_once_its_frees_are_fenced() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let f = TestFences::default();
+    let s = StreamId(1);
+    // The small heap has its granule first, so that the loop below never grows.
+    let small = a.alloc(Bytes::kib(512), s, &f).unwrap();
+    a.free_deferred(small.offset, s, &f).unwrap();
+    let big = a.alloc(Bytes::mib(64), s, &f).unwrap();
+    a.free_deferred(big.offset, s, &f).unwrap();
+    let held = a.stats().held;
+    // Busy: a small block (its own heap) allocated and freed between every two ticks, for many
+    // release delays (1 ms here); the device passes each fence soon after it is recorded.
+    for t in 1..100u64 {
+        let b = a.alloc(Bytes::kib(512), s, &f).unwrap();
+        a.free_deferred(b.offset, s, &f).unwrap();
+        a.tick(t * 100, &f);
+        f.complete_all();
+    }
+    // The 64 MiB went back; what is held is the small heap's granule.
+    let now = a.stats().held;
+    assert_eq!(held, Bytes::mib(66));
+    assert_eq!(now, Bytes::mib(2), "{now} held");
+}
+
 /// A growth waits only for the streams whose free memory waits on their fences: one whose freed
 /// block was taken again by its own stream has a fence pending and nothing behind it.
 #[test]
