@@ -11,7 +11,6 @@
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
-use std::io::Read;
 
 use vram_core::alloc::{AllocConfig, Allocator, Fence, Fences, ModelBacking, StreamId};
 use vram_core::replay::CostModel;
@@ -50,17 +49,9 @@ impl Fences for Lagged {
     }
 }
 
+/// A snapshot, gzipped or not (`parse_snapshot` tells them apart).
 fn read(path: &str) -> Result<Trace, String> {
-    let raw = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
-    let bytes = if raw.starts_with(&[0x1f, 0x8b]) {
-        let mut out = Vec::new();
-        flate2::read::GzDecoder::new(&raw[..])
-            .read_to_end(&mut out)
-            .map_err(|e| format!("{path}: {e}"))?;
-        out
-    } else {
-        raw
-    };
+    let bytes = std::fs::read(path).map_err(|e| format!("{path}: {e}"))?;
     parse_snapshot(&bytes).map_err(|e| format!("{path}: {e}"))
 }
 

@@ -690,18 +690,22 @@ fn a_growth_waits_for_fenced_frees_that_can_serve_it_instead_of_taking_new_memor
     }
 }
 
+/// Draws from `[lo, hi)` with an xorshift generator seeded with `seed`: the same sizes every run.
+fn xorshift(mut seed: u64) -> impl FnMut(u64, u64) -> u64 {
+    move |lo, hi| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        lo + seed % (hi - lo)
+    }
+}
+
 /// A training-like loop on one stream with every free deferred (as on CUDA), run against `f`:
 /// the memory held at its peak and the backing's calls.
 fn deferred_loop<F: Fences>(f: &F) -> (Bytes, BackingCounts) {
     let mut a = Allocator::new(AllocConfig::default(), ModelBacking::new());
     let s = StreamId(0);
-    let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
-    let mut draw = |lo: u64, hi: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        lo + seed % (hi - lo)
-    };
+    let mut draw = xorshift(0x9e37_79b9_7f4a_7c15);
     let weights: Vec<_> = (0..50)
         .map(|_| a.alloc(Bytes(draw(1 << 20, 96 << 20)), s, f).unwrap())
         .collect();
@@ -1390,13 +1394,7 @@ fn training_loop_fragmentation(scale: f64) -> f64 {
     let mut a = Allocator::new(AllocConfig::default(), ModelBacking::new());
     let f = AlwaysComplete;
     let s = StreamId(0);
-    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-    let mut draw = |lo: u64, hi: u64| {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        lo + seed % (hi - lo)
-    };
+    let mut draw = xorshift(0x2545_f491_4f6c_dd1d);
     let size = |mib_x16: u64| Bytes(((mib_x16 * Bytes::MIB / 16) as f64 * scale) as u64);
     let (mut live, mut peak) = (0u64, 0u64);
     let mut weights = Vec::new();
