@@ -601,12 +601,20 @@ impl<S: HandleSource> CachingAllocator<S> {
         self.core().retire_stream(stream, self.events.as_ref());
     }
 
-    /// Returns every idle byte to the daemon now (its reclaim request): the thread caches are
-    /// emptied into the core, which gives back every wholly free handle. Returns the bytes, once
-    /// the daemon has them (returns while allocating are not waited for; see
-    /// [`HandleSource::give`]).
+    /// Returns every idle byte to the daemon now (its reclaim request, or the program's own
+    /// empty-cache call): the thread caches are emptied into the core, the frees the device has
+    /// not yet passed are fenced and waited for (each stream's latest fence, bounded as
+    /// [`Fences::wait`] is), and the core gives back every wholly free handle. The wait holds no
+    /// lock: the program's other threads allocate and free meanwhile, and what they free after
+    /// the fences were taken stays for the next trim. Returns the bytes, once the daemon has them
+    /// (returns while allocating are not waited for; see [`HandleSource::give`]).
     pub fn trim(&self) -> Bytes {
         self.flush_caches();
+        let events = self.events.as_ref();
+        let behind = self.core().fences_before_trim(events);
+        for fence in behind {
+            events.wait(fence);
+        }
         let (trimmed, settle) = {
             let mut core = self.core();
             let trimmed = core.trim(self.events.as_ref());

@@ -606,6 +606,73 @@ fn a_trim_waiting_for_its_returns_holds_up_no_allocation() {
     });
 }
 
+/// Fences the device passes only once a wait for them is let through: a device running behind
+/// the program. Each wait says so on `waiting`, then holds until `gate` lets it go.
+struct Behind {
+    done: Arc<std::sync::Mutex<bool>>,
+    waiting: std::sync::Mutex<std::sync::mpsc::Sender<()>>,
+    gate: std::sync::Mutex<std::sync::mpsc::Receiver<()>>,
+}
+
+impl Fences for Behind {
+    fn is_complete(&self, _: Fence) -> bool {
+        *self.done.lock().unwrap()
+    }
+
+    fn record(&self, _: StreamId) -> Option<Fence> {
+        Some(Fence(1))
+    }
+
+    fn wait(&self, _: Fence) -> bool {
+        let _ = self.waiting.lock().unwrap().send(());
+        let passed = self.gate.lock().unwrap().recv().is_ok();
+        *self.done.lock().unwrap() |= passed;
+        passed
+    }
+}
+
+impl StreamEvents for Behind {
+    fn is_capturing(&self, _: StreamId) -> bool {
+        false
+    }
+}
+
+/// Memory freed on a stream whose work the device has not yet passed goes back on a trim: the
+/// trim waits for the stream's fence, and holds no lock of the allocator while it waits.
+#[test]
+fn a_trim_waits_for_frees_the_device_has_not_passed_holding_up_no_other_call() {
+    let (waiting, waited) = std::sync::mpsc::channel();
+    let (open, gate) = std::sync::mpsc::channel();
+    let events = Behind {
+        done: Arc::default(),
+        waiting: std::sync::Mutex::new(waiting),
+        gate: std::sync::Mutex::new(gate),
+    };
+    let (_, a) = allocator_with(Bytes::gib(1), Box::new(events));
+    let a = &a;
+    let s = StreamId(7);
+    let p = a.alloc(Bytes::mib(8), s).unwrap();
+    a.free(p, s).unwrap();
+    let held = a.stats().core.held;
+    std::thread::scope(|scope| {
+        let trimming = scope.spawn(|| a.trim());
+        let five = std::time::Duration::from_secs(5);
+        let asked = waited.recv_timeout(five);
+        let (done, answered) = std::sync::mpsc::channel();
+        scope.spawn(move || done.send(a.stats().core.held).unwrap());
+        let answered = answered.recv_timeout(five);
+        open.send(()).unwrap();
+        assert!(asked.is_ok(), "the trim did not wait for the free's fence");
+        assert_eq!(
+            answered,
+            Ok(held),
+            "the allocator was held while the trim waited"
+        );
+        assert!(trimming.join().unwrap() >= Bytes::mib(8));
+    });
+    assert_eq!(a.stats().core.held, Bytes::ZERO);
+}
+
 /// `Captures` that count the device synchronisations asked of them.
 #[derive(Clone, Default)]
 struct SyncCounting(Captures, Arc<AtomicU64>);

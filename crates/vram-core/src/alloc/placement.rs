@@ -7,7 +7,7 @@
 
 use super::backing::Backing;
 use super::heap::Heap;
-use super::stream::{Fences, StreamId};
+use super::stream::{Fence, Fences, StreamId};
 use super::{AllocError, Allocator};
 use crate::Bytes;
 
@@ -94,17 +94,27 @@ impl<B: Backing> Allocator<B> {
             return false;
         }
         let mut completed = false;
-        for (stream, fence) in self.fencing.pending.latest() {
-            // A stream none of whose free memory waits on its fences has nothing to give.
-            if self.heaps.iter().any(|(_, h)| h.free.fenced(stream)) {
-                completed |= fences.wait(fence);
-            }
+        for fence in self.fences_behind_free() {
+            completed |= fences.wait(fence);
         }
         if completed {
             self.stats.fence_waits += 1;
             self.poll(fences);
         }
         completed
+    }
+
+    /// The latest pending fence of each stream that has free memory behind one: waiting for these
+    /// lets every stream use, move or give back all the free memory that waits on fences now. A
+    /// stream none of whose free memory waits on its fences has nothing to give.
+    pub(super) fn fences_behind_free(&self) -> Vec<Fence> {
+        self.fencing
+            .pending
+            .latest()
+            .into_iter()
+            .filter(|&(stream, _)| self.heaps.iter().any(|(_, h)| h.free.fenced(stream)))
+            .map(|(_, fence)| fence)
+            .collect()
     }
 
     /// The start of a free region of heap `kind` where a block of `len` bytes fits for `stream`,

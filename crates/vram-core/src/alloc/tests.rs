@@ -794,6 +794,42 @@ fn a_growth_waits_only_for_streams_with_fenced_free_memory() {
     assert_eq!(a.stats().fence_waits, 1);
 }
 
+/// A trim gives back memory freed behind a pending fence once the fences `fences_before_trim`
+/// names (one a stream, only streams with free memory behind one) have completed.
+#[test]
+fn a_trim_after_the_named_fences_gives_back_memory_freed_behind_them() {
+    let mut a = Allocator::new(small_config(), ModelBacking::new());
+    let f = TestFences::default();
+    f.inner.borrow_mut().waitable = true;
+    let (one, two) = (StreamId(1), StreamId(2));
+    let x = a.alloc(Bytes::mib(16), one, &f).unwrap();
+    let y = a.alloc(Bytes::mib(16), one, &f).unwrap();
+    let z = a.alloc(Bytes::mib(2), two, &f).unwrap();
+    a.free_deferred(x.offset, one, &f).unwrap();
+    a.trim(&f);
+    a.free_deferred(y.offset, one, &f).unwrap();
+    a.free_deferred(z.offset, two, &f).unwrap();
+    let z2 = a.alloc(Bytes::mib(2), two, &f).unwrap();
+    assert_eq!(
+        z2.offset, z.offset,
+        "stream 2 took its free back: none of its memory waits"
+    );
+    let held = a.stats().held;
+    assert_eq!(
+        a.trim(&f),
+        Bytes::ZERO,
+        "every free handle waits on a fence"
+    );
+    let behind = a.fences_before_trim(&f);
+    assert_eq!(behind.len(), 1, "stream 1's latest fence alone: {behind:?}");
+    assert_eq!(f.recorded(1), 2);
+    assert!(f.wait(behind[0]));
+    assert_eq!(f.completed(1), 2, "its earlier fence completes with it");
+    let returned = a.trim(&f);
+    assert!(returned >= Bytes::mib(32), "{returned} given back");
+    assert_eq!(a.stats().held, held - returned);
+}
+
 /// An allocator with no growth slack (held may not run above the peak in use while growth takes
 /// new memory) holding a 1 GiB block, which gives it 16 MiB handles (`max_handle`), and a 16 MiB
 /// block beside it in a handle of its own; returns the allocator and that block.
