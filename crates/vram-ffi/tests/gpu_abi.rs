@@ -1,12 +1,13 @@
 //! libvram.so's allocator on a real GPU: a daemon on the cuda backend (in process, the one
 //! starter's thread mode), allocations
 //! from several threads on two streams, bytes written and read on the device, everything back with
-//! the daemon after a trim. Reported as ignored where the driver finds no GPU (`vram_testing`'s
+//! the daemon after a trim, a block freed behind work still queued on its stream included. Reported as ignored where the driver finds no GPU (`vram_testing`'s
 //! runner), unless `VRAMD_REQUIRE_GPU=1`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
+use cudarc::driver::sys::{self, CUresult};
 use vram_core::Bytes;
 use vram_device::cuda::CudaDevice;
 use vram_device::{ByteAccess, Device};
@@ -63,7 +64,18 @@ fn threads_allocate_write_and_free_on_the_gpu() {
             });
         }
     });
+    // A block freed behind queued work: the trim waits for it, and the block goes back too.
+    let queued = free_behind_queued_work(&copier);
+    let started = std::time::Instant::now();
     assert!(vram::vram_trim() >= 0, "{:?}", vram::last_error());
+    println!(
+        "MEASURED trim after a free behind queued work: {:?}",
+        started.elapsed()
+    );
+    assert!(
+        queued,
+        "the queued work was done before the free: nothing to wait for"
+    );
     let tenant = vram::tenant().unwrap();
     let stats = tenant.alloc.stats();
     println!("MEASURED gpu abi stats: {stats:?}");
@@ -81,6 +93,48 @@ fn threads_allocate_write_and_free_on_the_gpu() {
         "the daemon still counts memory for the tenant: {status}"
     );
     own.stop().unwrap();
+}
+
+/// Allocates 64 MiB on the per-thread stream, queues 4,000 fills of it there (256 GB of writes,
+/// about 100 ms of a Hopper card's time, far longer than queueing them takes) and frees it on that
+/// stream while they run, as a program frees a tensor its queued kernels still write. A trim right
+/// after must wait for that work (the stream's fence) to give the block's memory back. Returns
+/// whether the work was still running after the free (if not, the trim had nothing to wait for).
+fn free_behind_queued_work(dev: &CudaDevice) -> bool {
+    const SIZE: usize = 64 << 20;
+    let stream = PER_THREAD_STREAM as *mut c_void;
+    let p = vram::vram_alloc(SIZE as isize, 0, stream);
+    assert!(!p.is_null(), "{:?}", vram::last_error());
+    let ordinal = vram_device::cuda::probe()
+        .unwrap()
+        .iter()
+        .position(|d| d.uuid == dev.info().uuid)
+        .unwrap() as i32;
+    let (mut device, mut ctx) = (0, std::ptr::null_mut());
+    // SAFETY: the driver is loaded (the device is open); the out pointers are valid. The device
+    // already holds its primary context: retained once more and made current on this thread for
+    // the fills below.
+    unsafe {
+        assert_eq!(
+            sys::cuDeviceGet(&mut device, ordinal),
+            CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, device),
+            CUresult::CUDA_SUCCESS
+        );
+        assert_eq!(sys::cuCtxSetCurrent(ctx), CUresult::CUDA_SUCCESS);
+    }
+    for i in 0..4000u32 {
+        // SAFETY: `p` is a live 64 MiB block of this context, mapped read-write; the per-thread
+        // stream is valid in any context.
+        let r = unsafe { sys::cuMemsetD8Async(p as u64, i as u8, SIZE, stream as sys::CUstream) };
+        assert_eq!(r, CUresult::CUDA_SUCCESS, "fill {i}");
+    }
+    vram::vram_free(p, SIZE as isize, 0, stream);
+    // SAFETY: the stream is valid (above); the query takes no pointers.
+    let r = unsafe { sys::cuStreamQuery(stream as sys::CUstream) };
+    r == CUresult::CUDA_ERROR_NOT_READY
 }
 
 vram_testing::gpu_main! {
