@@ -7,15 +7,9 @@
 # JSON summary line. Results in $OUT/r/busy_release.log. Run from the repository root with .gpu
 # carried.
 set -u
-R=${OUT:?run on the device machine}/r
-mkdir -p "$R"
+. scripts/h200/lib.sh
 W=$(mktemp -d /tmp/vramd-busy.XXXXXX)
-S=$W/vramd.sock
-V=.gpu/bin/vramd
-printf 'capacity = "24 GiB"\n' > "$W/vramd.toml"
-"$V" serve --backend cuda --socket "$S" --config "$W/vramd.toml" --metrics off > "$R/busy_release_daemon.log" 2>&1 &
-D=$!
-for _ in $(seq 200); do [ -S "$S" ] && break; sleep 0.05; done
+daemon_up "$W"
 cat > "$W/busy.py" <<'PY'
 import json, time, torch
 import vramd_torch
@@ -47,8 +41,8 @@ end = held()
 print("RESULT " + json.dumps({"held_at_peak": at_peak, "held_after_25s": end,
                               "timeline": timeline}), flush=True)
 PY
-( time timeout 90 "$V" run --socket "$S" --tenant busy --torch-mode full -- python3 "$W/busy.py" ) > "$R/busy_release.log" 2>&1
-echo "busy_release exit $?"
+step busy_release 90 .gpu/bin/vramd run --socket "$S" --tenant busy --torch-mode full -- python3 "$W/busy.py"
 grep -a -E "held=|RESULT" "$R/busy_release.log" | tail -16
-kill "$D"; wait "$D" 2>/dev/null
+cp "$W/vramd.log" "$R/busy_release_daemon.log"
+daemon_down
 rm -rf "$W"
