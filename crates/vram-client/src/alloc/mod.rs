@@ -602,19 +602,30 @@ impl<S: HandleSource> CachingAllocator<S> {
     }
 
     /// Returns every idle byte to the daemon now (its reclaim request, or the program's own
-    /// empty-cache call): the thread caches are emptied into the core, the frees the device has
-    /// not yet passed are fenced and waited for (each stream's latest fence, bounded as
-    /// [`Fences::wait`] is), and the core gives back every wholly free handle. The wait holds no
-    /// lock: the program's other threads allocate and free meanwhile, and what they free after
-    /// the fences were taken stays for the next trim. Returns the bytes, once the daemon has them
-    /// (returns while allocating are not waited for; see [`HandleSource::give`]).
+    /// empty-cache call): the thread caches are emptied into the core, which gives back every
+    /// wholly free handle; then the frees the device has not yet passed are fenced and waited for
+    /// (each stream's latest fence, bounded as [`Fences::wait`] is), and what they covered goes
+    /// back too. What could go back at once goes first, so that a grant waiting on this reclaim
+    /// is not held up by the wait when that memory is enough for it. The wait holds no lock: the
+    /// program's other threads allocate and free meanwhile, and what they free after the fences
+    /// were taken stays for the next trim. Returns the bytes, once the daemon has them (returns
+    /// while allocating are not waited for; see [`HandleSource::give`]).
     pub fn trim(&self) -> Bytes {
         self.flush_caches();
         let events = self.events.as_ref();
+        let now = self.trim_core();
         let behind = self.core().fences_before_trim(events);
+        if behind.is_empty() {
+            return now;
+        }
         for fence in behind {
             events.wait(fence);
         }
+        now + self.trim_core()
+    }
+
+    /// The core's trim, its returns settled with the daemon outside the core's lock.
+    fn trim_core(&self) -> Bytes {
         let (trimmed, settle) = {
             let mut core = self.core();
             let trimmed = core.trim(self.events.as_ref());
