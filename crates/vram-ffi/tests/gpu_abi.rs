@@ -1,8 +1,8 @@
 //! libvram.so's allocator on a real GPU: a daemon on the cuda backend (in process, the one
-//! starter's thread mode), allocations
-//! from several threads on two streams, bytes written and read on the device, everything back with
-//! the daemon after a trim, a block freed behind work still queued on its stream included. Reported as ignored where the driver finds no GPU (`vram_testing`'s
-//! runner), unless `VRAMD_REQUIRE_GPU=1`.
+//! starter's thread mode), allocations from several threads on two streams, bytes written and
+//! read on the device, everything back with the daemon after a trim, a block freed behind work
+//! still queued on its stream included. Reported as ignored where the driver finds no GPU
+//! (`vram_testing`'s runner), unless `VRAMD_REQUIRE_GPU=1`.
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -95,11 +95,12 @@ fn threads_allocate_write_and_free_on_the_gpu() {
     own.stop().unwrap();
 }
 
-/// Allocates 64 MiB on the per-thread stream, queues 4,000 fills of it there (256 GB of writes,
-/// about 100 ms of a Hopper card's time, far longer than queueing them takes) and frees it on that
-/// stream while they run, as a program frees a tensor its queued kernels still write. A trim right
-/// after must wait for that work (the stream's fence) to give the block's memory back. Returns
-/// whether the work was still running after the free (if not, the trim had nothing to wait for).
+/// Allocates 64 MiB on the per-thread stream, queues 4,000 fills of it there (250 GiB of writes:
+/// tens of milliseconds at a Hopper card's bandwidth, far longer than queueing them takes) and
+/// frees it on that stream while they run, as a program frees a tensor its queued kernels still
+/// write. A trim right after must wait for that work (the stream's fence) to give the block's
+/// memory back. Returns whether the work was still running after the free (if not, the trim had
+/// nothing to wait for).
 fn free_behind_queued_work(dev: &CudaDevice) -> bool {
     const SIZE: usize = 64 << 20;
     let stream = PER_THREAD_STREAM as *mut c_void;

@@ -80,15 +80,15 @@ impl Heaps {
 impl<B: Backing> Allocator<B> {
     /// Before a growth: where fences are pending on streams with free memory behind them (frees
     /// whose queued work the device has not yet passed), waits for them and lets every stream use
-    /// what they cover. Memory behind a pending fence is usable at once only by its own stream
-    /// and only where it lies: it cannot be moved (a handle is unmapped only once no queued work
-    /// can touch it), merged with another stream's, or given back, so a growth that could have
-    /// moved it would take new memory instead. With the wait, a device running behind the program sees the growth
-    /// decisions of one that keeps pace, which is what a replay assumes; without it, every growth
-    /// while frees sit fenced takes new memory (several percent of a training's peak,
-    /// docs/benchmarks.md, "Frees the device has not passed"). The wait lasts until the device
-    /// has passed the work queued so far (or the `Fences`' bound), at most once per growth. True
-    /// if a pending fence completed in it.
+    /// what they cover. Memory behind a pending fence is usable at once only by its own stream and
+    /// only where it lies: it cannot be moved (a handle is unmapped only once no queued work can
+    /// touch it), merged with another stream's, or given back, so a growth that could have moved it
+    /// would take new memory instead. With the wait, a device running behind the program sees the
+    /// growth decisions of one that keeps pace, which is what a replay assumes; without it, every
+    /// growth while frees sit fenced takes new memory (several percent of a training's peak,
+    /// docs/benchmarks.md, "Frees the device has not passed"). The wait lasts until the device has
+    /// passed the work queued so far (or the `Fences`' bound), at most once per growth. True if a
+    /// pending fence completed in it.
     fn wait_for_fenced<F: Fences + ?Sized>(&mut self, fences: &F) -> bool {
         if self.fencing.pending.is_empty() {
             return false;
