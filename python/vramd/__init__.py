@@ -175,7 +175,9 @@ class Tenant(_Closes):
         return free.value, total.value
 
     def trim(self):
-        """Gives every idle byte back to the daemon now; returns the bytes."""
+        """Gives every idle byte back to the daemon now; returns the bytes. Memory freed on a
+        stream whose queued work the GPU has not finished goes back once it is done: the call
+        waits for that work, at most 500 ms a stream."""
         self._live()
         n = _lib.lib().vram_trim()
         _lib.check(n >= 0, "vram_trim")

@@ -91,5 +91,7 @@ def stats():
 
 
 def trim():
-    """Gives every idle byte back to the daemon now; returns the bytes."""
+    """Gives every idle byte back to the daemon now; returns the bytes. Memory freed on a
+    stream whose queued work the GPU has not finished goes back once it is done: the call waits
+    for that work, at most 500 ms a stream."""
     return _lib.trim()

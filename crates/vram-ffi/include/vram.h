@@ -89,7 +89,9 @@ uint32_t vram_abi_version(void);
 char *vram_stats_json(void);
 
 /* Gives every idle byte back to the daemon now; returns the bytes given back (0 in a process that
- * is no tenant, which this does not make one), or -1. */
+ * is no tenant, which this does not make one), or -1. Memory freed on a stream whose queued work
+ * the GPU has not yet finished goes back once that work is done: the call waits for it, at most
+ * 500 ms a stream, after giving back what was free at once. */
 long long vram_trim(void);
 
 void vram_string_free(char *s);
