@@ -614,7 +614,7 @@ impl<S: HandleSource> CachingAllocator<S> {
         self.flush_caches();
         let events = self.events.as_ref();
         let now = self.trim_core();
-        let behind = self.core().fences_before_trim(events);
+        let behind = self.core().fences_behind_free();
         if behind.is_empty() {
             return now;
         }

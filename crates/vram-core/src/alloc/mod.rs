@@ -340,23 +340,13 @@ impl<B: Backing> Allocator<B> {
         }
     }
 
-    /// Returns every wholly free handle now (the daemon's reclaim request). Memory whose fence is
-    /// still pending stays: a caller that would give it back too waits first for the fences of
-    /// [`Self::fences_before_trim`]. Returns the bytes given back.
+    /// Fences every stream's deferred frees and returns every wholly free handle now (the
+    /// daemon's reclaim request). Memory whose fence is still pending stays: a caller that would
+    /// give it back too waits for the fences [`Self::fences_behind_free`] names after this, then
+    /// trims again. Returns the bytes given back.
     pub fn trim<F: Fences + ?Sized>(&mut self, fences: &F) -> Bytes {
         self.seal(fences);
         self.poll(fences);
         Bytes(self.release_free(u64::MAX))
-    }
-
-    /// The fences to wait for before a [`Self::trim`] that should give back memory freed on a
-    /// stream whose queued work the device has not yet passed: fences every stream's unfenced
-    /// frees, then names the latest pending fence of each stream with free memory behind one.
-    /// The wait is the caller's, so that a threaded caller waits without holding the allocator
-    /// (`Fences::wait`, bounded on a device), and the trim after it gives back what they covered.
-    pub fn fences_before_trim<F: Fences + ?Sized>(&mut self, fences: &F) -> Vec<Fence> {
-        self.seal(fences);
-        self.poll(fences);
-        self.fences_behind_free()
     }
 }

@@ -105,9 +105,11 @@ impl<B: Backing> Allocator<B> {
     }
 
     /// The latest pending fence of each stream that has free memory behind one: waiting for these
-    /// lets every stream use, move or give back all the free memory that waits on fences now. A
-    /// stream none of whose free memory waits on its fences has nothing to give.
-    pub(super) fn fences_behind_free(&self) -> Vec<Fence> {
+    /// lets every stream use, move or give back all the free memory that waits on fences now (a
+    /// stream none of whose free memory waits on its fences has nothing to give). A growth waits
+    /// for them itself; after a [`Self::trim`], which fences every deferred free, they cover all
+    /// the memory it left, and a threaded caller waits for them without holding the allocator.
+    pub fn fences_behind_free(&self) -> Vec<Fence> {
         self.fencing
             .pending
             .latest()

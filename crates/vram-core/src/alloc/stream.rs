@@ -37,7 +37,7 @@ pub trait Fences {
     /// Waits until `fence` completes: true if it did. An implementation may bound the wait, or
     /// not wait at all (this default); the allocator then grows as it would have. The allocator
     /// waits only before a growth, for the latest pending fence of each stream that has free
-    /// memory behind it.
+    /// memory behind it; a trim's caller may wait for the same (`Allocator::fences_behind_free`).
     fn wait(&self, _fence: Fence) -> bool {
         false
     }

@@ -29,6 +29,13 @@ struct FenceBook {
 }
 
 impl TestFences {
+    /// Fences that complete when waited for (and when a test completes them).
+    fn waitable() -> TestFences {
+        let f = TestFences::default();
+        f.inner.borrow_mut().waitable = true;
+        f
+    }
+
     fn record_now(&self, stream: u64) -> Fence {
         let mut b = self.inner.borrow_mut();
         b.next += 1;
@@ -736,8 +743,7 @@ fn deferred_loop<F: Fences>(f: &F) -> (Bytes, BackingCounts) {
 #[test]
 fn growths_that_wait_for_fences_decide_as_if_the_device_kept_pace() {
     let paced = deferred_loop(&AlwaysComplete);
-    let behind = TestFences::default();
-    behind.inner.borrow_mut().waitable = true;
+    let behind = TestFences::waitable();
     assert_eq!(deferred_loop(&behind), paced);
     let (held, _) = deferred_loop(&TestFences::default());
     assert!(held > paced.0, "{held} against {}", paced.0);
@@ -776,8 +782,7 @@ fn a_busy_programs_memory_above_its_peak_goes_back_once_its_frees_are_fenced() {
 #[test]
 fn a_growth_waits_only_for_streams_with_fenced_free_memory() {
     let mut a = Allocator::new(small_config(), ModelBacking::new());
-    let f = TestFences::default();
-    f.inner.borrow_mut().waitable = true;
+    let f = TestFences::waitable();
     let (one, two) = (StreamId(1), StreamId(2));
     let x = a.alloc(Bytes::mib(8), one, &f).unwrap();
     let _pin = a.alloc(Bytes::mib(2), one, &f).unwrap();
@@ -794,13 +799,12 @@ fn a_growth_waits_only_for_streams_with_fenced_free_memory() {
     assert_eq!(a.stats().fence_waits, 1);
 }
 
-/// A trim gives back memory freed behind a pending fence once the fences `fences_before_trim`
-/// names (one a stream, only streams with free memory behind one) have completed.
+/// A trim gives back memory freed behind a pending fence once the fences `fences_behind_free`
+/// names after a trim (one a stream, only streams with free memory behind one) have completed.
 #[test]
 fn a_trim_after_the_named_fences_gives_back_memory_freed_behind_them() {
     let mut a = Allocator::new(small_config(), ModelBacking::new());
-    let f = TestFences::default();
-    f.inner.borrow_mut().waitable = true;
+    let f = TestFences::waitable();
     let (one, two) = (StreamId(1), StreamId(2));
     let x = a.alloc(Bytes::mib(16), one, &f).unwrap();
     let y = a.alloc(Bytes::mib(16), one, &f).unwrap();
@@ -820,7 +824,7 @@ fn a_trim_after_the_named_fences_gives_back_memory_freed_behind_them() {
         Bytes::ZERO,
         "every free handle waits on a fence"
     );
-    let behind = a.fences_before_trim(&f);
+    let behind = a.fences_behind_free();
     assert_eq!(behind.len(), 1, "stream 1's latest fence alone: {behind:?}");
     assert_eq!(f.recorded(1), 2);
     assert!(f.wait(behind[0]));
