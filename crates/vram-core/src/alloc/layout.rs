@@ -43,7 +43,7 @@ pub enum BlockState {
 /// The segments of `heap`, in address order.
 pub(super) fn segments(
     heap: &Heap,
-    live: &std::collections::HashMap<u64, Live>,
+    live: &rustc_hash::FxHashMap<u64, Live>,
     small: bool,
 ) -> Vec<Segment> {
     let mut runs: Vec<(u64, u64)> = Vec::new();
@@ -65,7 +65,7 @@ pub(super) fn segments(
 
 fn blocks_of(
     heap: &Heap,
-    live: &std::collections::HashMap<u64, Live>,
+    live: &rustc_hash::FxHashMap<u64, Live>,
     start: u64,
     end: u64,
 ) -> Vec<SegmentBlock> {

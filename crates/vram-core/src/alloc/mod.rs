@@ -42,7 +42,7 @@ mod stream;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 pub use backing::{Backing, BackingCounts, CallCost, GrantId, ModelBacking, Refused};
 pub use config::AllocConfig;
@@ -104,7 +104,10 @@ pub struct Allocator<B> {
     config: AllocConfig,
     backing: B,
     heaps: Heaps,
-    live: HashMap<u64, Live>,
+    /// The live blocks by offset, looked up at every allocation and free past the thread caches:
+    /// a fast hash without flood resistance, since the offsets are the allocator's own placements
+    /// and it runs in the process whose allocations it places.
+    live: FxHashMap<u64, Live>,
     /// The sequence number of the latest free.
     seq: Seq,
     stats: AllocStats,
@@ -126,7 +129,7 @@ impl<B: Backing> Allocator<B> {
         Self {
             heaps: Heaps::new(config.va_bytes.get(), gran),
             backing,
-            live: HashMap::new(),
+            live: FxHashMap::default(),
             seq: 0,
             stats: AllocStats::default(),
             fencing: Fencing::default(),
