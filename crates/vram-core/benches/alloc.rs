@@ -1,5 +1,6 @@
 //! The allocator's core algorithm on one thread, against `ModelBacking` (no driver, no locks):
-//! an alloc+free pair of a size already cached, and the replay of one real trace.
+//! an alloc+free pair of a size already cached, a program's deferred frees on one stream, and the
+//! replay of one real trace.
 //!
 //! `cargo bench -p vram-core --bench alloc`. The trace benchmark reads `VRAMD_TRACES`, else
 //! `shared/traces` beside the checkout, and is skipped with a message when neither holds it.
@@ -31,6 +32,30 @@ fn alloc_free_cached(c: &mut Criterion) {
         });
     }
     group.finish();
+}
+
+/// A program on one stream whose frees are deferred (fenced only when the allocator needs it, so
+/// no fence is recorded here): 64 blocks of 1-7 MiB, each freed and allocated again in turn.
+fn deferred_one_stream(c: &mut Criterion) {
+    let mut a = Allocator::new(AllocConfig::default(), ModelBacking::new());
+    let s = StreamId(7);
+    let sizes: Vec<Bytes> = (0..64u64)
+        .map(|i| Bytes::mib(1 + i % 7) + Bytes(i * 4096))
+        .collect();
+    let mut blocks: Vec<_> = sizes
+        .iter()
+        .map(|&size| a.alloc(size, s, &AlwaysComplete).unwrap())
+        .collect();
+    let mut i = 0u64;
+    c.bench_function("deferred_free_alloc/one_stream", |bench| {
+        bench.iter(|| {
+            let k = (i * 7919 % 64) as usize;
+            i += 1;
+            a.free_deferred(blocks[k].offset, s, &AlwaysComplete)
+                .unwrap();
+            blocks[k] = a.alloc(black_box(sizes[k]), s, &AlwaysComplete).unwrap();
+        })
+    });
 }
 
 fn traces_dir() -> Option<PathBuf> {
@@ -70,5 +95,10 @@ fn replay_trace(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, alloc_free_cached, replay_trace);
+criterion_group!(
+    benches,
+    alloc_free_cached,
+    deferred_one_stream,
+    replay_trace
+);
 criterion_main!(benches);

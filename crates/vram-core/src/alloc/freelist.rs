@@ -27,13 +27,14 @@ pub(crate) struct Region {
     pub seq: Seq,
 }
 
+/// The index holds one entry per region, whatever the number of frees: a program that frees on
+/// one stream and records no fence for a long time (the allocator fences such a program's frees
+/// only when it needs them) keeps its free memory in a few stream-owned regions, not in a record
+/// of every free.
 #[derive(Debug, Default)]
 pub(crate) struct FreeList {
     by_addr: BTreeMap<u64, Region>,
     by_size: BTreeSet<(Owner, u64, u64)>,
-    /// Regions that become `Any` when a stream's fence completes: stream -> seq -> starts. Entries
-    /// may be stale (the region moved or merged); they are checked when used.
-    waiting: BTreeMap<StreamId, BTreeMap<Seq, Vec<u64>>>,
 }
 
 impl FreeList {
@@ -152,24 +153,19 @@ impl FreeList {
         }
     }
 
-    /// Makes every region that `stream` freed up to `seq` usable by all streams.
+    /// Makes every region that `stream` freed up to `seq` usable by all streams. It looks through
+    /// the regions the stream owns, which are few: a region becomes every stream's once a fence
+    /// covering it completes, and a stream's neighbouring regions merge.
     pub(crate) fn complete(&mut self, stream: StreamId, seq: Seq) {
-        let Some(by_seq) = self.waiting.get_mut(&stream) else {
-            return;
-        };
-        let later = by_seq.split_off(&(seq + 1));
-        let done = std::mem::replace(by_seq, later);
-        if by_seq.is_empty() {
-            self.waiting.remove(&stream);
-        }
-        for start in done.into_values().flatten() {
-            match self.get(start) {
-                Some(r) if r.owner == Owner::Stream(stream) && r.seq <= seq => {
-                    self.unlink(start);
-                    self.insert(start, r.len, Owner::Any, 0);
-                }
-                _ => {}
-            }
+        let done: Vec<(u64, Region)> = self
+            .starts_of(stream)
+            .map(|start| (start, self.by_addr[&start]))
+            .filter(|(_, r)| r.seq <= seq)
+            .collect();
+        // Each becomes `Any` and joins the `Any` regions beside it, whichever comes first.
+        for (start, r) in done {
+            self.unlink(start);
+            self.insert(start, r.len, Owner::Any, 0);
         }
     }
 
@@ -188,19 +184,12 @@ impl FreeList {
             self.unlink(start);
             self.insert(start, r.len, Owner::Any, 0);
         }
-        if let Some(by_seq) = self.waiting.get_mut(&stream) {
-            by_seq.remove(&Seq::MAX);
-            if by_seq.is_empty() {
-                self.waiting.remove(&stream);
-            }
-        }
     }
 
     /// Gives every region of stream `from` to stream `to`, which owns none, with its sequence
     /// number: what `from` could reuse at once, or once its fences complete, is `to`'s now.
     pub(crate) fn rename(&mut self, from: StreamId, to: StreamId) {
         let starts: Vec<u64> = self.starts_of(from).collect();
-        self.waiting.remove(&from);
         for start in starts {
             let r = self.by_addr[&start];
             self.unlink(start);
@@ -225,10 +214,6 @@ impl FreeList {
     fn link(&mut self, start: u64, r: Region) {
         self.by_addr.insert(start, r);
         self.by_size.insert((r.owner, r.len, start));
-        if let Owner::Stream(s) = r.owner {
-            let starts = self.waiting.entry(s).or_default().entry(r.seq).or_default();
-            starts.push(start);
-        }
     }
 
     fn unlink(&mut self, start: u64) {
