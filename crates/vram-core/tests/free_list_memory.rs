@@ -1,25 +1,32 @@
 //! The allocator's own host memory stays bounded while a program frees on one stream with no
 //! fence recorded: such a program's frees are fenced only when the allocator needs them (before a
-//! growth, or when memory is due to go back), so a training in its steady state may free millions
+//! growth, on a trim, or when memory is due to go back), so a training in its steady state may free millions
 //! of times between two fences. Its books must hold one entry per free region, not one per free.
 //!
-//! Measured as the process's resident memory (Linux's `/proc/self/statm`); this file has one test,
-//! so nothing else runs in the process while it measures.
+//! Measured as the process's resident memory (`VmRSS` in Linux's `/proc/self/status`); this file
+//! has one test, so nothing else runs in the process while it measures.
 
 use vram_core::alloc::{AllocConfig, Allocator, AlwaysComplete, ModelBacking, StreamId};
 use vram_core::Bytes;
 
 /// The process's resident memory in bytes, or None where `/proc` does not tell it.
 fn resident() -> Option<u64> {
-    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
-    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
-    Some(pages * 4096)
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .strip_suffix("kB")?
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
 }
 
 #[test]
 fn deferred_frees_on_one_stream_keep_the_books_bounded() {
     let Some(start) = resident() else {
-        eprintln!("skipped: /proc/self/statm cannot be read here");
+        eprintln!("skipped: /proc/self/status gives no resident memory here");
         return;
     };
     let mut a = Allocator::new(AllocConfig::default(), ModelBacking::new());
