@@ -9,10 +9,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use rustc_hash::FxHashMap;
+
 use super::stream::{Seq, StreamId};
 
 /// Who may allocate from a free region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Owner {
     /// Every stream: the work that used it has completed.
     Any,
@@ -31,10 +33,25 @@ pub(crate) struct Region {
 /// one stream and records no fence for a long time (the allocator fences such a program's frees
 /// only when it needs them) keeps its free memory in a few stream-owned regions, not in a record
 /// of every free.
+///
+/// By size, each owner's regions are a set of their own, keyed by [`size_key`]: a best fit looks
+/// through every stream's set and its own stream's, and a stream that owns no region has no set.
 #[derive(Debug, Default)]
 pub(crate) struct FreeList {
     by_addr: BTreeMap<u64, Region>,
-    by_size: BTreeSet<(Owner, u64, u64)>,
+    any: BTreeSet<u128>,
+    streams: FxHashMap<StreamId, BTreeSet<u128>>,
+}
+
+/// A region's key in the by-size sets: ordered by length, then start (one integer compares faster
+/// than a tuple, on every lookup of the allocation path).
+fn size_key(len: u64, start: u64) -> u128 {
+    (u128::from(len) << 64) | u128::from(start)
+}
+
+/// `(len, start)` of a [`size_key`].
+fn from_key(key: u128) -> (u64, u64) {
+    ((key >> 64) as u64, key as u64)
 }
 
 impl FreeList {
@@ -65,9 +82,10 @@ impl FreeList {
 
     /// Regions owned by every stream with at least `min_len` bytes, as `(start, len)`.
     pub(crate) fn any_at_least(&self, min_len: u64) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.by_size
-            .range((Owner::Any, min_len, 0)..(Owner::Any, u64::MAX, u64::MAX))
-            .map(|&(_, len, start)| (start, len))
+        self.any.range(size_key(min_len, 0)..).map(|&k| {
+            let (len, start) = from_key(k);
+            (start, len)
+        })
     }
 
     /// Whether `stream` owns free regions that one of its fences would give every stream (not
@@ -79,16 +97,11 @@ impl FreeList {
 
     /// Start of the smallest region of at least `len` bytes that `stream` may use.
     pub(crate) fn best_fit(&self, len: u64, stream: StreamId) -> Option<u64> {
-        let first = |owner| {
-            self.by_size
-                .range((owner, len, 0)..=(owner, u64::MAX, u64::MAX))
-                .next()
-                .map(|&(_, l, s)| (l, s))
-        };
-        match (first(Owner::Any), first(Owner::Stream(stream))) {
-            (Some(a), Some(b)) => Some(a.min(b).1),
-            (a, b) => a.or(b).map(|(_, s)| s),
-        }
+        let first = |set: &BTreeSet<u128>| set.range(size_key(len, 0)..).next().copied();
+        let any = first(&self.any);
+        let own = self.streams.get(&stream).and_then(first);
+        // The smaller key: the shorter region, the lower start among equals.
+        any.into_iter().chain(own).min().map(|k| from_key(k).1)
     }
 
     /// Adds `[start, start + len)` and merges it with neighbours of the same owner. A region of a
@@ -205,15 +218,20 @@ impl FreeList {
 
     /// The starts of the regions `stream` owns.
     fn starts_of(&self, stream: StreamId) -> impl Iterator<Item = u64> + '_ {
-        let owner = Owner::Stream(stream);
-        self.by_size
-            .range((owner, 0, 0)..=(owner, u64::MAX, u64::MAX))
-            .map(|&(_, _, start)| start)
+        self.streams
+            .get(&stream)
+            .into_iter()
+            .flatten()
+            .map(|&k| from_key(k).1)
     }
 
     fn link(&mut self, start: u64, r: Region) {
         self.by_addr.insert(start, r);
-        self.by_size.insert((r.owner, r.len, start));
+        let key = size_key(r.len, start);
+        match r.owner {
+            Owner::Any => self.any.insert(key),
+            Owner::Stream(s) => self.streams.entry(s).or_default().insert(key),
+        };
     }
 
     fn unlink(&mut self, start: u64) {
@@ -221,6 +239,19 @@ impl FreeList {
             .by_addr
             .remove(&start)
             .expect("unlinking a missing region");
-        self.by_size.remove(&(r.owner, r.len, start));
+        let key = size_key(r.len, start);
+        match r.owner {
+            Owner::Any => {
+                self.any.remove(&key);
+            }
+            Owner::Stream(s) => {
+                if let Some(set) = self.streams.get_mut(&s) {
+                    set.remove(&key);
+                    if set.is_empty() {
+                        self.streams.remove(&s);
+                    }
+                }
+            }
+        }
     }
 }
