@@ -225,6 +225,38 @@ impl FreeList {
             .map(|&k| from_key(k).1)
     }
 
+    /// Checks that the by-size sets hold exactly the regions by address, each under its owner,
+    /// that no stream keeps an empty set, and that no two regions overlap.
+    #[cfg(test)]
+    pub(crate) fn check(&self) {
+        let mut end = 0;
+        for (&start, r) in &self.by_addr {
+            assert!(
+                start >= end,
+                "free region at {start:#x} overlaps the one before"
+            );
+            end = start + r.len;
+            let set = match r.owner {
+                Owner::Any => &self.any,
+                Owner::Stream(s) => &self.streams[&s],
+            };
+            assert!(
+                set.contains(&size_key(r.len, start)),
+                "{start:#x} {r:?} not by size"
+            );
+        }
+        assert!(
+            self.streams.values().all(|set| !set.is_empty()),
+            "a stream's set is empty"
+        );
+        let by_size = self.any.len() + self.streams.values().map(BTreeSet::len).sum::<usize>();
+        assert_eq!(
+            by_size,
+            self.by_addr.len(),
+            "by-size entries without a region"
+        );
+    }
+
     fn link(&mut self, start: u64, r: Region) {
         self.by_addr.insert(start, r);
         let key = size_key(r.len, start);

@@ -403,6 +403,9 @@ fn run_ops(ops: Vec<Op>, drawn: Drawn) {
             "the free memory by kind does not add up to what is held beyond the live blocks"
         );
         check_segments(&a, &live);
+        for (_, heap) in a.heaps.iter() {
+            heap.free.check();
+        }
     }
     for c in capturing {
         fences.set_capturing(c, false);
