@@ -1,9 +1,11 @@
 //! The allocator's core algorithm on one thread, against `ModelBacking` (no driver, no locks):
 //! an alloc+free pair of a size already cached, a program's deferred frees on one stream, and the
-//! replay of one real trace.
+//! replays of two real traces: a ResNet-50 training and a Llama-style transformers training, whose
+//! heap holds many more free regions.
 //!
-//! `cargo bench -p vram-core --bench alloc`. The trace benchmark reads `VRAMD_TRACES`, else
-//! `shared/traces` beside the checkout, and is skipped with a message when neither holds it.
+//! `cargo bench -p vram-core --bench alloc`. The ResNet-50 trace is read from `VRAMD_TRACES`, else
+//! `shared/traces` beside the checkout, and its benchmark is skipped with a message when neither
+//! holds it; the Llama-style trace is in the repository (`docs/results/`).
 
 use std::hint::black_box;
 use std::path::PathBuf;
@@ -15,6 +17,8 @@ use vram_core::trace::parse_snapshot;
 use vram_core::Bytes;
 
 const TRACE: &str = "resnet50_train";
+/// A Llama-style training recorded with transformers (`scripts/h200/record_traces.py`).
+const HF_TRACE: &str = "docs/results/2026-12-07-h100-hf-traces/hf_llama_train.pickle.gz";
 
 fn alloc_free_cached(c: &mut Criterion) {
     let mut group = c.benchmark_group("alloc_free_cached");
@@ -71,27 +75,32 @@ fn traces_dir() -> Option<PathBuf> {
 }
 
 fn replay_trace(c: &mut Criterion) {
-    let Some(dir) = traces_dir() else {
-        eprintln!("replay/{TRACE} skipped: no traces (set VRAMD_TRACES)");
-        return;
-    };
-    let bytes = std::fs::read(dir.join(format!("{TRACE}.pickle.gz"))).unwrap();
-    let trace = parse_snapshot(&bytes).unwrap();
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let mut traces = vec![("hf_llama_train", manifest.join("../..").join(HF_TRACE))];
+    match traces_dir() {
+        Some(dir) => traces.insert(0, (TRACE, dir.join(format!("{TRACE}.pickle.gz")))),
+        None => eprintln!("replay/{TRACE} skipped: no traces (set VRAMD_TRACES)"),
+    }
     let config = AllocConfig::default();
     let mut group = c.benchmark_group("replay");
     group.sample_size(10);
-    group.bench_function(TRACE, |bench| {
-        bench.iter(|| {
-            replay(
-                TRACE,
-                &trace,
-                &config,
-                &CostModel::H200_MEASURED,
-                &mut |_, _| {},
-            )
-            .unwrap()
-        })
-    });
+    for (name, path) in traces {
+        let bytes =
+            std::fs::read(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+        let trace = parse_snapshot(&bytes).unwrap();
+        group.bench_function(name, |bench| {
+            bench.iter(|| {
+                replay(
+                    name,
+                    &trace,
+                    &config,
+                    &CostModel::H200_MEASURED,
+                    &mut |_, _| {},
+                )
+                .unwrap()
+            })
+        });
+    }
     group.finish();
 }
 
