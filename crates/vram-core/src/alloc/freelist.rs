@@ -277,11 +277,13 @@ impl FreeList {
                 self.any.remove(&key);
             }
             Owner::Stream(s) => {
-                if let Some(set) = self.streams.get_mut(&s) {
-                    set.remove(&key);
-                    if set.is_empty() {
-                        self.streams.remove(&s);
-                    }
+                let set = self
+                    .streams
+                    .get_mut(&s)
+                    .expect("a stream's region without its set");
+                set.remove(&key);
+                if set.is_empty() {
+                    self.streams.remove(&s);
                 }
             }
         }
