@@ -27,6 +27,11 @@ const BACKOFF_MAX: Duration = Duration::from_secs(1);
 /// it to measure its devices.
 pub(crate) const RECONNECT_FOR: Duration = Duration::from_secs(120);
 
+/// How long closing a tenant waits for the daemon to release what it held (a daemon releases
+/// thousands of handles in well under a second); a daemon that does not answer costs a closing
+/// program no more than this.
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -238,11 +243,14 @@ impl Link {
     }
 
     /// The owner is done: no more reconnects; the reclaim worker ends with the connection.
+    /// Returns once the daemon has released what the tenant held (at most [`CLOSE_WAIT`]
+    /// later), so that a tenant started next (a Ray worker's next task) finds the memory back
+    /// and the name free.
     pub(crate) fn close(&self) {
         self.bye();
         self.closed.store(true, Ordering::Release);
         lock(&self.reclaim_tx).take();
-        self.transport().close();
+        self.transport().close_in_order(CLOSE_WAIT);
     }
 
     /// Replaces the dead transport `dead` with a new registration, retrying with backoff for

@@ -116,6 +116,29 @@ impl Transport {
         let _ = self.conn.stream().shutdown(std::net::Shutdown::Both);
     }
 
+    /// Ends the connection in order: this side stops sending, then waits, at most `limit`, for
+    /// the daemon to close its side, which it does once it has released everything the
+    /// connection held; so when this returns in time, a status report from anywhere no longer
+    /// lists what the connection held. Closed for good either way.
+    pub(crate) fn close_in_order(&self, limit: Duration) {
+        // A box no request uses: only the connection's end (`fail`) fills it.
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&self.mail).boxes.insert(id, None);
+        if !self.is_dead()
+            && self
+                .conn
+                .stream()
+                .shutdown(std::net::Shutdown::Write)
+                .is_ok()
+        {
+            self.in_flight.fetch_add(1, Ordering::AcqRel);
+            let _ = self.wait_reply(id, Some(Instant::now() + limit));
+            self.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+        lock(&self.mail).boxes.remove(&id);
+        self.close();
+    }
+
     /// Installs what runs when the connection is found lost (once; at once if it already is).
     pub(crate) fn on_lost(&self, f: Box<dyn FnOnce() + Send>) {
         *lock(&self.on_lost) = Some(f);

@@ -278,8 +278,9 @@ int vram_shared_wait(vram_shared_t *h, uint64_t than, uint32_t timeout_ms, uint6
  * run's); with any argument given, a tenant of its own, each argument NULL (or `gpu` -1) taking
  * what first use would (VRAMD_SOCKET, VRAMD_TENANT, VRAMD_CLASS, VRAMD_GUARANTEE, VRAMD_LIMIT,
  * VRAMD_GPU, then the defaults); sizes like "20GiB". It fails while the process is a tenant already. vram_disconnect ends the tenant: every
- * idle byte goes back, the daemon hears Bye and closes the registration, and the process is no
- * tenant until vram_connect or the next call that needs one (which connects as at first use).
+ * idle byte goes back, the daemon hears Bye and closes the registration (the call returns once
+ * the daemon has released what the tenant held, or after 5 s if it does not answer), and the
+ * process is no tenant until vram_connect or the next call that needs one (which connects as at first use).
  * It refuses while memory from the tenant is in use (allocated and not freed, charged) or a
  * vram_shared_t is open, naming what is left; shared buffers the tenant owns end with it, as at
  * its exit, and so does the charge of cuMemCreate memory it exported and let go (no reference

@@ -1,15 +1,49 @@
-//! How a tenant's end is logged: one that said `Bye` finished (INFO, with what it held then); one
-//! that did not crashed (WARN `crash reclaim`, with what came back and, when the daemon can still
-//! read it, the signal that ended the process).
+//! How a tenant ends and how its end is logged: one that said `Bye` finished (INFO, with what it
+//! held then); one that did not crashed (WARN `crash reclaim`, with what came back and, when the
+//! daemon can still read it, the signal that ended the process). A client's close returns once the
+//! daemon has released what the tenant held.
 
 mod common;
 
 use std::os::unix::net::UnixStream;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::{wait_until, Daemon};
+use vram_client::{Client, Observer, TenantOptions};
 use vram_core::Bytes;
 use vram_proto::{Conn, Hello, Reply, Request, Role};
+
+#[test]
+fn what_a_closed_client_held_is_back_when_its_close_returns() {
+    let d = Daemon::start("capacity = \"1 GiB\"\nmetrics = \"off\"\n");
+    let observer = Observer::connect(Some(&d.socket)).unwrap();
+    for round in 0..30 {
+        let client = Client::connect(Some(&d.socket), &TenantOptions::named("closer")).unwrap();
+        let grants = client.grant_many(&[Bytes::mib(2); 4]).unwrap();
+        let started = Instant::now();
+        client.close();
+        let took = started.elapsed();
+        // The grants' handles are this process's to drop; the daemon's books are what count.
+        drop(grants);
+        let status = observer.status().unwrap();
+        let names: Vec<_> = status.tenants.iter().map(|t| t.name.as_str()).collect();
+        assert!(
+            !names.contains(&"closer"),
+            "round {round}: still listed: {names:?}"
+        );
+        let held: u64 = status.devices.iter().map(|dev| dev.held.get()).sum();
+        assert_eq!(
+            held, 0,
+            "round {round}: the daemon still holds {held} B for tenants"
+        );
+        // The daemon answered: the close did not run out its wait.
+        assert!(
+            took < Duration::from_secs(4),
+            "round {round}: close took {took:?}"
+        );
+    }
+    d.stop();
+}
 
 fn tenant_conn(d: &Daemon, name: &str) -> Conn {
     let stream = UnixStream::connect(&d.socket).unwrap();

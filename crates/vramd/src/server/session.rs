@@ -83,7 +83,11 @@ pub fn run(daemon: Arc<Daemon>, conn_id: u64, peer: Arc<Peer>) {
             "serving the connection panicked: it is closed and its tenant's memory reclaimed"
         );
     }
+    let peer = session.peer.clone();
     session.finish();
+    // The peer hears the end only now, with what the connection held released: a client that
+    // closes waits for this, so that what it held is back when its close returns.
+    let _ = peer.conn.stream().shutdown(std::net::Shutdown::Both);
 }
 
 impl Session {
