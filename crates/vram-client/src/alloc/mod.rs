@@ -549,7 +549,10 @@ impl<S: HandleSource> CachingAllocator<S> {
         if offset >= self.va {
             return Err(FreeError::Unknown(ptr));
         }
-        let (len, pooled) = self.live.mark_cached(offset, ptr)?;
+        // A larger block of the live table's map leaves it as the free is checked (one lock,
+        // not two): it goes to the core.
+        let freed = self.live.check_free(offset, ptr, CACHE_LIMIT)?;
+        let (len, pooled) = (freed.len, freed.fate.pooled());
         // A block freed while its stream is captured skips the cache: the graph's replays may
         // use it, so it must reach the core fenced as its stream is now. (Where captures are
         // not announced, that costs a driver query per free.) So does a private pool's block,
@@ -563,7 +566,9 @@ impl<S: HandleSource> CachingAllocator<S> {
             return Ok(Bytes(len));
         }
         self.timed(|| {
-            self.live.remove(offset);
+            if !freed.fate.removed() {
+                self.live.remove(offset);
+            }
             self.free_to_core(offset, stream, self.events.at_free(stream), pooled);
         });
         Ok(Bytes(len))
