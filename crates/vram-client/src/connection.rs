@@ -120,8 +120,9 @@ impl Client {
     }
 
     /// Ends the registration now, whoever else shares this client: says `Bye` and closes the
-    /// connection, so the daemon takes back everything the tenant held; calls made through the
-    /// client afterwards fail. Dropping the last handle does the same.
+    /// connection, so the daemon takes back everything the tenant held, and returns once it has
+    /// (or after 5 s of a daemon that does not answer); calls made through the client afterwards
+    /// fail. Dropping the last handle does the same.
     pub fn close(&self) {
         self.link.close();
     }
