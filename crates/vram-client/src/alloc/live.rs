@@ -97,48 +97,6 @@ impl SmallTable {
     }
 }
 
-/// A free that [`LiveTable::check_free`] let through.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) struct Freed {
-    pub len: u64,
-    pub fate: Fate,
-}
-
-/// Where a freed block now is in the table, and whether it came from a private pool: one byte,
-/// so that the caller reads it back whole (two flags stored apart and read as one word would
-/// stall the free's fast path on the store buffer).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub(super) enum Fate {
-    /// Marked idle: a thread cache may keep it, or [`LiveTable::remove`] takes it out.
-    Idle,
-    /// Marked idle, from a private pool.
-    IdlePooled,
-    /// Out of the map already: its free goes to the core.
-    Removed,
-    /// Out of the map already, from a private pool.
-    RemovedPooled,
-}
-
-impl Fate {
-    fn of(pooled: bool, removed: bool) -> Fate {
-        match (pooled, removed) {
-            (false, false) => Fate::Idle,
-            (true, false) => Fate::IdlePooled,
-            (false, true) => Fate::Removed,
-            (true, true) => Fate::RemovedPooled,
-        }
-    }
-
-    pub(super) fn pooled(self) -> bool {
-        matches!(self, Fate::IdlePooled | Fate::RemovedPooled)
-    }
-
-    pub(super) fn removed(self) -> bool {
-        matches!(self, Fate::Removed | Fate::RemovedPooled)
-    }
-}
-
 pub(super) struct LiveTable {
     small: Option<SmallTable>,
     shards: Box<[Shard]>,
@@ -205,19 +163,20 @@ impl LiveTable {
     #[cfg(test)]
     pub(super) fn mark_cached(&self, offset: u64, ptr: u64) -> Result<(u64, bool), FreeError> {
         self.check_free(offset, ptr, u64::MAX)
-            .map(|f| (f.len, f.fate.pooled()))
     }
 
-    /// Checks a free and marks the block idle. A block of the map that no thread cache may keep
-    /// (longer than `cache_limit`, or from a private pool) leaves the map instead, under the
-    /// same lock: its free goes to the core. A block of the small table is marked idle whatever
-    /// its length (one compare-and-swap, the fast path's).
+    /// Checks a free; returns the block's length and whether it came from a private pool. A
+    /// block that a thread cache may keep (at most `cache_limit` long, not pooled) is marked
+    /// idle; any other leaves the table in the same step (the slot's one compare-and-swap, or
+    /// under the map's lock), since its free goes to the core: the caller knows which from the
+    /// two figures returned.
     pub(super) fn check_free(
         &self,
         offset: u64,
         ptr: u64,
         cache_limit: u64,
-    ) -> Result<Freed, FreeError> {
+    ) -> Result<(u64, bool), FreeError> {
+        let leaves = |len: u64, pooled: bool| pooled || len > cache_limit;
         if let Some((t, slot)) = self.small_slot(offset, false) {
             let mut word = slot.load(Ordering::Acquire);
             loop {
@@ -227,33 +186,20 @@ impl LiveTable {
                     // Not in the table: a block too long for a slot lives in the map.
                     _ => break,
                 }
-                // Two threads freeing one block at once: exactly one wins, the other sees CACHED.
-                match slot.compare_exchange_weak(
-                    word,
-                    word & !STATE | CACHED,
-                    Ordering::AcqRel,
-                    Ordering::Acquire,
-                ) {
-                    Ok(_) => {
-                        return Ok(Freed {
-                            len: t.len(word),
-                            fate: Fate::of(word & STATE == POOLED, false),
-                        })
-                    }
+                let (len, pooled) = (t.len(word), word & STATE == POOLED);
+                let next = if leaves(len, pooled) {
+                    0
+                } else {
+                    word & !STATE | CACHED
+                };
+                // Two threads freeing one block at once: exactly one wins, the other sees CACHED
+                // (or no block).
+                match slot.compare_exchange_weak(word, next, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return Ok((len, pooled)),
                     Err(now) => word = now,
                 }
             }
         }
-        self.check_free_in_map(offset, ptr, cache_limit)
-    }
-
-    #[inline(never)]
-    fn check_free_in_map(
-        &self,
-        offset: u64,
-        ptr: u64,
-        cache_limit: u64,
-    ) -> Result<Freed, FreeError> {
         let mut s = self.shard(offset);
         let Some(e) = s.get_mut(&offset) else {
             return Err(FreeError::Unknown(ptr));
@@ -262,16 +208,12 @@ impl LiveTable {
             return Err(FreeError::DoubleFree(ptr));
         }
         let (len, pooled) = (e.len, e.pooled);
-        let removed = pooled || len > cache_limit;
-        if removed {
+        if leaves(len, pooled) {
             s.remove(&offset);
         } else {
             e.cached = true;
         }
-        Ok(Freed {
-            len,
-            fate: Fate::of(pooled, removed),
-        })
+        Ok((len, pooled))
     }
 
     pub(super) fn remove(&self, offset: u64) {
@@ -342,47 +284,33 @@ mod tests {
     #[test]
     fn a_pooled_block_says_so_at_its_free_in_the_table_and_in_the_map() {
         let t = table();
-        // A pooled block of the map goes to its pool: out of the map at its free.
-        let twice = [FreeError::DoubleFree(3), FreeError::Unknown(3)];
-        for ((off, len), again) in [((1 << 30) + 8192, 1024), (4096, 64 << 20)]
-            .into_iter()
-            .zip(twice)
-        {
+        for (off, len) in [((1 << 30) + 8192, 1024), (4096, 64 << 20)] {
             t.insert(off, len, true);
             assert_eq!(t.len_of(off), Some(len));
+            // It goes back to its pool: out of the table at its free.
             assert_eq!(t.mark_cached(off, 3), Ok((len, true)));
-            assert_eq!(t.mark_cached(off, 3), Err(again));
-            t.remove(off);
             assert_eq!(t.len_of(off), None);
+            assert_eq!(t.mark_cached(off, 3), Err(FreeError::Unknown(3)));
         }
     }
 
     #[test]
-    fn a_free_that_skips_the_caches_takes_the_block_out_of_the_map() {
+    fn a_free_that_skips_the_caches_takes_the_block_out_of_the_table_and_the_map() {
         let t = table();
-        let never = 0;
-        for (off, len, removed) in [((1 << 30) + 8192, 1024, false), (4096, 64 << 20, true)] {
+        for (off, len) in [((1 << 30) + 8192, 1024), (4096, 64 << 20)] {
             t.insert(off, len, false);
-            let freed = t.check_free(off, 5, never);
-            assert_eq!(
-                freed,
-                Ok(Freed {
-                    len,
-                    fate: Fate::of(false, removed)
-                })
-            );
-            // A block of the small table is marked idle; the caller takes it out.
-            if !removed {
-                assert!(t.is_cached(off));
-                t.remove(off);
-            }
+            assert_eq!(t.check_free(off, 5, 512), Ok((len, false)));
             assert_eq!(t.len_of(off), None);
             assert!(!t.is_cached(off));
-            assert_eq!(t.check_free(off, 5, never), Err(FreeError::Unknown(5)));
-            // The same start allocated again is live again.
+            assert_eq!(t.check_free(off, 5, 512), Err(FreeError::Unknown(5)));
+            // The same start allocated again is live again, and a free within the limit marks
+            // it idle.
             t.insert(off, len, false);
             assert_eq!(t.len_of(off), Some(len));
-            assert_eq!(t.mark_cached(off, 5), Ok((len, false)));
+            assert_eq!(t.check_free(off, 5, len), Ok((len, false)));
+            assert!(t.is_cached(off));
+            assert_eq!(t.check_free(off, 5, len), Err(FreeError::DoubleFree(5)));
+            t.remove(off);
         }
     }
 

@@ -549,16 +549,15 @@ impl<S: HandleSource> CachingAllocator<S> {
         if offset >= self.va {
             return Err(FreeError::Unknown(ptr));
         }
-        // A larger block of the live table's map leaves it as the free is checked (one lock,
+        // A block no thread cache keeps leaves the live table as its free is checked (one step,
         // not two): it goes to the core.
-        let freed = self.live.check_free(offset, ptr, CACHE_LIMIT)?;
-        let (len, pooled) = (freed.len, freed.fate.pooled());
+        let (len, pooled) = self.live.check_free(offset, ptr, CACHE_LIMIT)?;
+        let left_table = pooled || len > CACHE_LIMIT;
         // A block freed while its stream is captured skips the cache: the graph's replays may
         // use it, so it must reach the core fenced as its stream is now. (Where captures are
         // not announced, that costs a driver query per free.) So does a private pool's block,
         // which goes back to its pool.
-        if !pooled
-            && len <= CACHE_LIMIT
+        if !left_table
             && !is_per_thread(stream)
             && (self.events.none_capturing() || !self.events.is_capturing(stream))
             && self.caches.push(self.id, offset, len, stream)
@@ -566,7 +565,7 @@ impl<S: HandleSource> CachingAllocator<S> {
             return Ok(Bytes(len));
         }
         self.timed(|| {
-            if !freed.fate.removed() {
+            if !left_table {
                 self.live.remove(offset);
             }
             self.free_to_core(offset, stream, self.events.at_free(stream), pooled);
